@@ -1,0 +1,227 @@
+"""Events: everything that can happen to the coordinator, as small immutable values.
+
+Theory of operation
+-------------------
+The service shell decodes a wire frame (or notices time passing, a failed send, an
+agent's report) and turns it into exactly one of these events; ``step(state, event)``
+is the only thing that consumes them. Every event carries ``now`` (seconds, float,
+monotonic in the service): the core never reads a clock, so a journal of events
+replays to the same state bit for bit.
+
+Events hold only plain values (ints, floats, str, bytes, tuples) so that
+``to_record``/``from_record`` can journal them as JSON and ``repr`` is valid Python
+(a failing hypothesis run prints a paste-able regression).
+
+Don't subclass these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
+
+__all__ = [
+    "Event",
+    "Tick",
+    "RankHello",
+    "BatchDone",
+    "SyncAcked",
+    "ChunkDone",
+    "RankExiting",
+    "HeartbeatSeen",
+    "EvalDone",
+    "CheckpointDone",
+    "IntentRaised",
+    "RankExitReported",
+    "SendFailed",
+    "StopRequested",
+    "EVENT_TYPES",
+    "to_record",
+    "from_record",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    now: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tick(Event):
+    """Time passed. The shell feeds one at least every ``tick_interval_s``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankHello(Event):
+    """A rank asks to join. ``route`` is the ZeroMQ identity stack it arrived on."""
+
+    route: tuple[bytes, ...]
+    rank: int
+    world_size: int
+    model_sig: bytes
+    dataset_len: int
+    host: str = ""
+    pid: int = 0
+    incarnation: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchDone(Event):
+    """One optimizer step on a rank, trained on positions [offset, offset+samples) of epoch."""
+
+    rank: int
+    batch_ms: float
+    data_ms: float
+    step_count: int
+    loss: float
+    samples: int
+    epoch: int
+    offset: int
+    lr: float = 0.0
+    sync_divergence: Optional[float] = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncAcked(Event):
+    """A rank applied the consensus of ``cycle``; its steps up to ``step_count`` are folded in."""
+
+    rank: int
+    cycle: int
+    step_count: int
+    divergence: Optional[float] = None
+    pre_norm: Optional[float] = None
+    post_norm: Optional[float] = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkDone(Event):
+    """A rank finished one plan (a whole partition under Sync, one chunk when progressive)."""
+
+    rank: int
+    epoch: int
+    chunk_seq: int
+    batches: int
+    samples: int
+    avg_loss: float
+    epoch_ms: float
+    share_complete_ms: float = 0.0
+    compute_only_ms: float = 0.0
+    data_starve_ms: float = 0.0
+    scalars: tuple[tuple[str, float, int], ...] = ()  # (name, sum, count)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankExiting(Event):
+    """Clean completion: the rank leaves after Shutdown. Not a death."""
+
+    rank: int
+    param_digest: str = ""  # hex sha256 of its final parameters
+    steps: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeartbeatSeen(Event):
+    rank: int
+    step_count: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvalDone(Event):
+    rank: int
+    schedule_id: int
+    epoch: int
+    metric: float
+    elapsed_ms: float = 0.0
+    error: Optional[str] = None
+    final: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointDone(Event):
+    rank: int
+    version: int
+    elapsed_ms: float = 0.0
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntentRaised(Event):
+    rank: int
+    kind: str  # "eval" | "checkpoint"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankExitReported(Event):
+    """The host agent saw the rank's process end (``code`` < 0: killed by that signal)."""
+
+    rank: int
+    code: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendFailed(Event):
+    """The shell could not deliver a command to ``rank`` (ROUTER_MANDATORY: peer unroutable)."""
+
+    rank: int
+    what: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopRequested(Event):
+    """The operator asked the service to stop (SIGTERM)."""
+
+    reason: str = "stop requested"
+
+
+EVENT_TYPES = {
+    cls.__name__: cls
+    for cls in (
+        Tick,
+        RankHello,
+        BatchDone,
+        SyncAcked,
+        ChunkDone,
+        RankExiting,
+        HeartbeatSeen,
+        EvalDone,
+        CheckpointDone,
+        IntentRaised,
+        RankExitReported,
+        SendFailed,
+        StopRequested,
+    )
+}
+
+
+def to_record(ev: Event) -> dict:
+    """JSON-safe dict: bytes become hex strings, tuples become lists."""
+    rec = {"type": type(ev).__name__}
+    for k, v in asdict(ev).items():
+        if isinstance(v, bytes):
+            v = {"hex": v.hex()}
+        elif k == "route":
+            v = [{"hex": b.hex()} for b in v]
+        rec[k] = v
+    return rec
+
+
+def from_record(rec: dict) -> Event:
+    """Inverse of ``to_record``; raises ValueError naming the defect."""
+    rec = dict(rec)
+    name = rec.pop("type", None)
+    cls = EVENT_TYPES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown event type {name!r}")
+    kw = {}
+    names = {f.name for f in fields(cls)}
+    for k, v in rec.items():
+        if k not in names:
+            raise ValueError(f"{name}: unknown field {k!r}")
+        if isinstance(v, dict) and "hex" in v:
+            v = bytes.fromhex(v["hex"])
+        elif k == "route":
+            v = tuple(bytes.fromhex(x["hex"]) for x in v)
+        elif k == "scalars":
+            v = tuple(tuple(x) for x in v)
+        kw[k] = v
+    return cls(**kw)

@@ -1,0 +1,55 @@
+"""flodl.wire: the protocol as data.
+
+Generated protobuf types (``pb``), multipart framing with version/session/sequence
+checks, and tensor frames for the bus data plane. No sockets here: callers hand us
+lists of frames and get lists of frames back.
+"""
+
+from . import flodl_pb2 as pb
+from ._codec import (
+    DELIMITER,
+    MAX_BLOBS,
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    Decoded,
+    Endpoint,
+    SeqTracker,
+    decode,
+    sender_key,
+    split_routing,
+)
+from ._errors import (
+    BadTensor,
+    MalformedFrame,
+    OutOfSequence,
+    RouteMismatch,
+    VersionMismatch,
+    WireError,
+    WrongSession,
+)
+from ._tensors import bf16_to_f32, f32_to_bf16, pack_round, unpack_round
+
+__all__ = [
+    "pb",
+    "PROTOCOL_MAJOR",
+    "PROTOCOL_MINOR",
+    "DELIMITER",
+    "MAX_BLOBS",
+    "Decoded",
+    "Endpoint",
+    "SeqTracker",
+    "decode",
+    "sender_key",
+    "split_routing",
+    "WireError",
+    "MalformedFrame",
+    "VersionMismatch",
+    "WrongSession",
+    "OutOfSequence",
+    "RouteMismatch",
+    "BadTensor",
+    "pack_round",
+    "unpack_round",
+    "f32_to_bf16",
+    "bf16_to_f32",
+]
