@@ -1,0 +1,103 @@
+"""``flodl-coordinator``: serve a run, or replay a journal.
+
+    flodl-coordinator serve --world-size 3 --bind tcp://0.0.0.0:5555 [--config run.toml]
+    flodl-coordinator replay run.journal
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .settings import Settings, SettingsError, load_settings
+
+__all__ = ["main"]
+
+_RUN_FLAGS = {
+    "world_size": (int, "number of ranks in the world (required)"),
+    "batch_size": (int, "samples per step on every rank (default 32)"),
+    "epochs": (int, "epochs to train (default 10)"),
+    "seed": (int, "shuffle and init seed (default 42)"),
+    "policy": (str, "averaging policy: sync | cadence | async"),
+    "plane": (str, "averaging data plane: bus | collective"),
+    "gamma": (float, "contribution mass exponent: weight = steps**gamma (default 1)"),
+    "total_samples": (int, "samples per epoch; 0 = the cohort's dataset length"),
+    "heartbeat_interval_s": (float, "coordinator beacon / rank heartbeat interval (default 1)"),
+    "liveness_timeout_s": (float, "silence after which a rank is declared dead (default 10)"),
+    "reduce_stall_s": (float, "an averaging round pending this long ends the run (default 300)"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flodl-coordinator", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the coordinator service for one training run")
+    s.add_argument("--config", help="TOML file (top-level keys or a [coordinator] table)")
+    s.add_argument("--bind", help="ZeroMQ endpoint to bind (default tcp://127.0.0.1:5555; port 0 = any)")
+    s.add_argument("--session", help="run id every peer must name (default 'flodl')")
+    s.add_argument("--journal", help="append every decoded event to this JSON-lines file")
+    s.add_argument("--summary", help="write the run summary JSON here at the end")
+    s.add_argument("--http", help="serve /status and /metrics on host:port")
+    s.add_argument("--log-level", default="INFO")
+    for name, (typ, help_) in _RUN_FLAGS.items():
+        s.add_argument("--" + name.replace("_", "-"), type=typ, help=help_)
+    s.add_argument("--bf16-wire", action="store_const", const=True, help="bf16 tensors on the bus")
+    s.add_argument("--no-final-eval", dest="final_eval", action="store_const", const=False)
+    r = sub.add_parser("replay", help="rebuild the core state from a journal and print its summary")
+    r.add_argument("journal")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "replay":
+        return _replay(args.journal)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    flags = {k: getattr(args, k) for k in list(_RUN_FLAGS) + ["bind", "session", "journal", "summary", "http"]}
+    flags["bf16_wire"] = args.bf16_wire
+    flags["final_eval"] = args.final_eval
+    try:
+        settings = load_settings(config_path=args.config, flags=flags)
+    except SettingsError as e:
+        print(f"flodl-coordinator: {e}", file=sys.stderr)
+        return 2
+    from .service import CoordinatorService  # zmq import only when serving
+
+    return CoordinatorService(settings).run()
+
+
+def _replay(path: str) -> int:
+    from flodl.core import from_record, initial_state, step
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = [json.loads(line) for line in fh if line.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"flodl-coordinator: cannot read journal {path}: {e}", file=sys.stderr)
+        return 2
+    if not lines or lines[0].get("type") != "_start":
+        print(f"flodl-coordinator: {path} does not start with a _start record", file=sys.stderr)
+        return 2
+    settings = Settings(**lines[0]["settings"])
+    state = initial_state(settings.core_config())
+    finished = None
+    for rec in lines[1:]:
+        state, cmds = step(state, from_record(rec))
+        for c in cmds:
+            if type(c).__name__ == "RunFinished":
+                finished = c
+    out = {"events": len(lines) - 1, "finished": finished is not None}
+    if finished is not None:
+        out.update(ok=finished.ok, reason=finished.reason, summary=finished.summary)
+    print(json.dumps(out, indent=2, sort_keys=True, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

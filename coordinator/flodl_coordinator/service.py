@@ -1,0 +1,385 @@
+"""The coordinator service: one ROUTER socket, one loop, the core in the middle.
+
+Theory of operation
+-------------------
+One thread owns every socket. Each pass polls the ROUTER and a signal wake-up fd with
+a timeout equal to the time left until the next tick, then:
+
+1. drains what arrived: split route | envelope | blobs, decode (version, session,
+   sequence), check the route owns the rank it claims, and translate into one core
+   event — or drop the frame, count it under its reason and log it once per peer;
+2. journals the event (JSON lines) and runs ``step(state, event)``;
+3. executes the commands in order: ``Send`` encodes a Control for the rank's route
+   (ROUTER_MANDATORY: an unroutable peer raises, and the core hears ``SendFailed``),
+   ``OpenRound``/``ForgetRank`` drive the bus reducer, ``RunFinished`` ends the loop;
+4. feeds a ``Tick`` whenever one is due, whether or not traffic arrived (timers that
+   only run on traffic stop exactly when they are needed).
+
+Data-plane ``round`` frames go to the reducer, not the core: tensors are never
+journaled. The reducer's completed consensus is sent straight back to contributors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections import Counter, deque
+from typing import Callable
+
+import zmq
+
+from flodl.core import (
+    ForgetRank,
+    Notice,
+    OpenRound,
+    RankExitReported,
+    Reply,
+    RunFinished,
+    Send,
+    SendFailed,
+    StopRequested,
+    Tick,
+    initial_state,
+    step,
+    to_record,
+)
+from flodl.wire import (
+    Endpoint,
+    MalformedFrame,
+    RouteMismatch,
+    SeqTracker,
+    VersionMismatch,
+    WireError,
+    decode,
+    pb,
+    split_routing,
+)
+
+from .reducer import BusReducer, RoundRefused
+from .settings import Settings
+from .status import StatusBoard
+from .translate import hello_event, metrics_event, timing_event
+
+__all__ = ["CoordinatorService"]
+
+log = logging.getLogger("flodl.coordinator")
+decisions = logging.getLogger("flodl.decisions")
+
+# High-water marks, in messages. Control frames are small and a rank sends one per
+# step: 10k messages is minutes of backlog for a stuck peer before we refuse to queue
+# more (EAGAIN -> SendFailed), instead of growing without bound.
+SNDHWM = 10_000
+RCVHWM = 10_000
+# On close, give queued Shutdown/consensus frames this long to leave (ms).
+LINGER_MS = 2_000
+# How many frames one pass drains before it runs timers again (fairness bound).
+DRAIN_BATCH = 256
+
+
+class CoordinatorService:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        ready: Callable[[str], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self._ready = ready or (lambda ep: print(f"COORDINATOR_READY {ep}", flush=True))
+        self.config = settings.core_config()
+        self.state = initial_state(self.config)
+        self.endpoint = Endpoint(settings.session, pb.Sender.KIND_COORDINATOR, host=socket.gethostname())
+        self.reducer = BusReducer(bf16_wire=settings.bf16_wire)
+        self.seq = SeqTracker()
+        self.dropped: Counter[str] = Counter()
+        self._logged_drops: set[tuple] = set()
+        self._pending: deque = deque()  # internal events produced while executing commands
+        self._agent_ranks: dict[tuple, set[int]] = {}
+        self.finished: RunFinished | None = None
+        self.status = StatusBoard()
+        self._journal = open(settings.journal, "a", encoding="utf-8") if settings.journal else None
+        self._stop_signals = 0
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def run(self) -> int:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self._warn_if_insecure()
+        sock.bind(self.settings.bind)
+        self.sock = sock
+        ep = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        old = {s: signal.signal(s, self._on_signal(wake_w)) for s in (signal.SIGTERM, signal.SIGINT)}
+        http = self.status.serve(self.settings.http) if self.settings.http else None
+        self._journal_write({"type": "_start", "settings": _settings_record(self.settings)})
+        self._ready(ep)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake_r.fileno(), zmq.POLLIN)
+        next_tick = self.clock()
+        try:
+            while self.finished is None:
+                timeout_ms = max(0.0, (next_tick - self.clock()) * 1000.0)
+                events = dict(poller.poll(timeout_ms))
+                if wake_r.fileno() in events:
+                    self._drain_wake(wake_r)
+                if sock in events:
+                    self._drain_socket()
+                if self.clock() >= next_tick:
+                    self._feed(Tick(now=self.clock()))
+                    next_tick = self.clock() + self.settings.tick_interval_s
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            if http is not None:
+                http.shutdown()
+            sock.close(linger=LINGER_MS)
+            ctx.term()
+            wake_r.close()
+            wake_w.close()
+            if self._journal:
+                self._journal.close()
+        return self._finish()
+
+    def _on_signal(self, wake_w):
+        def handler(signum, _frame):
+            # Only note it and wake the loop; the loop owns the sockets.
+            self._stop_signals += 1
+            try:
+                wake_w.send(b"x")
+            except OSError:
+                pass
+            if self._stop_signals >= 2:
+                raise SystemExit(130)
+
+        return handler
+
+    def _drain_wake(self, wake_r) -> None:
+        try:
+            while wake_r.recv(64):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        if self._stop_signals:
+            log.warning("stop requested by signal; asking ranks to shut down")
+            self._feed(StopRequested(now=self.clock(), reason="signal"))
+
+    def _warn_if_insecure(self) -> None:
+        b = self.settings.bind
+        loopback = b.startswith(("ipc://", "inproc://")) or any(
+            h in b for h in ("127.0.0.1", "localhost", "[::1]")
+        )
+        if not loopback:
+            log.warning(
+                "SECURITY: binding %s without CURVE keys: any host that can reach this port can "
+                "join or disturb the run. Bind to loopback or a private network.",
+                b,
+            )
+
+    def _finish(self) -> int:
+        f = self.finished
+        if f is None:
+            return 1
+        summary = dict(f.summary)
+        summary.update(ok=f.ok, reason=f.reason, dropped_frames=dict(self.dropped))
+        summary.setdefault("bus", {})
+        summary["bus"].update(
+            rounds=self.reducer.rounds_completed, bytes_in=self.reducer.bytes_in, bytes_out=self.reducer.bytes_out
+        )
+        if self.settings.summary:
+            tmp = self.settings.summary + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(summary, fh, indent=2, sort_keys=True)
+            os.replace(tmp, self.settings.summary)
+        log.info("run finished: ok=%s reason=%s", f.ok, f.reason)
+        return 0 if f.ok else 1
+
+    # -- inbound -----------------------------------------------------------------
+
+    def _drain_socket(self) -> None:
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_frames(frames)
+            if self.finished is not None:
+                return
+
+    def _on_frames(self, frames) -> None:
+        now = self.clock()
+        try:
+            route, payload = split_routing([f.bytes if len(f) < 256 else f for f in frames])
+        except WireError as e:
+            return self._drop((), e)
+        try:
+            d = decode(payload, session=self.settings.session)
+        except VersionMismatch as e:
+            return self._refuse_version(route, payload, e)
+        except WireError as e:
+            return self._drop(route, e)
+        env = d.envelope
+        try:
+            self.seq.check(env)
+            self._dispatch(now, route, d)
+        except WireError as e:
+            self._drop(route, e)
+
+    def _dispatch(self, now: float, route: tuple, d) -> None:
+        env, kind = d.envelope, d.kind
+        if kind == "hello":
+            if env.sender.kind != pb.Sender.KIND_RANK or env.sender.rank != env.hello.rank:
+                raise RouteMismatch("hello's sender is not the rank it names")
+            return self._feed(hello_event(now, route, env))
+        if kind == "agent":
+            return self._on_agent(now, route, env)
+        if kind == "relay":
+            log.info("relay %s says %s", env.sender.host, env.relay.WhichOneof("msg"))
+            return
+        if kind in ("timing", "metrics", "round"):
+            rank = self._owned_rank(route, env, d)
+            if kind == "timing":
+                return self._feed(timing_event(now, env.timing))
+            if kind == "metrics":
+                return self._feed(metrics_event(now, env.metrics))
+            return self._on_round(rank, env.round, d.blobs)
+        raise MalformedFrame(f"a coordinator does not accept {kind!r} frames")
+
+    def _owned_rank(self, route: tuple, env, d) -> int:
+        if env.sender.kind != pb.Sender.KIND_RANK:
+            raise RouteMismatch(f"{d.kind} frame from a non-rank sender")
+        rank = env.sender.rank
+        body_rank = getattr(getattr(env, d.kind), "rank", rank)
+        if body_rank != rank:
+            raise RouteMismatch(f"sender is rank {rank} but the body claims rank {body_rank}")
+        owner = self.state.route_of(rank)
+        if owner is None:
+            raise RouteMismatch(f"rank {rank} is not admitted")
+        if tuple(owner) != route:
+            raise RouteMismatch(f"rank {rank} is admitted on another route")
+        return rank
+
+    def _on_agent(self, now: float, route: tuple, env) -> None:
+        if env.sender.kind != pb.Sender.KIND_AGENT:
+            raise RouteMismatch("agent frame from a non-agent sender")
+        msg = env.agent
+        which = msg.WhichOneof("msg")
+        if which == "hello":
+            self._agent_ranks[route] = set(msg.hello.ranks)
+            log.info("agent on %s supervises ranks %s", msg.hello.host, list(msg.hello.ranks))
+        elif which == "rank_exited":
+            r = msg.rank_exited
+            if r.rank not in self._agent_ranks.get(route, set()):
+                raise RouteMismatch(f"agent reports rank {r.rank} it did not announce")
+            self._feed(RankExitReported(now=now, rank=r.rank, code=r.code))
+
+    def _on_round(self, rank: int, header: pb.RoundHeader, blobs) -> None:
+        try:
+            result = self.reducer.contribute(rank, header, blobs)
+        except RoundRefused as e:
+            self.dropped["round_refused"] += 1
+            log.warning("round contribution refused: %s", e.reason)
+            return
+        self._send_round(result)
+
+    def _refuse_version(self, route, payload, err: VersionMismatch) -> None:
+        """Tell a peer of another major *why* before dropping it (its hello gets an answer)."""
+        self._drop(route, err)
+        env = pb.Envelope()
+        try:
+            env.ParseFromString(bytes(payload[0]))
+        except Exception:  # noqa: BLE001 - unparseable: nothing to answer
+            return
+        if env.WhichOneof("body") == "hello" and route:
+            ack = pb.HelloAck(accepted=False, reason=f"protocol version mismatch: {err.detail}")
+            self._send_frames(self.endpoint.frames("hello_ack", ack, route=route))
+
+    def _drop(self, route: tuple, err: WireError) -> None:
+        self.dropped[err.reason] += 1
+        key = (route, err.reason)
+        if key not in self._logged_drops:
+            self._logged_drops.add(key)
+            log.warning("dropped frame from %s: %s", _route_str(route), err)
+
+    # -- core --------------------------------------------------------------------
+
+    def _feed(self, event) -> None:
+        self._pending.append(event)
+        while self._pending:
+            ev = self._pending.popleft()
+            self._journal_write(to_record(ev))
+            self.state, commands = step(self.state, ev)
+            for cmd in commands:
+                self._execute(cmd)
+        self.status.update(self.state, self.dropped, self.reducer)
+
+    def _execute(self, cmd) -> None:
+        if isinstance(cmd, Send):
+            route = self.state.route_of(cmd.rank)
+            if route is None:
+                self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
+                return
+            frames = self.endpoint.frames("control", cmd.control, route=tuple(route))
+            if not self._send_frames(frames):
+                self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
+        elif isinstance(cmd, Reply):
+            self._send_frames(self.endpoint.frames("hello_ack", cmd.ack, route=cmd.route))
+        elif isinstance(cmd, OpenRound):
+            self._send_round(self.reducer.open(cmd.cycle, cmd.ranks))
+        elif isinstance(cmd, ForgetRank):
+            log.warning("rank %d forgotten: %s", cmd.rank, cmd.reason)
+            self._send_round(self.reducer.drop(cmd.rank))
+        elif isinstance(cmd, Notice):
+            self._notice(cmd)
+        elif isinstance(cmd, RunFinished):
+            self.finished = cmd
+
+    def _send_round(self, result) -> None:
+        if result is None:
+            return
+        for rank in result.to:
+            route = self.state.route_of(rank)
+            if route is None:
+                continue
+            frames = self.endpoint.frames("round", result.header, result.blobs, route=tuple(route))
+            self._send_frames(frames)
+
+    def _send_frames(self, frames) -> bool:
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError as e:
+            # EHOSTUNREACH: ROUTER_MANDATORY says the peer is gone; EAGAIN: its queue is full.
+            self.dropped[f"send_{zmq.strerror(e.errno).replace(' ', '_').lower()}"] += 1
+            return False
+
+    def _notice(self, cmd: Notice) -> None:
+        decisions.info(json.dumps({"kind": cmd.kind, **cmd.data}, sort_keys=True, default=str))
+        self.status.notice(cmd)
+
+    def _journal_write(self, record: dict) -> None:
+        if self._journal is not None:
+            self._journal.write(json.dumps(record, sort_keys=True) + "\n")
+            self._journal.flush()
+
+
+def _route_str(route: tuple) -> str:
+    return "/".join(r.hex()[:12] for r in route) or "<no route>"
+
+
+def _settings_record(s: Settings) -> dict:
+    from dataclasses import asdict
+
+    return asdict(s)

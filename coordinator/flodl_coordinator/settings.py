@@ -1,0 +1,149 @@
+"""Coordinator settings: one typed record from a TOML file, the environment and flags.
+
+Precedence: flag > environment (``FLODL_<KEY>``) > config file > default. Parsed once,
+at the edge; everything after this sees typed fields. Any defect — unknown key, wrong
+type, a value out of range, a missing required value — is a ``SettingsError`` whose
+message is one line naming the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping
+
+from flodl.core import CoreConfig
+
+__all__ = ["Settings", "SettingsError", "load_settings", "ENV_PREFIX"]
+
+ENV_PREFIX = "FLODL_"
+
+
+class SettingsError(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    # service
+    bind: str = "tcp://127.0.0.1:5555"
+    session: str = "flodl"
+    journal: str = ""  # path of the event journal (JSON lines); empty = none
+    summary: str = ""  # path where the run summary is written at the end
+    http: str = ""  # host:port for /status and /metrics; empty = off
+    tick_interval_s: float = 0.05
+    allow_insecure: bool = False  # permit a non-loopback bind without CURVE keys
+    # run (handed to flodl.core)
+    world_size: int = 0
+    batch_size: int = 32
+    epochs: int = 10
+    seed: int = 42
+    policy: str = "sync"
+    plane: str = "bus"
+    gamma: float = 1.0
+    easgd_alpha: float = 0.5
+    bf16_wire: bool = False
+    total_samples: int = 0
+    heartbeat_interval_s: float = 1.0
+    liveness_timeout_s: float = 10.0
+    reduce_stall_s: float = 300.0
+    final_eval: bool = True
+
+    def core_config(self) -> CoreConfig:
+        try:
+            return CoreConfig(
+                world_size=self.world_size,
+                batch_size=self.batch_size,
+                num_epochs=self.epochs,
+                seed=self.seed,
+                policy=self.policy,
+                plane=self.plane,
+                gamma=self.gamma,
+                easgd_alpha=self.easgd_alpha,
+                bf16_wire=self.bf16_wire,
+                total_samples=self.total_samples,
+                heartbeat_interval_s=self.heartbeat_interval_s,
+                liveness_timeout_s=self.liveness_timeout_s,
+                reduce_stall_s=self.reduce_stall_s,
+                final_eval=self.final_eval,
+            )
+        except ValueError as e:
+            raise SettingsError(f"config error: {e}") from None
+
+
+_FIELDS = {f.name: f for f in fields(Settings)}
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    want = type(getattr(Settings(), key))
+    try:
+        if want is bool:
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(value)
+        if want is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if want is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise SettingsError(
+            f"config error: {key} = {value!r} from {source} is not a valid {want.__name__}"
+        ) from None
+
+
+def _merge(base: dict, items: Mapping[str, Any], source: str) -> None:
+    for key, value in items.items():
+        k = key.replace("-", "_")
+        if k not in _FIELDS:
+            known = ", ".join(sorted(_FIELDS))
+            raise SettingsError(f"config error: unknown key {key!r} in {source} (known: {known})")
+        base[k] = _coerce(k, value, source)
+
+
+def load_settings(
+    *, config_path: str | None = None, env: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None
+) -> Settings:
+    values: dict[str, Any] = {}
+    if config_path:
+        try:
+            with open(config_path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise SettingsError(f"config error: config file {config_path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise SettingsError(f"config error: {config_path} is not valid TOML: {e}") from None
+        # Either top-level keys or a [coordinator] table.
+        table = data.get("coordinator", data)
+        if not isinstance(table, dict):
+            raise SettingsError(f"config error: [coordinator] in {config_path} must be a table")
+        _merge(values, table, config_path)
+    env = os.environ if env is None else env
+    env_items = {
+        k[len(ENV_PREFIX):].lower(): v
+        for k, v in env.items()
+        if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() in _FIELDS
+    }
+    _merge(values, env_items, "the environment")
+    _merge(values, {k: v for k, v in (flags or {}).items() if v is not None}, "the command line")
+    s = replace(Settings(), **values)
+    if s.world_size < 1:
+        raise SettingsError(
+            "config error: world_size must be >= 1 (flag --world-size, env FLODL_WORLD_SIZE or key world_size)"
+        )
+    if not s.bind.startswith(("tcp://", "ipc://", "inproc://")):
+        raise SettingsError(f"config error: bind {s.bind!r} must start with tcp://, ipc:// or inproc://")
+    if s.tick_interval_s <= 0:
+        raise SettingsError("config error: tick_interval_s must be > 0")
+    s.core_config()  # validates the run fields with the core's own rules
+    return s

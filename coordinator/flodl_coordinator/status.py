@@ -1,0 +1,84 @@
+"""Operator view: ``/status`` (JSON) and ``/metrics`` (Prometheus text) over HTTP.
+
+The loop thread publishes a small immutable snapshot after every event; the HTTP
+thread only reads the latest snapshot (one reference swap), never the core's state
+or a socket.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+__all__ = ["StatusBoard"]
+
+
+class StatusBoard:
+    def __init__(self) -> None:
+        self._snap: dict = {"phase": "starting"}
+        self._last_epoch: dict = {}
+        self._events = 0
+
+    def notice(self, cmd) -> None:
+        if cmd.kind == "epoch":
+            self._last_epoch = dict(cmd.data)
+
+    def update(self, state, dropped, reducer) -> None:
+        self._events += 1
+        summary = getattr(state, "status", None)
+        core = summary() if callable(summary) else {}
+        self._snap = {
+            "events": self._events,
+            "dropped_frames": dict(dropped),
+            "rounds_completed": reducer.rounds_completed,
+            "bus_bytes_in": reducer.bytes_in,
+            "bus_bytes_out": reducer.bytes_out,
+            "last_epoch": self._last_epoch,
+            "core": core,
+        }
+
+    def snapshot(self) -> dict:
+        return self._snap
+
+    def prometheus(self) -> str:
+        s = self._snap
+        lines = [
+            "# TYPE flodl_events_total counter",
+            f"flodl_events_total {s.get('events', 0)}",
+            "# TYPE flodl_rounds_completed_total counter",
+            f"flodl_rounds_completed_total {s.get('rounds_completed', 0)}",
+            "# TYPE flodl_bus_bytes_total counter",
+            f'flodl_bus_bytes_total{{direction="in"}} {s.get("bus_bytes_in", 0)}',
+            f'flodl_bus_bytes_total{{direction="out"}} {s.get("bus_bytes_out", 0)}',
+            "# TYPE flodl_dropped_frames_total counter",
+        ]
+        for reason, n in sorted(s.get("dropped_frames", {}).items()):
+            lines.append(f'flodl_dropped_frames_total{{reason="{reason}"}} {n}')
+        return "\n".join(lines) + "\n"
+
+    def serve(self, hostport: str) -> ThreadingHTTPServer:
+        host, _, port = hostport.rpartition(":")
+        board = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server API
+                if self.path.startswith("/metrics"):
+                    body, ctype = board.prometheus().encode(), "text/plain; version=0.0.4"
+                elif self.path.startswith("/status"):
+                    body, ctype = json.dumps(board.snapshot(), default=str).encode(), "application/json"
+                else:
+                    self.send_error(404, "try /status or /metrics")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        server = ThreadingHTTPServer((host or "127.0.0.1", int(port)), Handler)
+        threading.Thread(target=server.serve_forever, name="flodl-http", daemon=True).start()
+        return server

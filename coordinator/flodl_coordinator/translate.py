@@ -1,0 +1,109 @@
+"""Decoded wire bodies -> core events. The one place that knows both vocabularies."""
+
+from __future__ import annotations
+
+from flodl.core import (
+    BatchDone,
+    CheckpointDone,
+    ChunkDone,
+    EvalDone,
+    HeartbeatSeen,
+    IntentRaised,
+    RankExiting,
+    RankHello,
+    SyncAcked,
+)
+from flodl.wire import pb
+
+__all__ = ["hello_event", "timing_event", "metrics_event"]
+
+
+def _opt(msg, name):
+    return getattr(msg, name) if msg.HasField(name) else None
+
+
+def hello_event(now: float, route: tuple[bytes, ...], env: pb.Envelope) -> RankHello:
+    h = env.hello
+    return RankHello(
+        now=now,
+        route=route,
+        rank=h.rank,
+        world_size=h.world_size,
+        model_sig=bytes(h.model_sig),
+        dataset_len=h.dataset_len,
+        host=h.host,
+        pid=h.pid,
+        incarnation=env.sender.incarnation,
+    )
+
+
+def timing_event(now: float, t: pb.Timing):
+    """Return the core event for a Timing body (liveness-only kinds become HeartbeatSeen)."""
+    kind = t.WhichOneof("event")
+    r = t.rank
+    if kind == "batch":
+        b = t.batch
+        return BatchDone(
+            now=now,
+            rank=r,
+            batch_ms=b.batch_ms,
+            data_ms=b.data_ms,
+            step_count=b.step_count,
+            loss=b.batch_loss,
+            samples=b.samples,
+            epoch=b.epoch,
+            offset=b.offset,
+            lr=b.lr,
+            sync_divergence=_opt(b, "sync_divergence"),
+        )
+    if kind == "sync_ack":
+        a = t.sync_ack
+        return SyncAcked(
+            now=now,
+            rank=r,
+            cycle=a.cycle,
+            step_count=a.step_count,
+            divergence=_opt(a, "divergence"),
+            pre_norm=_opt(a, "pre_norm"),
+            post_norm=_opt(a, "post_norm"),
+        )
+    if kind == "exiting":
+        return RankExiting(now=now, rank=r, param_digest=t.exiting.param_digest.hex(), steps=t.exiting.steps)
+    if kind == "eval_result":
+        e = t.eval_result
+        return EvalDone(
+            now=now,
+            rank=r,
+            schedule_id=e.schedule_id,
+            epoch=e.epoch,
+            metric=e.metric,
+            elapsed_ms=e.elapsed_ms,
+            error=_opt(e, "error"),
+            final=e.final,
+        )
+    if kind == "checkpoint_result":
+        c = t.checkpoint_result
+        return CheckpointDone(now=now, rank=r, version=c.version, elapsed_ms=c.elapsed_ms, error=_opt(c, "error"))
+    if kind == "intent":
+        k = {pb.INTENT_KIND_EVAL_NOW: "eval", pb.INTENT_KIND_CHECKPOINT_NOW: "checkpoint"}.get(t.intent.kind)
+        if k is not None:
+            return IntentRaised(now=now, rank=r, kind=k)
+    step = t.heartbeat.step_count if kind == "heartbeat" else 0
+    return HeartbeatSeen(now=now, rank=r, step_count=step)
+
+
+def metrics_event(now: float, m: pb.Metrics) -> ChunkDone:
+    return ChunkDone(
+        now=now,
+        rank=m.rank,
+        epoch=m.epoch,
+        chunk_seq=m.chunk_seq,
+        batches=m.batches_processed,
+        samples=m.samples_processed,
+        avg_loss=m.avg_loss,
+        epoch_ms=m.epoch_ms,
+        share_complete_ms=m.share_complete_ms,
+        compute_only_ms=m.compute_only_ms,
+        data_starve_ms=m.data_starve_ms,
+        scalars=tuple((k, v.sum, v.count) for k, v in sorted(m.scalars.items())),
+    )

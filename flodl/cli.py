@@ -1,0 +1,225 @@
+"""``flodl``: the local launcher.
+
+    flodl run --local --ranks 3 --task digits --slowdown 1,2,4
+
+starts a coordinator, one host agent (which starts the relay and the ranks) on this
+machine, streams progress, prints the run summary and optionally writes it as JSON.
+It only starts processes: every component it runs is a service you can also start
+by hand on separate hosts (see README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+__all__ = ["main"]
+
+TASKS = {
+    "digits": "flodl_worker.examples.digits",
+    "synthetic": "flodl_worker.examples.synthetic",
+}
+
+
+class LaunchError(Exception):
+    pass
+
+
+def _slowdowns(text: str, ranks: int) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise LaunchError(f"--slowdown {text!r} must be comma-separated numbers, e.g. 1,2,4") from None
+    if not vals:
+        vals = [1.0]
+    if any(v < 0 for v in vals):
+        raise LaunchError(f"--slowdown {text!r}: factors must be >= 0")
+    if len(vals) == 1:
+        vals = vals * ranks
+    if len(vals) != ranks:
+        raise LaunchError(f"--slowdown has {len(vals)} factors for {ranks} ranks (give one, or one per rank)")
+    return vals
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flodl", description="flodl launcher")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a training job", description=__doc__)
+    r.add_argument("--local", action="store_true", required=True, help="all processes on this machine")
+    r.add_argument("--ranks", type=int, default=3, help="number of ranks (default 3)")
+    r.add_argument("--task", choices=sorted(TASKS), default="digits", help="example task (default digits)")
+    r.add_argument("--slowdown", default="1", help="per-rank emulated slowdown factors, e.g. 1,2,4")
+    r.add_argument("--base-ms", type=float, default=10.0, help="emulated ms per batch per slowdown unit (10)")
+    r.add_argument("--epochs", type=int, default=10, help="epochs (default 10)")
+    r.add_argument("--batch-size", type=int, default=32, help="samples per step per rank (default 32)")
+    r.add_argument("--policy", default="sync", help="averaging policy: sync | cadence | async")
+    r.add_argument("--seed", type=int, default=42, help="shuffle and init seed (default 42)")
+    r.add_argument("--port", type=int, default=0, help="coordinator TCP port on 127.0.0.1 (0 = any free)")
+    r.add_argument("--summary", help="write the run summary JSON to this path")
+    r.add_argument("--journal", help="keep the coordinator's event journal at this path")
+    r.add_argument("--trace-dir", help="ranks write the sample ids they train here (coverage audit)")
+    r.add_argument("--liveness-timeout", type=float, default=10.0, help="seconds of silence = dead rank")
+    r.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+    r.add_argument("--quiet", action="store_true", help="only print the summary")
+    r.add_argument("task_args", nargs=argparse.REMAINDER, help="-- extra arguments for the task script")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _run_local(args)
+    except LaunchError as e:
+        print(f"flodl: {e}", file=sys.stderr)
+        return 2
+
+
+def _pump(stream, prefix: str, quiet: bool, sink: list | None = None) -> None:
+    for raw in iter(stream.readline, ""):
+        line = raw.rstrip("\n")
+        if sink is not None:
+            sink.append(line)
+        if not quiet:
+            print(f"{prefix}{line}", flush=True)
+
+
+def _run_local(args) -> int:
+    if args.ranks < 1:
+        raise LaunchError(f"--ranks must be >= 1, got {args.ranks}")
+    if args.epochs < 1 or args.batch_size < 1:
+        raise LaunchError("--epochs and --batch-size must be >= 1")
+    slow = _slowdowns(args.slowdown, args.ranks)
+    session = "local-" + secrets.token_hex(6)
+    workdir = tempfile.mkdtemp(prefix="flodl-run-")
+    summary_path = os.path.join(workdir, "summary.json")
+    py = sys.executable
+    coord_cmd = [
+        py, "-m", "flodl_coordinator", "serve",
+        "--bind", f"tcp://127.0.0.1:{args.port}",
+        "--session", session,
+        "--world-size", str(args.ranks),
+        "--epochs", str(args.epochs),
+        "--batch-size", str(args.batch_size),
+        "--policy", args.policy,
+        "--seed", str(args.seed),
+        "--liveness-timeout-s", str(args.liveness_timeout),
+        "--summary", summary_path,
+    ]  # fmt: skip
+    if args.journal:
+        coord_cmd += ["--journal", args.journal]
+    t0 = time.monotonic()
+    coord = subprocess.Popen(coord_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    procs = [coord]
+    try:
+        endpoint = _await_ready(coord, "COORDINATOR_READY", deadline=t0 + 60)
+        threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", args.quiet), daemon=True).start()
+        extra = [a for a in args.task_args if a != "--"]
+        agent_cmd = [
+            py, "-m", "flodl_worker", "agent",
+            "--coordinator", endpoint,
+            "--ranks", str(args.ranks),
+            "--world-size", str(args.ranks),
+            "--session", session,
+            "--slowdown", ",".join(f"{s:g}" for s in slow),
+            "--base-ms", f"{args.base_ms:g}",
+        ]  # fmt: skip
+        if args.trace_dir:
+            agent_cmd += ["--trace-dir", args.trace_dir]
+        agent_cmd += ["--", py, "-m", TASKS[args.task], *extra]
+        agent = subprocess.Popen(agent_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        procs.append(agent)
+        threading.Thread(target=_pump, args=(agent.stdout, "[agent] ", args.quiet), daemon=True).start()
+        rc = _wait_all(procs, t0 + args.timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    wall = time.monotonic() - t0
+    return _report(args, summary_path, rc, wall)
+
+
+def _await_ready(proc, token: str, deadline: float) -> str:
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            err = proc.stderr.read() if proc.poll() is not None else ""
+            raise LaunchError(f"coordinator exited before it was ready: {err.strip()[-2000:]}")
+        if line.startswith(token):
+            return line.split()[1]
+    raise LaunchError("coordinator did not become ready within 60 s")
+
+
+def _wait_all(procs, deadline: float) -> int:
+    coord = procs[0]
+    while time.monotonic() < deadline:
+        if coord.poll() is not None:
+            # Give the agent a bounded moment to see its ranks leave.
+            for p in procs[1:]:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.terminate()
+            return coord.returncode
+        if all(p.poll() is not None for p in procs[1:]) and len(procs) > 1:
+            # Every rank is gone: the coordinator notices (agent reports / liveness).
+            try:
+                coord.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                coord.send_signal(signal.SIGTERM)
+                coord.wait(timeout=30)
+            return coord.returncode
+        time.sleep(0.2)  # polling child exit codes, not synchronising with them
+    print("flodl: run timed out; stopping", file=sys.stderr)
+    return 124
+
+
+def _report(args, summary_path: str, rc: int, wall: float) -> int:
+    try:
+        with open(summary_path, encoding="utf-8") as fh:
+            summary = json.load(fh)
+    except (OSError, json.JSONDecodeError):
+        print(f"flodl: the run produced no summary (coordinator exit code {rc})", file=sys.stderr)
+        return rc or 1
+    summary["launcher_wall_s"] = round(wall, 3)
+    summary.setdefault("task", args.task)
+    summary["slowdown"] = args.slowdown
+    train_wall = summary.get("wall_s") or wall
+    committed = sum(e.get("trained", 0) - e.get("duplicates", 0) for e in summary.get("coverage", []))
+    summary.setdefault("samples_per_s", round(committed / train_wall, 2) if train_wall else 0.0)
+    if args.summary:
+        with open(args.summary, "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=2, sort_keys=True)
+    _print_summary(summary)
+    ok = bool(summary.get("ok")) and rc == 0
+    return 0 if ok else (rc or 1)
+
+
+def _print_summary(s: dict) -> None:
+    print("\n=== flodl run summary ===")
+    print(f"ok: {s.get('ok')}  ({s.get('reason')})")
+    acc = s.get("accuracy")
+    print(f"task: {s.get('task')}  policy: {s.get('policy')}  ranks: {s.get('world_size')}  slowdown: {s.get('slowdown')}")
+    print(f"wall: {s.get('wall_s')} s   samples/s: {s.get('samples_per_s')}   averages: {s.get('averages')}")
+    print(f"accuracy: {acc if acc is None else round(acc, 4)}")
+    for r in s.get("ranks", []):
+        print(f"  rank {r.get('rank')}: samples {r.get('samples')}  batches {r.get('batches')}")
+    cov = s.get("coverage", [])
+    exact = all(c.get("duplicates") == 0 and c.get("missing") == 0 for c in cov) and bool(cov)
+    print(f"coverage: {len(cov)} epochs, every sample exactly once: {exact}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

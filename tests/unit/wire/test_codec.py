@@ -1,0 +1,102 @@
+"""Framing: route split, envelope checks, sequence tracking."""
+
+import pytest
+
+from flodl.wire import (
+    DELIMITER,
+    PROTOCOL_MAJOR,
+    Endpoint,
+    MalformedFrame,
+    OutOfSequence,
+    SeqTracker,
+    VersionMismatch,
+    WrongSession,
+    decode,
+    pb,
+    split_routing,
+)
+
+
+def _rank_endpoint(rank=1, inc=7, session="s1"):
+    return Endpoint(session, pb.Sender.KIND_RANK, rank=rank, incarnation=inc)
+
+
+def _batch(rank=1):
+    return pb.Timing(rank=rank, batch=pb.Timing.Batch(batch_ms=2.5, step_count=3, samples=8))
+
+
+def test_roundtrip_through_two_routing_hops():
+    frames = _rank_endpoint().frames("timing", _batch(), route=(b"relay", b"rank"))
+    route, payload = split_routing(frames)
+    assert route == (b"relay", b"rank")
+    d = decode(payload, session="s1")
+    assert d.kind == "timing"
+    assert d.envelope.timing.batch.step_count == 3
+    assert d.envelope.seq == 1 and d.envelope.protocol_major == PROTOCOL_MAJOR
+
+
+def test_blobs_travel_as_frames_and_are_counted():
+    blobs = [b"\x00" * 16, memoryview(b"abcd")]
+    frames = _rank_endpoint().frames("round", pb.RoundHeader(cycle=1), blobs)
+    _, payload = split_routing(frames)
+    d = decode(payload, session="s1")
+    assert d.blobs == blobs
+    frames.append(b"extra")
+    _, payload = split_routing(frames)
+    with pytest.raises(MalformedFrame, match="announces 2 blobs, frame has 3"):
+        decode(payload, session="s1")
+
+
+def test_missing_delimiter_is_malformed():
+    with pytest.raises(MalformedFrame, match="no empty delimiter"):
+        split_routing([b"id", b"envelope"])
+
+
+def test_wrong_session_is_refused_by_name():
+    _, payload = split_routing(_rank_endpoint(session="other").frames("timing", _batch()))
+    with pytest.raises(WrongSession, match="'other'"):
+        decode(payload, session="s1")
+
+
+def test_other_major_version_is_refused_with_both_versions():
+    env = pb.Envelope(protocol_major=PROTOCOL_MAJOR + 1, session="s1", seq=1)
+    env.sender.kind = pb.Sender.KIND_RANK
+    env.timing.CopyFrom(_batch())
+    with pytest.raises(VersionMismatch, match=f"protocol {PROTOCOL_MAJOR + 1}.0"):
+        decode([env.SerializeToString()], session="s1")
+
+
+def test_garbage_envelope_is_malformed():
+    with pytest.raises(MalformedFrame, match="does not parse"):
+        decode([b"\xff\xff\xff\xff"], session="s1")
+
+
+def test_envelope_without_body_or_sender_is_malformed():
+    env = pb.Envelope(protocol_major=PROTOCOL_MAJOR, session="s1", seq=1)
+    env.sender.kind = pb.Sender.KIND_RANK
+    with pytest.raises(MalformedFrame, match="no body"):
+        decode([env.SerializeToString()], session="s1")
+    env.timing.CopyFrom(_batch())
+    env.sender.kind = pb.Sender.KIND_UNSPECIFIED
+    with pytest.raises(MalformedFrame, match="no sender kind"):
+        decode([env.SerializeToString()], session="s1")
+
+
+def test_seq_tracker_refuses_replay_and_accepts_new_incarnation():
+    ep = _rank_endpoint(inc=1)
+    t = SeqTracker()
+    envs = []
+    for _ in range(3):
+        _, payload = split_routing(ep.frames("timing", _batch()))
+        envs.append(decode(payload, session="s1").envelope)
+    for e in envs:
+        t.check(e)
+    with pytest.raises(OutOfSequence, match="seq 2 after 3"):
+        t.check(envs[1])
+    restarted = _rank_endpoint(inc=2)
+    _, payload = split_routing(restarted.frames("timing", _batch()))
+    t.check(decode(payload, session="s1").envelope)  # seq 1 of a new incarnation is fine
+
+
+def test_delimiter_is_empty_bytes():
+    assert DELIMITER == b""
