@@ -1,0 +1,540 @@
+"""The progressive chunk pool and the dispatch math around it.
+
+Theory of operation
+-------------------
+A :class:`ChunkPool` is the dispatch ledger of one epoch over sample positions
+``[0, total)``. The positions are partitioned into contiguous per-rank **reservation spans**
+(sized by ElChe's allocation, :func:`reservation_span_sizes`). A rank's chunks come from the
+front of its own span through a cursor, so its upcoming data is known for the whole epoch
+(what a stager prefetches). :meth:`ChunkPool.take_chunk` serves, in order:
+
+1. ``reclaimed`` ranges first (a dead rank's forfeited chunks, rolled-back takes, resume
+   holes): coverage holes close before anything fresh is handed out;
+2. the front of the rank's own span;
+3. a **steal** from the tail of the span with the largest residue (ties -> highest rank):
+   the rank out-ran its reservation, the boundary moves, the books stay exact.
+
+An owner consumes front-to-back and a thief peels back-to-front, so they can meet but never
+cross: every position is handed out exactly once unless it is explicitly returned
+(:meth:`~ChunkPool.rollback_take` after a failed send, :meth:`~ChunkPool.forfeit` when a
+rank dies). Completions (:meth:`~ChunkPool.mark_completed`) consume each rank's outstanding
+chunks in dispatch order. :meth:`~ChunkPool.uncovered_ranges` is everything not yet
+completed (in-flight counts as uncovered: its gradient is not in the consensus yet), and
+:meth:`ChunkPool.from_coverage` rebuilds a pool whose only work is those holes.
+
+Dispatch math (pure functions of the schedule, no pool mutation):
+
+* :func:`equal_sizes`, :func:`ratio_to_sizes`, :func:`throughput_sizes` -- whole-epoch
+  partitions (non-progressive dispatch, spec §8.2).
+* :func:`reservation_span_sizes` -- per-rank spans for a new pool (§8.4).
+* :func:`compute_chunk_batches` -- the next chunk for one rank (§8.6): final-window slot,
+  edge schedule, one-window chunk (barrier-paced), probe, or proportional.
+* :func:`final_window_alloc` / :func:`refresh_final_window_plan` -- the epoch's last window
+  split so that no rank ends with a lone 1-batch window (§8.7).
+* :func:`advisory_spans` -- what a rank's stager should prefetch (§8.9).
+
+Everything is in samples unless a name says batches. No clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+__all__ = [
+    "ChunkPool",
+    "equal_sizes",
+    "ratio_to_sizes",
+    "throughput_sizes",
+    "reservation_span_sizes",
+    "compute_chunk_batches",
+    "explain_chunk_batches",
+    "final_window_alloc",
+    "consolidate_lone_ones",
+    "fastest_alive_rank",
+    "FinalWindowPlan",
+    "refresh_final_window_plan",
+    "span_layout",
+    "advisory_spans",
+    "MIN_CHUNK_BATCHES",
+    "PROBE_FRACTION_DIVISOR",
+]
+
+# Floor for proportional (Async) chunks: smaller chunks spend more on control round trips
+# than they save in balance.
+MIN_CHUNK_BATCHES = 4
+# Uncalibrated probe chunks are ~1/10 of a rank's equal share: several reduces per epoch
+# so ElChe calibrates early, floored at MIN_CHUNK_BATCHES.
+PROBE_FRACTION_DIVISOR = 10
+# Throughput guard: a rank without a reading (ms 0) counts as 1 ms/1000 batches.
+_MIN_MS = 0.001
+
+Range = tuple[int, int]  # (offset, size)
+
+
+class ChunkPool:
+    """One epoch's dispatch ledger with per-rank reservation spans (see module doc)."""
+
+    def __init__(self, epoch: int, total: int, world_size: int) -> None:
+        """Equal spans of ``total // ws``; the remainder goes to the last rank."""
+        if world_size < 1 or total < 0:
+            raise ValueError("ChunkPool needs world_size >= 1 and total >= 0")
+        base = total // world_size
+        sizes = [base] * world_size
+        sizes[-1] += total - base * world_size
+        self._init(epoch, total, sizes)
+
+    @classmethod
+    def with_spans(cls, epoch: int, total: int, span_sizes: Sequence[int]) -> "ChunkPool":
+        """Spans of the given sizes laid out contiguously in rank order (must sum to total)."""
+        if not span_sizes or sum(span_sizes) != total or min(span_sizes) < 0:
+            raise ValueError(f"span sizes {list(span_sizes)} must be >= 0 and sum to {total}")
+        pool = cls.__new__(cls)
+        pool._init(epoch, total, list(span_sizes))
+        return pool
+
+    @classmethod
+    def from_coverage(
+        cls, epoch: int, total: int, world_size: int, holes: Sequence[Range]
+    ) -> "ChunkPool":
+        """A pool whose only work is ``holes`` (served once each, in order): every cursor
+        is parked at its span end and the holes wait in ``reclaimed``."""
+        pool = cls(epoch, total, world_size)
+        pool._cursor = [end for _, end in pool._spans]
+        pool._reclaimed = deque((int(o), int(s)) for o, s in holes if s > 0)
+        return pool
+
+    def _init(self, epoch: int, total: int, sizes: list[int]) -> None:
+        self.epoch = epoch
+        self.total = total
+        self._spans: list[list[int]] = []
+        at = 0
+        for s in sizes:
+            self._spans.append([at, at + s])
+            at += s
+        ws = len(sizes)
+        self._cursor = [start for start, _ in self._spans]
+        self.dispatched = [0] * ws
+        self.completed = [0] * ws
+        self.chunks_sent = [0] * ws
+        self._outstanding: list[deque[list[int]]] = [deque() for _ in range(ws)]
+        self._reclaimed: deque[Range] = deque()
+
+    @property
+    def world_size(self) -> int:
+        return len(self._spans)
+
+    # --- views --------------------------------------------------------------------
+
+    def residue(self, rank: int) -> int:
+        return max(0, self._spans[rank][1] - self._cursor[rank])
+
+    def reservation(self, rank: int) -> Range:
+        """``(next_offset, len)`` of the unassigned front of the rank's own span."""
+        return self._cursor[rank], self.residue(rank)
+
+    def reclaimed(self) -> tuple[Range, ...]:
+        return tuple(self._reclaimed)
+
+    def outstanding(self, rank: int) -> tuple[Range, ...]:
+        return tuple((o, s) for o, s in self._outstanding[rank])
+
+    def remaining(self) -> int:
+        """Not yet handed out: every span's residue plus the reclaimed ranges."""
+        return sum(self.residue(r) for r in range(self.world_size)) + sum(
+            s for _, s in self._reclaimed
+        )
+
+    def in_flight(self, rank: int) -> int:
+        return max(0, self.dispatched[rank] - self.completed[rank])
+
+    def is_epoch_done(self) -> bool:
+        return (
+            all(self.residue(r) == 0 for r in range(self.world_size))
+            and not self._reclaimed
+            and all(c >= d for c, d in zip(self.completed, self.dispatched))
+        )
+
+    def uncovered_ranges(self) -> list[Range]:
+        """Residues, in-flight chunks and reclaimed ranges, sorted and coalesced."""
+        ranges = [(self._cursor[r], self.residue(r)) for r in range(self.world_size)]
+        for q in self._outstanding:
+            ranges.extend((o, s) for o, s in q)
+        ranges.extend(self._reclaimed)
+        out: list[list[int]] = []
+        for off, size in sorted(r for r in ranges if r[1] > 0):
+            if out and out[-1][0] + out[-1][1] == off:
+                out[-1][1] += size
+            else:
+                out.append([off, size])
+        return [(o, s) for o, s in out]
+
+    # --- mutations ----------------------------------------------------------------
+
+    def _record(self, rank: int, offset: int, n: int) -> Range:
+        self.dispatched[rank] += n
+        self.chunks_sent[rank] += 1
+        if n > 0:
+            self._outstanding[rank].append([offset, n])
+        return offset, n
+
+    def take_chunk(self, rank: int, size: int) -> Optional[Range]:
+        """Hand ``rank`` one contiguous chunk of at most ``size`` samples: reclaimed first,
+        then its own span, then the tail of the largest residue. None when exhausted.
+        A size-0 take skips ``reclaimed`` and returns an empty chunk at the cursor."""
+        if size < 0:
+            raise ValueError(f"chunk size must be >= 0, got {size}")
+        if size > 0 and self._reclaimed:
+            off, length = self._reclaimed.popleft()
+            n = min(size, length)
+            if n < length:
+                self._reclaimed.appendleft((off + n, length - n))
+            return self._record(rank, off, n)
+        residue = self.residue(rank)
+        if residue > 0:
+            n = min(size, residue)
+            off = self._cursor[rank]
+            self._cursor[rank] += n
+            return self._record(rank, off, n)
+        donor, best = None, 0
+        for r in range(self.world_size):  # ties -> highest rank (Rust max_by_key)
+            if r != rank and self.residue(r) >= best and self.residue(r) > 0:
+                donor, best = r, self.residue(r)
+        if donor is None:
+            return None
+        n = min(size, best)
+        self._spans[donor][1] -= n
+        return self._record(rank, self._spans[donor][1], n)
+
+    def rollback_take(self, rank: int, offset: int, size: int) -> bool:
+        """Undo a take whose send failed. The newest matching outstanding chunk is removed;
+        the cursor rewinds if the chunk ends exactly at it, otherwise the range goes to the
+        *front* of ``reclaimed`` (served to anyone next). Unknown chunk: no-op, False."""
+        if size <= 0:
+            return False
+        q = self._outstanding[rank]
+        match = next((i for i in range(len(q) - 1, -1, -1) if q[i] == [offset, size]), None)
+        if match is None:
+            return False
+        del q[match]
+        self.dispatched[rank] = max(0, self.dispatched[rank] - size)
+        self.chunks_sent[rank] = max(0, self.chunks_sent[rank] - 1)
+        if self._cursor[rank] == offset + size:
+            self._cursor[rank] -= size
+        else:
+            self._reclaimed.appendleft((offset, size))
+        return True
+
+    def forfeit(self, rank: int) -> int:
+        """A rank died: its outstanding chunks (in dispatch order) go to the back of
+        ``reclaimed``; returns the number of samples returned. Idempotent."""
+        q = self._outstanding[rank]
+        moved = 0
+        while q:
+            off, n = q.popleft()
+            self._reclaimed.append((off, n))
+            moved += n
+        self.dispatched[rank] = max(0, self.dispatched[rank] - moved)
+        return moved
+
+    def mark_completed(self, rank: int, samples: int) -> None:
+        """Credit completions (clamped to dispatched: a falsely-declared-dead rank may
+        report after its chunks were forfeited) and consume outstanding front-first."""
+        self.completed[rank] = min(self.completed[rank] + samples, self.dispatched[rank])
+        left = samples
+        q = self._outstanding[rank]
+        while left > 0 and q:
+            front = q[0]
+            if front[1] <= left:
+                left -= front[1]
+                q.popleft()
+            else:
+                front[0] += left
+                front[1] -= left
+                left = 0
+
+
+# --------------------------------------------------------------------------------------
+# Partitions (non-progressive) and reservation spans
+# --------------------------------------------------------------------------------------
+
+
+def equal_sizes(world_size: int, total: int) -> list[int]:
+    """``total // ws`` each, the first ``total % ws`` ranks get one more."""
+    base, extra = divmod(total, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+def _largest_first(sizes: list[int], weights: Sequence[float], total: int) -> list[int]:
+    """Hand the floor remainder +1 each to ranks by descending weight (stable)."""
+    left = total - sum(sizes)
+    for r in sorted(range(len(sizes)), key=lambda i: -weights[i]):
+        if left <= 0:
+            break
+        sizes[r] += 1
+        left -= 1
+    return sizes
+
+
+def ratio_to_sizes(ratios: Sequence[float], total: int) -> list[int]:
+    """User ratios normalised (equal if they sum to <= 0), floored, remainder by ratio."""
+    s = 0.0
+    for r in ratios:  # left to right, as upstream (3.12's sum() compensates)
+        s += r
+    norm = [r / s for r in ratios] if s > 0.0 else [1.0 / len(ratios)] * len(ratios)
+    return _largest_first([math.floor(r * total) for r in norm], norm, total)
+
+
+def throughput_sizes(ms_per_batch: Sequence[float], total: int) -> list[int]:
+    """Sizes proportional to ``1 / max(ms, 0.001)``; remainder to the fastest first."""
+    tps = [1.0 / max(m, _MIN_MS) for m in ms_per_batch]
+    total_tp = 0.0
+    for t in tps:  # left to right, as upstream (3.12's sum() compensates)
+        total_tp += t
+    if total_tp <= 0.0:
+        return equal_sizes(len(tps), total)
+    return _largest_first([math.floor((t / total_tp) * total) for t in tps], tps, total)
+
+
+def reservation_span_sizes(
+    batch_total: int, batch_size: int, counts: Sequence[int], calibrated: bool
+) -> list[int]:
+    """Per-rank span sizes (samples, batch-aligned, summing to ``batch_total``).
+
+    ``calibrated`` = ElChe calibrated or speed-hinted: then ``B * counts[r] // sum(counts)``
+    batches each, else ``B // ws``; leftover batches +1 round-robin from rank 0.
+    """
+    bs = max(batch_size, 1)
+    ws = max(len(counts), 1)
+    total_batches = batch_total // bs
+    total_counts = sum(counts)
+    if calibrated and total_counts > 0:
+        batches = [total_batches * c // total_counts for c in counts]
+    else:
+        batches = [total_batches // ws] * ws
+    for i in range(max(0, total_batches - sum(batches))):
+        batches[i % ws] += 1
+    return [b * bs for b in batches]
+
+
+# --------------------------------------------------------------------------------------
+# Chunk sizing
+# --------------------------------------------------------------------------------------
+
+
+def explain_chunk_batches(
+    rank: int,
+    *,
+    remaining_samples: int,
+    counts: Sequence[int],
+    batch_size: int,
+    barrier_paced: bool,
+    calibrated: bool,
+    total_samples: int,
+    steps: int = 0,
+    budget: int = 0,
+    final_alloc: Optional[Sequence[int]] = None,
+    min_chunk_batches: int = MIN_CHUNK_BATCHES,
+) -> tuple[int, str]:
+    """Batches for ``rank``'s next chunk, and which rule decided (spec §8.6).
+
+    ``remaining_samples``: the epoch pool's ``remaining()`` (0 when there is no pool).
+    ``calibrated``: ElChe calibrated or speed-hinted. ``budget``: ``reduce_step_budget``
+    for the rank and ``steps`` its steps this window (the cap never crosses a reduce).
+    ``final_alloc``: the pinned final-window plan's alloc **for this epoch**, if any.
+    """
+    rem = remaining_samples // batch_size
+    if rem == 0:
+        return 0, "pool empty"
+    if final_alloc is not None:
+        return final_alloc[rank], "final-window plan"
+
+    def cap(s: int) -> int:
+        return min(s, max(1, budget - steps)) if budget > 0 else s
+
+    total = sum(counts)
+    if total > 0 and rem < total:
+        return cap(min(counts[rank], rem)), "edge schedule: less than one window left"
+    if barrier_paced and counts[rank] > 0:
+        return min(counts[rank], rem), "schedule-exact: one chunk is one window"
+    if not calibrated:
+        ws = len(counts)
+        probe = max(total_samples // (ws * PROBE_FRACTION_DIVISOR * batch_size), min_chunk_batches)
+        return min(probe, rem), "uncalibrated probe"
+    if total == 0:
+        return min(rem, min_chunk_batches), "no schedule"
+    target = math.ceil(rem * (counts[rank] / total))
+    return cap(min(max(target, min_chunk_batches), rem)), "proportional to the schedule"
+
+
+def compute_chunk_batches(
+    rank: int,
+    *,
+    remaining_samples: int,
+    counts: Sequence[int],
+    batch_size: int,
+    barrier_paced: bool,
+    calibrated: bool,
+    total_samples: int,
+    steps: int = 0,
+    budget: int = 0,
+    final_alloc: Optional[Sequence[int]] = None,
+    min_chunk_batches: int = MIN_CHUNK_BATCHES,
+) -> int:
+    """:func:`explain_chunk_batches` without the reason."""
+    return explain_chunk_batches(
+        rank,
+        remaining_samples=remaining_samples,
+        counts=counts,
+        batch_size=batch_size,
+        barrier_paced=barrier_paced,
+        calibrated=calibrated,
+        total_samples=total_samples,
+        steps=steps,
+        budget=budget,
+        final_alloc=final_alloc,
+        min_chunk_batches=min_chunk_batches,
+    )[0]
+
+
+# --------------------------------------------------------------------------------------
+# Final window
+# --------------------------------------------------------------------------------------
+
+
+def fastest_alive_rank(counts: Sequence[int], alive: Sequence[bool]) -> Optional[int]:
+    """Alive rank with the largest count (ties -> lowest index); None if none alive."""
+    best = None
+    for r, c in enumerate(counts):
+        if alive[r] and (best is None or c > counts[best]):
+            best = r
+    return best
+
+
+def consolidate_lone_ones(alloc: Sequence[int], alive: Sequence[bool]) -> list[int]:
+    """While an alive rank holds exactly 1, move it onto the alive peer holding the
+    smallest non-zero amount (first such); stop when no such peer exists."""
+    out = list(alloc)
+    while True:
+        orphan = next((r for r in range(len(out)) if alive[r] and out[r] == 1), None)
+        if orphan is None:
+            return out
+        peers = [p for p in range(len(out)) if p != orphan and alive[p] and out[p] >= 1]
+        if not peers:
+            return out  # irreducible (rem 1): that window falls back to the compute feed
+        peer = min(peers, key=lambda p: out[p])
+        out[peer] += 1
+        out[orphan] = 0
+
+
+def final_window_alloc(rem: int, counts: Sequence[int], alive: Sequence[bool]) -> list[int]:
+    """Split the epoch's last ``rem`` batches (sums to ``rem``; dead ranks get 0).
+
+    Fold band (``rem >= sum of alive counts``): each alive rank its full count, and the
+    crumb one batch at a time, round-robin, to the alive non-fastest ranks by ascending
+    count (the fastest is only padded when alone). Sub-window: largest-remainder split by
+    ``counts / total``, then :func:`consolidate_lone_ones`.
+    """
+    ws = len(counts)
+    alloc = [0] * ws
+    total = sum(counts[r] for r in range(ws) if alive[r])
+    if rem <= 0 or total == 0:
+        return alloc
+    if rem >= total:
+        for r in range(ws):
+            if alive[r]:
+                alloc[r] = counts[r]
+        fast = fastest_alive_rank(counts, alive)
+        order = sorted((r for r in range(ws) if alive[r] and r != fast), key=lambda r: counts[r])
+        crumb = rem - total
+        if not order:  # a lone survivor takes the whole remainder
+            alloc[fast] += crumb
+            return alloc
+        for i in range(crumb):
+            alloc[order[i % len(order)]] += 1
+        return alloc
+    frac: list[tuple[int, float]] = []
+    for r in range(ws):
+        if alive[r]:
+            exact = rem * counts[r] / total
+            alloc[r] = math.floor(exact)
+            frac.append((r, exact - alloc[r]))
+    frac.sort(key=lambda rf: -rf[1])
+    for i in range(rem - sum(alloc)):
+        alloc[frac[i % len(frac)][0]] += 1
+    return consolidate_lone_ones(alloc, alive)
+
+
+@dataclass(frozen=True, slots=True)
+class FinalWindowPlan:
+    """A pinned split of an epoch's final window, and the schedule it was pinned under."""
+
+    epoch: int
+    alloc: tuple[int, ...]
+    pinned_counts: tuple[int, ...]
+    pinned_alive: tuple[bool, ...]
+
+
+def refresh_final_window_plan(
+    plan: Optional[FinalWindowPlan],
+    *,
+    epoch: int,
+    remaining_batches: int,
+    counts: Sequence[int],
+    alive: Sequence[bool],
+    barrier_paced: bool,
+) -> Optional[FinalWindowPlan]:
+    """The final-window plan to use now, or None outside the final-window regime (pass
+    ``remaining_batches=0`` when the epoch has no pool).
+
+    The final window is ``0 < rem < sum(alive counts) + ws``. A plan pinned for this epoch
+    under the same counts **and the same alive set** is kept (the live remainder has since
+    drained as ranks took their slots); otherwise it is re-pinned from the live values.
+    Pin it once per window, before sizing the first rank.
+    """
+    if not barrier_paced:
+        return None
+    ws = len(counts)
+    total = sum(counts[r] for r in range(ws) if alive[r])
+    rem = remaining_batches
+    if rem == 0 or total == 0 or rem >= total + ws:
+        return None
+    counts_t, alive_t = tuple(counts), tuple(bool(a) for a in alive)
+    if plan is not None and plan.epoch == epoch and plan.pinned_counts == counts_t:
+        if plan.pinned_alive == alive_t:
+            return plan
+    alloc = tuple(final_window_alloc(rem, counts, alive))
+    return FinalWindowPlan(epoch, alloc, counts_t, alive_t)
+
+
+# --------------------------------------------------------------------------------------
+# Stage advisories
+# --------------------------------------------------------------------------------------
+
+
+def span_layout(span_sizes: Sequence[int]) -> list[Range]:
+    """Contiguous ``(start, len)`` per rank: the reservations a fresh pool would have."""
+    out, at = [], 0
+    for s in span_sizes:
+        out.append((at, s))
+        at += s
+    return out
+
+
+def advisory_spans(
+    reservations: Sequence[Range], rank: int, counts: Sequence[int], batch_size: int
+) -> list[Range]:
+    """Certainty-ordered prefetch list for ``rank``: its own reservation first, then each
+    other rank's tail of one window (``max(counts[o], 1) * bs``), where a steal may land.
+    ``reservations[r]`` is ``pool.reservation(r)`` or :func:`span_layout` for a future epoch.
+    """
+    start, length = reservations[rank]
+    out = [(start, length)] if length > 0 else []
+    for o, (s, n) in enumerate(reservations):
+        if o == rank or n == 0:
+            continue
+        m = min(max(counts[o], 1) * batch_size, n)
+        out.append((s + n - m, m))
+    return out
