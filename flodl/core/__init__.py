@@ -1,0 +1,79 @@
+"""flodl.core: the coordinator's deterministic brain, with no I/O (h11 for our protocol).
+
+    state = initial_state(CoreConfig(world_size=3))
+    state, commands = step(state, RankHello(now=0.0, route=(b"r0",), rank=0, ...))
+
+``step`` is the only entry point. Events carry ``now``; commands are data the shell
+executes in order. Same state + same event => same new state and commands, so a
+journal of events ``replay``s to the same state. ``step`` updates the state in place
+and returns it.
+
+Everything else lives in ``_``-prefixed modules; whatever is listed in ``__all__``
+below is the public API.
+"""
+
+from ._commands import Command, ForgetRank, Notice, OpenRound, Reply, RunFinished, Send
+from ._config import CoreConfig
+from ._errors import LocalViolation, ProtocolViolation, RankViolation
+from ._events import (
+    BatchDone,
+    CheckpointDone,
+    ChunkDone,
+    EvalDone,
+    Event,
+    HeartbeatSeen,
+    IntentRaised,
+    RankExiting,
+    RankExitReported,
+    RankHello,
+    SendFailed,
+    StopRequested,
+    SyncAcked,
+    Tick,
+    from_record,
+    to_record,
+)
+from ._averaging import should_average
+from ._run import FINAL_SCHEDULE_ID
+from ._state import CoordinatorState
+from ._step import initial_state, replay, step
+
+__all__ = [
+    # entry points
+    "initial_state",
+    "step",
+    "replay",
+    "should_average",
+    "CoreConfig",
+    "CoordinatorState",
+    "FINAL_SCHEDULE_ID",
+    # events
+    "Event",
+    "Tick",
+    "RankHello",
+    "BatchDone",
+    "SyncAcked",
+    "ChunkDone",
+    "RankExiting",
+    "HeartbeatSeen",
+    "EvalDone",
+    "CheckpointDone",
+    "IntentRaised",
+    "RankExitReported",
+    "SendFailed",
+    "StopRequested",
+    "to_record",
+    "from_record",
+    # commands
+    "Command",
+    "Send",
+    "Reply",
+    "OpenRound",
+    "ForgetRank",
+    "Notice",
+    "RunFinished",
+    # errors
+    "ProtocolViolation",
+    "RankViolation",
+    "LocalViolation",
+]

@@ -1,0 +1,171 @@
+"""Averaging (Sync policy, bus plane): when a round opens, and when it is done.
+
+Theory of operation
+-------------------
+A round has two phases (``TRANSITIONS``)::
+
+    IDLE --trigger--> PENDING --finish--> IDLE
+                      PENDING --stall---> IDLE   (the run then ends: ReduceStall)
+
+Gate (``should_average``, §5.2 for Sync): fires when no round is pending, the run is
+training, at least one rank is ACTIVE, and every ACTIVE rank either has stepped since
+its window was last folded, or is *idle* (has reported its whole assignment, so it
+cannot step any more) -- and at least one rank has stepped (``any_mover``). The idle
+clause is ours: committed coverage needs the tail of an epoch folded even when
+partitions differ by one batch. The verdict comes with a reason, like torchft's
+``quorum_compute``; the last one is kept in ``rounds.gate_reason``.
+
+Trigger (§5.3 CPU path): ``cycle += 1``; ``OpenRound(cycle, ranks)`` tells the reducer
+whom to expect; ``RequestParams{cycle}`` to each participant, then ``Throttle`` to each
+(Sync's barrier: a rank stops training until ``Update``).
+
+Acks: a ``SyncAcked`` for the open cycle from a participant folds its window: steps up
+to ``step_count`` are folded (``folded_step``), their batches are committed in the
+coverage ledger, and ``step_count - previous folded`` is added to the round's window.
+An ack for another cycle, from a non-participant, or a second ack is ignored (counted).
+
+Finish (``poll``, §5.4-5.5): once every participant still ACTIVE has acked (lost ranks
+are excused -- the reducer was told by ``ForgetRank``), ``version += 1``,
+``global_step += window``, ``Update{version, cycle}`` to each surviving participant,
+then ``SetGlobalStep``. A round pending longer than ``reduce_stall_s`` is a stall:
+``poll`` reports it and ``_run`` ends the run with ``ShutdownWithSave(REDUCE_STALL)``.
+
+Steps are never "reset": the unfolded count is ``last_step - folded_step`` per rank,
+so a batch that lands between a snapshot and its finish is simply folded next time.
+
+``GATES`` maps a policy to its gate; a Cadence/ElChe engine registers its own there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from flodl.wire import pb
+
+from . import _coverage
+from ._commands import Command, OpenRound
+from ._dispatch import dispatcher_for
+from ._errors import LocalViolation
+from ._events import SyncAcked
+from ._state import ACTIVE, IDLE, PENDING, TRAINING, CoordinatorState, RoundState
+
+__all__ = [
+    "TRANSITIONS",
+    "should_average",
+    "GATES",
+    "gate_for",
+    "trigger",
+    "on_ack",
+    "poll",
+    "waiting_for",
+]
+
+TRANSITIONS: dict[tuple[Any, str], Any] = {
+    (IDLE, "trigger"): PENDING,
+    (PENDING, "finish"): IDLE,
+    (PENDING, "stall"): IDLE,
+}
+
+
+def _transition(rs: RoundState, trigger_name: str) -> None:
+    new = TRANSITIONS.get((rs.phase, trigger_name))
+    if new is None:
+        raise LocalViolation(f"round {rs.cycle}: no transition from {rs.phase!r} on {trigger_name!r}")
+    rs.phase = new
+
+
+def should_average(st: CoordinatorState) -> tuple[bool, str]:
+    """Sync gate: (verdict, reason)."""
+    if st.run.phase is not TRAINING:
+        return False, f"run is {st.run.phase!r}"
+    if st.rounds.phase is PENDING:
+        return False, f"round {st.rounds.cycle} pending"
+    alive = st.alive_ranks()
+    if not alive:
+        return False, "no active rank"
+    dispatcher = dispatcher_for(st)
+    any_mover = False
+    for r in alive:
+        if st.unfolded(r) > 0:
+            any_mover = True
+        elif not dispatcher.idle(st, r):
+            return False, f"rank {r} has not stepped since the last average"
+    if not any_mover:
+        return False, "no rank has stepped since the last average"
+    return True, "every active rank stepped or has no work left"
+
+
+GATES: dict[str, Callable[[CoordinatorState], tuple[bool, str]]] = {"sync": should_average}
+
+
+def gate_for(st: CoordinatorState) -> Callable[[CoordinatorState], tuple[bool, str]]:
+    try:
+        return GATES[st.config.policy]
+    except KeyError:
+        raise LocalViolation(f"policy {st.config.policy!r} has no averaging gate yet") from None
+
+
+def trigger(st: CoordinatorState, out: list[Command]) -> None:
+    rs = st.rounds
+    _transition(rs, "trigger")
+    rs.cycle += 1
+    rs.ranks = tuple(st.alive_ranks())
+    rs.acked = {}
+    rs.divergence = {}
+    rs.window_steps = 0
+    rs.opened_at = st.now
+    out.append(OpenRound(rs.cycle, rs.ranks))
+    for r in rs.ranks:
+        st.send(out, r, request_params=pb.Control.RequestParams(cycle=rs.cycle))
+    for r in rs.ranks:
+        st.send(out, r, throttle=pb.Control.Throttle())
+
+
+def on_ack(st: CoordinatorState, ev: SyncAcked) -> None:
+    rs = st.rounds
+    if rs.phase is not PENDING or ev.cycle != rs.cycle or ev.rank not in rs.ranks:
+        st.count_ignored("SyncAcked for a round that is not open")
+        return
+    if ev.rank in rs.acked:
+        st.count_ignored("duplicate SyncAcked")
+        return
+    rec = st.ranks[ev.rank]
+    rs.acked[ev.rank] = ev.step_count
+    rs.window_steps += max(0, ev.step_count - rec.folded_step)
+    rec.folded_step = max(rec.folded_step, ev.step_count)
+    _coverage.commit(st.coverage, ev.rank, ev.step_count)
+    if ev.divergence is not None:
+        rs.divergence[ev.rank] = ev.divergence
+        rec.divergence = ev.divergence
+
+
+def waiting_for(st: CoordinatorState) -> list[int]:
+    """Participants of the open round that are still ACTIVE and have not acked."""
+    rs = st.rounds
+    return [r for r in rs.ranks if st.ranks[r].phase is ACTIVE and r not in rs.acked]
+
+
+def poll(st: CoordinatorState, out: list[Command]) -> Optional[str]:
+    """Finish or stall the open round: returns "finished", "stalled" or None."""
+    rs = st.rounds
+    if rs.phase is not PENDING:
+        return None
+    if not waiting_for(st):
+        _finish(st, out)
+        return "finished"
+    if st.now - rs.opened_at > st.config.reduce_stall_s:
+        _transition(rs, "stall")
+        return "stalled"
+    return None
+
+
+def _finish(st: CoordinatorState, out: list[Command]) -> None:
+    rs = st.rounds
+    _transition(rs, "finish")
+    rs.version += 1
+    rs.global_step += rs.window_steps
+    alive = [r for r in rs.ranks if st.ranks[r].phase is ACTIVE]
+    for r in alive:
+        st.send(out, r, update=pb.Control.Update(version=rs.version, cycle=rs.cycle))
+    for r in alive:
+        st.send(out, r, set_global_step=pb.Control.SetGlobalStep(global_step=rs.global_step))

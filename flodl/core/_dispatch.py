@@ -1,0 +1,222 @@
+"""Dispatch: who trains which positions of each epoch (Sync: equal partitions).
+
+Theory of operation
+-------------------
+An epoch is the permutation ``flodl.shuffle.epoch_permutation(seed, epoch, total)``;
+the coordinator never shuffles, it hands out *position ranges* (§8.1-8.3).
+
+* Geometry: ``epoch_samples`` slices a pass into ``splits`` epochs (the remainder goes
+  one extra pick to the first slices); we run with one slice per pass.
+* Sync partitions: ``equal_sizes`` -- ``total // n`` each, the first ``total % n``
+  ranks one more -- laid out contiguously in rank order. Partitions are computed over
+  the ranks alive when the epoch is first dispatched (a rank lost in an earlier epoch
+  gets no share, so nothing is skipped) and cached per epoch: dispatching the same
+  epoch again reuses the same plans. A rank whose share is 0 gets no ``StartEpoch``.
+* The *assignment* of a rank in an epoch is its plan followed by any extensions, in
+  the order sent. A ``BatchDone`` must lie inside the rank's assignment of its current
+  epoch (``check_batch``), else it is a ``RankViolation`` and changes nothing.
+* ``idle(rank)``: the rank has reported every sample it was assigned. Sync's gate
+  treats an idle rank as ready (it cannot step any more), so the tail of an epoch is
+  still averaged -- and committed -- when partitions differ by one batch.
+* Death (``reassign``): the positions of the lost rank's assignment that are not
+  committed (never trained, or trained in a window that was never folded) are split
+  equally among the survivors in rank order, as ``ExtendPartition{epoch, offset,
+  size}`` -- one command per contiguous range slice. The lost rank's assignment is
+  emptied, so a position always belongs to at most one live rank.
+* Roles: the eval/epoch-callback role is the lowest alive rank;
+  ``SetEpochCallbackRole`` is broadcast at a dispatch whenever it differs from the one
+  last announced (so once, unless the holder dies).
+
+The ``Dispatcher`` protocol is the seam a Cadence/ElChe engine replaces: it owns
+``dispatch_epoch``, ``reassign`` and ``idle``; everything it knows lives in
+``state.dispatch``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+from flodl.wire import pb
+
+from . import _coverage
+from ._commands import Command
+from ._errors import LocalViolation, RankViolation
+from ._events import BatchDone
+from ._state import CoordinatorState
+
+__all__ = [
+    "Dispatcher",
+    "SyncDispatcher",
+    "DISPATCHERS",
+    "dispatcher_for",
+    "epoch_samples",
+    "equal_sizes",
+    "contiguous_plans",
+    "split_ranges",
+    "role_rank",
+    "check_batch",
+    "record_batch",
+]
+
+
+def epoch_samples(total: int, splits: int, epoch: int) -> int:
+    """Size of the ``epoch``-th of ``splits`` contiguous slices of ``total`` (§8.1)."""
+    splits = max(1, splits)
+    i = epoch % splits
+    return total // splits + (1 if i < total % splits else 0)
+
+
+def equal_sizes(n: int, total: int) -> list[int]:
+    """``total // n`` each, the first ``total % n`` get one more (§8.2)."""
+    if n < 1:
+        return []
+    per, extra = divmod(total, n)
+    return [per + (1 if i < extra else 0) for i in range(n)]
+
+
+def contiguous_plans(ranks: list[int], sizes: list[int]) -> dict[int, tuple[int, int]]:
+    """``rank -> (offset, size)`` with offsets cumulative in rank order."""
+    plans, cursor = {}, 0
+    for r, size in zip(ranks, sizes):
+        plans[r] = (cursor, size)
+        cursor += size
+    return plans
+
+
+def split_ranges(ranges: list[tuple[int, int]], n: int) -> list[list[tuple[int, int]]]:
+    """Split the positions of ``ranges`` (in order) into ``n`` equal consecutive slices."""
+    sizes = equal_sizes(n, sum(size for _, size in ranges))
+    out: list[list[tuple[int, int]]] = []
+    queue = list(ranges)
+    for want in sizes:
+        mine: list[tuple[int, int]] = []
+        while want > 0:
+            off, size = queue[0]
+            take = min(want, size)
+            mine.append((off, take))
+            want -= take
+            if take == size:
+                queue.pop(0)
+            else:
+                queue[0] = (off + take, size - take)
+        out.append(mine)
+    return out
+
+
+def role_rank(st: CoordinatorState) -> Optional[int]:
+    """The eval / epoch-callback role: the lowest alive rank (None if none)."""
+    alive = st.alive_ranks()
+    return alive[0] if alive else None
+
+
+def check_batch(st: CoordinatorState, ev: BatchDone) -> None:
+    """Raise ``RankViolation`` unless the batch lies in the rank's current assignment."""
+    if ev.samples < 0 or ev.offset < 0:
+        raise RankViolation(f"rank {ev.rank}: batch with negative offset or samples")
+    cur = st.dispatch.rank_epoch.get(ev.rank)
+    if cur is None or ev.epoch != cur:
+        raise RankViolation(f"rank {ev.rank}: batch of epoch {ev.epoch}, but its current epoch is {cur}")
+    ec = st.coverage.epochs.get(cur)
+    if ec is None or ec.frozen:
+        raise RankViolation(f"rank {ev.rank}: batch of epoch {ev.epoch}, which is already aggregated")
+    if ev.samples == 0:
+        return
+    end = ev.offset + ev.samples
+    for off, size in st.dispatch.assigned.get(cur, {}).get(ev.rank, ()):
+        if off <= ev.offset and end <= off + size:
+            return
+    raise RankViolation(
+        f"rank {ev.rank}: batch [{ev.offset}, {end}) of epoch {ev.epoch} is outside its assignment"
+    )
+
+
+def record_batch(st: CoordinatorState, ev: BatchDone) -> None:
+    per_rank = st.dispatch.reported.setdefault(ev.epoch, {})
+    per_rank[ev.rank] = per_rank.get(ev.rank, 0) + ev.samples
+
+
+class Dispatcher(Protocol):
+    """What the step needs from a dispatcher (Sync now; Cadence/ElChe later)."""
+
+    def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None: ...
+
+    def reassign(self, st: CoordinatorState, rank: int, out: list[Command]) -> None: ...
+
+    def idle(self, st: CoordinatorState, rank: int) -> bool: ...
+
+
+class SyncDispatcher:
+    """Equal contiguous partitions per epoch; a lost rank's remainder is split equally."""
+
+    def plans_for_epoch(self, st: CoordinatorState, epoch: int) -> dict[int, tuple[int, int]]:
+        cached = st.dispatch.plans.get(epoch)
+        if cached is not None:
+            return cached
+        total = epoch_samples(st.total_samples, 1, epoch)
+        if total <= 0:
+            raise LocalViolation("dispatch_epoch requires total_samples > 0")
+        alive = st.alive_ranks()
+        plans = contiguous_plans(alive, equal_sizes(len(alive), total))
+        st.dispatch.plans[epoch] = plans
+        return plans
+
+    def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
+        plans = self.plans_for_epoch(st, epoch)
+        d = st.dispatch
+        role = role_rank(st)
+        if role is not None and role != d.announced_role:
+            for r in st.alive_ranks():
+                st.send(out, r, set_epoch_callback_role=pb.Control.SetEpochCallbackRole(rank=role))
+            d.announced_role = role
+        _coverage.open_epoch(st.coverage, epoch, sum(size for _, size in plans.values()))
+        assigned = d.assigned.setdefault(epoch, {})
+        for r in st.alive_ranks():
+            off, size = plans.get(r, (0, 0))
+            if size == 0:
+                continue
+            plan = pb.EpochPlan(epoch=epoch, partition_offset=off, partition_size=size)
+            st.send(out, r, start_epoch=pb.Control.StartEpoch(plan=plan))
+            assigned[r] = [(off, size)]
+            d.rank_epoch[r] = epoch
+        d.reported.setdefault(epoch, {})
+        d.last_dispatched = epoch
+        d.dispatched_at.setdefault(epoch, st.now)
+
+    def reassign(self, st: CoordinatorState, rank: int, out: list[Command]) -> None:
+        d = st.dispatch
+        epoch = d.rank_epoch.get(rank)
+        if epoch is None or st.coverage.epochs[epoch].frozen:
+            return
+        mine = d.assigned.get(epoch, {}).get(rank, [])
+        remainder = _coverage.uncommitted(st.coverage, epoch, mine)
+        d.assigned[epoch][rank] = []
+        survivors = st.alive_ranks()
+        if not remainder or not survivors:
+            return
+        for r, ranges in zip(survivors, split_ranges(remainder, len(survivors))):
+            for off, size in ranges:
+                ext = pb.Control.ExtendPartition(epoch=epoch, partition_offset=off, partition_size=size)
+                st.send(out, r, extend_partition=ext)
+                d.assigned[epoch].setdefault(r, []).append((off, size))
+                d.extensions += 1
+            if ranges:
+                d.rank_epoch[r] = epoch
+
+    def idle(self, st: CoordinatorState, rank: int) -> bool:
+        d = st.dispatch
+        epoch = d.rank_epoch.get(rank)
+        if epoch is None:
+            return True
+        owed = sum(size for _, size in d.assigned.get(epoch, {}).get(rank, ()))
+        return d.reported.get(epoch, {}).get(rank, 0) >= owed
+
+
+SYNC = SyncDispatcher()
+DISPATCHERS: dict[str, Dispatcher] = {"sync": SYNC}
+
+
+def dispatcher_for(st: CoordinatorState) -> Dispatcher:
+    try:
+        return DISPATCHERS[st.config.policy]
+    except KeyError:
+        raise LocalViolation(f"policy {st.config.policy!r} has no dispatcher yet") from None

@@ -1,0 +1,205 @@
+"""Membership and liveness: who is in the run, and who is still alive.
+
+Theory of operation
+-------------------
+Each rank slot has a phase. The moves are a table (``TRANSITIONS``); ``transition``
+refuses any move not in it with a ``LocalViolation`` naming the phase and trigger::
+
+    VACANT  --admit-->  JOINING  --form-->  ACTIVE
+    JOINING --lost/leave--> VACANT          (before the world forms the slot reopens)
+    ACTIVE  --lost-->   DEAD                (silence, crash, unroutable)
+    ACTIVE  --leave-->  LEFT                (clean exit)
+
+DEAD and LEFT are terminal: the slot is never addressed again (``CoordinatorState.send``
+refuses), and the shell is told once with ``ForgetRank``. Rejoining a running world is
+not supported; such a hello is refused with a reason.
+
+Admission (``refusal``) checks, in this order, each refusal naming its cause:
+rank range, world size, rank already admitted (another route or incarnation while the
+rank is alive) or already gone, model signature (the first admitted rank's), dataset
+length (the cohort's, or ``config.total_samples`` when > 0), dataset length >= 1.
+A hello from the same route and incarnation as the admitted rank is a retransmit and
+is answered ``accepted`` again (idempotent).
+
+Liveness: every frame from a rank refreshes ``last_seen`` (monotone: a replayed old
+frame cannot move it back). On ``Tick``, an addressable rank silent for *strictly* more
+than ``liveness_timeout_s`` is lost with reason ``"heartbeat stale (>Ts)"``. The
+coordinator's own beacon (``CoordHeartbeat``) goes to every addressable rank at most
+once per ``heartbeat_interval_s``; JOINING ranks get it too, so a rank waiting for a
+slow world does not time the coordinator out.
+
+An agent's exit report: a signal or a non-zero code is a loss naming it; code 0 is a
+loss ("exited without Shutdown") unless Shutdown was already sent (SHUTTING_DOWN or
+STOPPING), when it is a clean leave -- the agent's report travels on another socket and
+can overtake the rank's own ``RankExiting``.
+
+This module decides *that* a rank is gone; ``_step.forget_rank`` applies the
+consequences everywhere (coverage, dispatch, averaging).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from flodl.wire import pb
+
+from ._commands import Command, Reply
+from ._errors import LocalViolation
+from ._events import RankHello
+from ._state import (
+    ACTIVE,
+    DEAD,
+    FORMING,
+    JOINING,
+    LEFT,
+    SHUTTING_DOWN,
+    STOPPING,
+    TRAINING,
+    VACANT,
+    CoordinatorState,
+    RankRecord,
+)
+
+__all__ = [
+    "TRANSITIONS",
+    "transition",
+    "refusal",
+    "on_hello",
+    "touch",
+    "stale_ranks",
+    "beacon",
+    "exit_reason",
+    "run_spec",
+]
+
+TRANSITIONS: dict[tuple[Any, str], Any] = {
+    (VACANT, "admit"): JOINING,
+    (JOINING, "form"): ACTIVE,
+    (JOINING, "lost"): VACANT,
+    (JOINING, "leave"): VACANT,
+    (ACTIVE, "lost"): DEAD,
+    (ACTIVE, "leave"): LEFT,
+}
+
+_POLICY = {"sync": pb.POLICY_SYNC, "cadence": pb.POLICY_CADENCE, "async": pb.POLICY_ASYNC}
+_PLANE = {"bus": pb.PLANE_BUS, "collective": pb.PLANE_COLLECTIVE}
+
+
+def transition(rec: RankRecord, trigger: str) -> None:
+    new = TRANSITIONS.get((rec.phase, trigger))
+    if new is None:
+        raise LocalViolation(f"rank {rec.rank}: no transition from {rec.phase!r} on {trigger!r}")
+    rec.phase = new
+
+
+def _sig(b: bytes) -> str:
+    return b.hex()[:12] or "<empty>"
+
+
+def refusal(st: CoordinatorState, ev: RankHello) -> Optional[str]:
+    """Why this hello must be refused, or None to admit it (or re-ack a retransmit)."""
+    cfg = st.config
+    if st.run.phase is not FORMING and st.run.phase is not TRAINING:
+        return f"run is not admitting ranks ({st.run.phase!r})"
+    if not 0 <= ev.rank < cfg.world_size:
+        return f"rank {ev.rank} out of range [0, {cfg.world_size})"
+    if ev.world_size != cfg.world_size:
+        return f"world_size {ev.world_size} differs from the coordinator's {cfg.world_size}"
+    rec = st.ranks[ev.rank]
+    if rec.phase is JOINING or rec.phase is ACTIVE:
+        if rec.route != ev.route or rec.incarnation != ev.incarnation:
+            return (
+                f"rank {ev.rank} already admitted from another route or incarnation"
+                f" (incarnation {rec.incarnation}, host {rec.host or '?'})"
+            )
+        return None  # a retransmit of the admitted hello
+    if rec.phase is DEAD or rec.phase is LEFT:
+        return f"rank {ev.rank} already left the run ({rec.phase!r}: {rec.reason}); rejoin is not supported"
+    if st.cohort_sig is not None and ev.model_sig != st.cohort_sig:
+        return f"model signature differs from the cohort's ({_sig(ev.model_sig)} vs {_sig(st.cohort_sig)})"
+    if cfg.total_samples > 0 and ev.dataset_len != cfg.total_samples:
+        return f"dataset_len {ev.dataset_len} differs from total_samples {cfg.total_samples}"
+    if st.cohort_len is not None and ev.dataset_len != st.cohort_len:
+        return f"dataset_len {ev.dataset_len} differs from the cohort's {st.cohort_len}"
+    if ev.dataset_len < 1:
+        return f"dataset_len {ev.dataset_len} < 1"
+    return None
+
+
+def run_spec(st: CoordinatorState, dataset_len: int) -> pb.RunSpec:
+    cfg = st.config
+    return pb.RunSpec(
+        world_size=cfg.world_size,
+        total_samples=cfg.total_samples or st.cohort_len or dataset_len,
+        batch_size=cfg.batch_size,
+        num_epochs=cfg.num_epochs,
+        seed=cfg.seed,
+        policy=_POLICY[cfg.policy],
+        plane=_PLANE[cfg.plane],
+        gamma=cfg.gamma,
+        easgd_alpha=cfg.easgd_alpha,
+        bf16_wire=cfg.bf16_wire,
+        heartbeat_interval_s=cfg.heartbeat_interval_s,
+        liveness_timeout_s=cfg.liveness_timeout_s,
+        start_epoch=0,
+    )
+
+
+def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
+    """Admit, re-ack or refuse. World formation is ``_run``'s move, not ours."""
+    reason = refusal(st, ev)
+    if reason is not None:
+        out.append(Reply(ev.route, pb.HelloAck(accepted=False, reason=reason)))
+        return
+    rec = st.ranks[ev.rank]
+    if rec.phase is VACANT:
+        transition(rec, "admit")
+        rec.route, rec.incarnation = ev.route, ev.incarnation
+        rec.host, rec.pid, rec.reason = ev.host, ev.pid, ""
+        rec.last_seen = ev.now
+        if st.cohort_sig is None:
+            st.cohort_sig, st.cohort_len = ev.model_sig, ev.dataset_len
+    else:
+        st.count_ignored("hello retransmit")
+        touch(st, ev.rank, ev.now)
+    out.append(Reply(ev.route, pb.HelloAck(accepted=True, run=run_spec(st, ev.dataset_len))))
+
+
+def touch(st: CoordinatorState, rank: int, now: float) -> None:
+    rec = st.ranks[rank]
+    if now > rec.last_seen:
+        rec.last_seen = now
+
+
+def stale_ranks(st: CoordinatorState, now: float) -> list[tuple[int, str]]:
+    """Addressable ranks silent for strictly more than the liveness timeout."""
+    t = st.config.liveness_timeout_s
+    return [
+        (r, f"heartbeat stale (>{t:g}s)")
+        for r in st.addressable_ranks()
+        if now - st.ranks[r].last_seen > t
+    ]
+
+
+def beacon(st: CoordinatorState, now: float, out: list[Command]) -> None:
+    """``CoordHeartbeat`` to every addressable rank, at most once per interval."""
+    targets = st.addressable_ranks()
+    if not targets:
+        return
+    if st.last_beacon is not None and now - st.last_beacon < st.config.heartbeat_interval_s:
+        return
+    st.beats += 1
+    st.last_beacon = now
+    for r in targets:
+        st.send(out, r, coord_heartbeat=pb.Control.CoordHeartbeat(beat=st.beats))
+
+
+def exit_reason(st: CoordinatorState, rank: int, code: int) -> tuple[str, str]:
+    """(trigger, reason) for an agent's exit report of an addressable rank."""
+    if code < 0:
+        return "lost", f"killed by signal {-code}"
+    if code > 0:
+        return "lost", f"exited with code {code}"
+    if st.run.phase is SHUTTING_DOWN or st.run.phase is STOPPING:
+        return "leave", "exited after Shutdown"
+    return "lost", "exited without Shutdown (code 0)"

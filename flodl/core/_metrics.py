@@ -1,0 +1,172 @@
+"""Metrics: per-epoch aggregation of ``ChunkDone`` reports (§11.1-11.2).
+
+Theory of operation
+-------------------
+Each ``ChunkDone`` is buffered under its epoch and rank (a repeated ``chunk_seq`` is a
+duplicate and ignored; one for an epoch already aggregated is late and counted).
+
+An epoch is *ready* when every ACTIVE rank that was assigned work in it (a plan or an
+extension) has reported at least one ``ChunkDone`` for it, and its coverage is
+complete (every position committed). Epochs aggregate in order; a ready epoch is
+aggregated exactly once: ``EpochAggregated{metrics}`` to every ACTIVE rank, a
+``Notice("epoch", ...)`` for the operator log, its coverage bitmap is released, and
+a row is kept for the run summary. The notice carries the epoch, its loss, per-rank
+samples/s, wall time since dispatch, coverage and each rank's latest divergence.
+
+The math (``aggregate``, scenario 51), per rank summed over its chunks, then cohort:
+
+* ``avg_loss`` = Σ loss·batches / Σ batches (0 when no batch);
+* ``epoch_ms`` = max over ranks of the rank's summed ``epoch_ms``;
+* ``per_rank_throughput`` = samples / (share_complete_ms if > 0 else epoch_ms) · 1000,
+  in samples per second (0 when the denominator is 0);
+* ``per_rank[r][k]`` = sum/count of scalar ``k`` (0 when count is 0); ``scalars[k]`` =
+  the batch-weighted mean of the per-rank means over ranks with count > 0;
+* ``per_rank_batch_share`` = batches / Σ batches (equal shares when Σ is 0);
+* ``per_rank_loss`` = the rank's batch-weighted loss, None when it trained nothing
+  (0.0 on the wire, where the field is a plain float).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flodl.wire import pb
+
+from . import _coverage
+from ._commands import Command, Notice
+from ._errors import RankViolation
+from ._events import ChunkDone
+from ._state import ACTIVE, CoordinatorState
+
+__all__ = ["check_chunk", "on_chunk", "aggregate", "to_pb", "is_ready", "aggregate_ready"]
+
+
+def check_chunk(st: CoordinatorState, ev: ChunkDone) -> None:
+    if ev.epoch not in st.dispatch.assigned:
+        raise RankViolation(f"rank {ev.rank}: ChunkDone for epoch {ev.epoch}, which was never dispatched")
+    if ev.batches < 0 or ev.samples < 0:
+        raise RankViolation(f"rank {ev.rank}: ChunkDone with negative counts")
+
+
+def on_chunk(st: CoordinatorState, ev: ChunkDone) -> None:
+    last = st.metrics.last_aggregated
+    if last is not None and ev.epoch <= last:
+        st.metrics.late_chunks += 1
+        st.count_ignored("ChunkDone for an aggregated epoch")
+        return
+    mine = st.metrics.chunks.setdefault(ev.epoch, {}).setdefault(ev.rank, [])
+    if any(c.chunk_seq == ev.chunk_seq for c in mine):
+        st.count_ignored("duplicate ChunkDone")
+        return
+    mine.append(ev)
+
+
+def _rank_totals(chunks: list[ChunkDone]) -> dict[str, Any]:
+    t: dict[str, Any] = {"batches": 0, "samples": 0, "loss_b": 0.0, "epoch_ms": 0.0, "share_ms": 0.0}
+    scal: dict[str, list[float]] = {}
+    for c in chunks:
+        t["batches"] += c.batches
+        t["samples"] += c.samples
+        t["loss_b"] += c.avg_loss * c.batches
+        t["epoch_ms"] += c.epoch_ms
+        t["share_ms"] += c.share_complete_ms
+        for name, s, n in c.scalars:
+            acc = scal.setdefault(name, [0.0, 0])
+            acc[0] += s
+            acc[1] += n
+    t["scalars"] = scal
+    return t
+
+
+def aggregate(epoch: int, chunks: dict[int, list[ChunkDone]], world_size: int) -> dict[str, Any]:
+    """The epoch's metrics as a JSON-safe dict (see the module docstring)."""
+    tot = [_rank_totals(chunks.get(r, [])) for r in range(world_size)]
+    all_b = sum(t["batches"] for t in tot)
+    names = sorted({k for t in tot for k in t["scalars"]})
+    per_rank = [
+        {k: (t["scalars"][k][0] / t["scalars"][k][1] if t["scalars"].get(k, [0, 0])[1] else 0.0) for k in names}
+        for t in tot
+    ]
+    scalars = {}
+    for k in names:
+        have = [r for r, t in enumerate(tot) if t["scalars"].get(k, [0, 0])[1] > 0]
+        w = sum(tot[r]["batches"] for r in have)
+        if w > 0:
+            scalars[k] = sum(tot[r]["batches"] * per_rank[r][k] for r in have) / w
+        else:
+            scalars[k] = sum(per_rank[r][k] for r in have) / len(have)
+    thr = []
+    for t in tot:
+        denom = t["share_ms"] if t["share_ms"] > 0 else t["epoch_ms"]
+        thr.append(t["samples"] / denom * 1000.0 if denom > 0 else 0.0)
+    return {
+        "epoch": epoch,
+        "avg_loss": sum(t["loss_b"] for t in tot) / all_b if all_b else 0.0,
+        "epoch_ms": max((t["epoch_ms"] for t in tot), default=0.0),
+        "per_rank_throughput": thr,
+        "per_rank_batch_share": [
+            (t["batches"] / all_b if all_b else 1.0 / world_size) for t in tot
+        ],
+        "per_rank_loss": [(t["loss_b"] / t["batches"] if t["batches"] else None) for t in tot],
+        "per_rank_samples": [t["samples"] for t in tot],
+        "per_rank_batches": [t["batches"] for t in tot],
+        "scalars": scalars,
+        "per_rank": per_rank,
+    }
+
+
+def to_pb(m: dict[str, Any]) -> pb.EpochMetrics:
+    return pb.EpochMetrics(
+        epoch=m["epoch"],
+        scalars=m["scalars"],
+        per_rank=[pb.ScalarMap(values=v) for v in m["per_rank"]],
+        avg_loss=m["avg_loss"],
+        epoch_ms=m["epoch_ms"],
+        per_rank_throughput=m["per_rank_throughput"],
+        per_rank_batch_share=m["per_rank_batch_share"],
+        per_rank_loss=[x if x is not None else 0.0 for x in m["per_rank_loss"]],
+        per_rank_samples=m["per_rank_samples"],
+        per_rank_batches=m["per_rank_batches"],
+    )
+
+
+def is_ready(st: CoordinatorState, epoch: int) -> bool:
+    assigned = st.dispatch.assigned.get(epoch)
+    if assigned is None or not _coverage.is_complete(st.coverage, epoch):
+        return False
+    got = st.metrics.chunks.get(epoch, {})
+    for r, ranges in assigned.items():
+        if st.ranks[r].phase is ACTIVE and ranges and not got.get(r):
+            return False
+    return True
+
+
+def aggregate_ready(st: CoordinatorState, out: list[Command]) -> bool:
+    """Aggregate the next epoch if it is ready; True if it did."""
+    last = st.metrics.last_aggregated
+    epoch = 0 if last is None else last + 1
+    if not is_ready(st, epoch):
+        return False
+    m = aggregate(epoch, st.metrics.chunks.pop(epoch, {}), st.config.world_size)
+    metrics = to_pb(m)
+    for r in st.alive_ranks():
+        st.send(out, r, epoch_aggregated=pb.Control.EpochAggregated(metrics=metrics))
+    _coverage.freeze(st.coverage, epoch)
+    st.metrics.last_aggregated = epoch
+    row = {k: m[k] for k in ("epoch", "avg_loss", "epoch_ms", "per_rank_throughput")}
+    st.metrics.history.append(row)
+    wall = st.now - st.dispatch.dispatched_at.get(epoch, st.now)
+    out.append(
+        Notice(
+            "epoch",
+            {
+                "epoch": epoch,
+                "avg_loss": m["avg_loss"],
+                "samples_per_s": m["per_rank_throughput"],
+                "wall_s": wall,
+                "coverage": _coverage.epoch_summary(st.coverage.epochs[epoch]),
+                "divergence": [rec.divergence for rec in st.ranks],
+            },
+        )
+    )
+    return True

@@ -1,0 +1,258 @@
+"""The coordinator's state: small records, one per concern, composed in one object.
+
+Theory of operation
+-------------------
+``CoordinatorState`` is plain data. Each concern owns one record and the module of the
+same name is the only code that writes it:
+
+=================  ===================  ==============================================
+record             module               what it knows
+=================  ===================  ==============================================
+``RankRecord``     ``_membership``      phase, route, liveness, per-rank counters
+``DispatchState``  ``_dispatch``        plans, assignments (plan + extensions), roles
+``RoundState``     ``_averaging``       cycle, version, global step, the open round
+``CoverageState``  ``_coverage``        committed positions per epoch, pending batches
+``MetricsState``   ``_metrics``         ChunkDone buffers, aggregated epochs
+``RunState``       ``_run``             run phase, final eval, stop/finish outcome
+=================  ===================  ==============================================
+
+Phases are sentinels (h11 style): classes whose repr is their own name, compared with
+``is``. They survive ``copy.deepcopy`` and compare equal after a replay.
+
+The state is mutated in place by ``step`` (ARCHITECTURE §3 allows it: the core owns
+it and nothing outside writes it). Equality is structural, so a replayed state compares
+``==`` to the original. Nothing in here holds a protobuf message: commands are built
+from these values when they are emitted, and numbered by ``next_command_id``.
+
+``send`` is the single place a ``Send`` is made: it refuses (``LocalViolation``) to
+address a rank that is not JOINING or ACTIVE, so "no command to a DEAD or LEFT rank"
+is enforced where commands are born, not hoped for downstream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from flodl.wire import pb
+
+from ._commands import Command, Send
+from ._config import CoreConfig
+from ._errors import LocalViolation
+
+__all__ = [
+    "Sentinel",
+    "VACANT",
+    "JOINING",
+    "ACTIVE",
+    "DEAD",
+    "LEFT",
+    "IDLE",
+    "PENDING",
+    "FORMING",
+    "TRAINING",
+    "FINAL_EVAL",
+    "SHUTTING_DOWN",
+    "STOPPING",
+    "FINISHED",
+    "RankRecord",
+    "DispatchState",
+    "RoundState",
+    "EpochCoverage",
+    "CoverageState",
+    "MetricsState",
+    "FinalEval",
+    "RunState",
+    "CoordinatorState",
+]
+
+
+class Sentinel(type):
+    """A class that is its own instance, printing as its name (h11's ``_util.Sentinel``)."""
+
+    def __new__(cls, name, bases, namespace, **kwds):
+        assert bases == (Sentinel,)
+        v = super().__new__(cls, name, bases, namespace, **kwds)
+        v.__class__ = v
+        return v
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
+# Rank membership phases (table in _membership.TRANSITIONS).
+class VACANT(Sentinel, metaclass=Sentinel): """No admitted process holds this rank."""
+class JOINING(Sentinel, metaclass=Sentinel): """Admitted; waiting for the world to form."""
+class ACTIVE(Sentinel, metaclass=Sentinel): """In the formed world, alive."""
+class DEAD(Sentinel, metaclass=Sentinel): """Lost (silence, crash, unroutable). Terminal."""
+class LEFT(Sentinel, metaclass=Sentinel): """Exited cleanly. Terminal, not a failure."""
+
+
+# Averaging-round phases (table in _averaging.TRANSITIONS).
+class IDLE(Sentinel, metaclass=Sentinel): """No round open."""
+class PENDING(Sentinel, metaclass=Sentinel): """Round open; waiting for SyncAcks."""
+
+
+# Run phases (table in _run.TRANSITIONS).
+class FORMING(Sentinel, metaclass=Sentinel): """Admitting ranks until world_size are in."""
+class TRAINING(Sentinel, metaclass=Sentinel): """Epochs being dispatched and averaged."""
+class FINAL_EVAL(Sentinel, metaclass=Sentinel): """Final canonical eval sent; waiting for it."""
+class SHUTTING_DOWN(Sentinel, metaclass=Sentinel): """Shutdown sent; waiting for exits."""
+class STOPPING(Sentinel, metaclass=Sentinel): """Operator stop; waiting for exits."""
+class FINISHED(Sentinel, metaclass=Sentinel): """RunFinished emitted. Terminal."""
+
+
+@dataclass(slots=True)
+class RankRecord:
+    rank: int
+    phase: Any = VACANT
+    route: tuple[bytes, ...] = ()
+    incarnation: int = 0
+    host: str = ""
+    pid: int = 0
+    last_seen: float = 0.0
+    reason: str = ""  # why DEAD or LEFT (or why last vacated)
+    # Training counters (monotone; never reset).
+    last_step: int = 0  # highest step_count reported by a BatchDone
+    folded_step: int = 0  # highest step_count folded into a consensus (SyncAcked)
+    batches: int = 0
+    samples: int = 0
+    param_digest: str = ""
+    divergence: Optional[float] = None  # from the latest SyncAcked
+
+
+@dataclass(slots=True)
+class DispatchState:
+    # epoch -> rank -> (offset, size): the cached equal plans (§8.2).
+    plans: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    # epoch -> rank -> ranges the rank owns (its plan, then extensions, in order).
+    assigned: dict[int, dict[int, list[tuple[int, int]]]] = field(default_factory=dict)
+    # epoch -> rank -> samples it reported trained (BatchDone) in that epoch.
+    reported: dict[int, dict[int, int]] = field(default_factory=dict)
+    rank_epoch: dict[int, int] = field(default_factory=dict)
+    last_dispatched: Optional[int] = None
+    dispatched_at: dict[int, float] = field(default_factory=dict)
+    announced_role: Optional[int] = None  # last SetEpochCallbackRole broadcast
+    extensions: int = 0  # ExtendPartition commands sent (diagnostics)
+
+
+@dataclass(slots=True)
+class RoundState:
+    phase: Any = IDLE
+    cycle: int = 0
+    version: int = 0  # finished rounds (the Update.version)
+    global_step: int = 0
+    ranks: tuple[int, ...] = ()  # the open round's participants
+    acked: dict[int, int] = field(default_factory=dict)  # rank -> step_count acked
+    opened_at: float = 0.0
+    window_steps: int = 0  # steps folded by the acks of the open round
+    divergence: dict[int, float] = field(default_factory=dict)
+    gate_reason: str = ""  # why the gate last said no (or yes)
+
+
+@dataclass(slots=True)
+class EpochCoverage:
+    epoch: int
+    expected: int
+    committed: bytearray  # 1 per committed position; released (emptied) once frozen
+    unique: int = 0
+    trained: int = 0  # committed count, duplicates included
+    duplicates: int = 0
+    discarded: int = 0  # trained by a rank that died before its window was folded
+    frozen: bool = False
+
+
+@dataclass(slots=True)
+class CoverageState:
+    epochs: dict[int, EpochCoverage] = field(default_factory=dict)
+    # rank -> [(epoch, offset, samples, step_count)], in step order, not yet committed.
+    pending: dict[int, list[tuple[int, int, int, int]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class MetricsState:
+    # epoch -> rank -> [ChunkDone], in arrival order.
+    chunks: dict[int, dict[int, list[Any]]] = field(default_factory=dict)
+    last_aggregated: Optional[int] = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    late_chunks: int = 0
+
+
+@dataclass(slots=True)
+class FinalEval:
+    target: int
+    sent_at: float
+    answered: bool = False
+    accuracy: Optional[float] = None
+    error: Optional[str] = None
+
+
+@dataclass(slots=True)
+class RunState:
+    phase: Any = FORMING
+    formed_at: Optional[float] = None
+    final_eval: Optional[FinalEval] = None
+    deadline: Optional[float] = None  # SHUTTING_DOWN / STOPPING: give up waiting at
+    stop_reason: str = ""
+    ok: Optional[bool] = None
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class CoordinatorState:
+    config: CoreConfig
+    ranks: list[RankRecord]
+    dispatch: DispatchState = field(default_factory=DispatchState)
+    rounds: RoundState = field(default_factory=RoundState)
+    coverage: CoverageState = field(default_factory=CoverageState)
+    metrics: MetricsState = field(default_factory=MetricsState)
+    run: RunState = field(default_factory=RunState)
+    cohort_sig: Optional[bytes] = None
+    cohort_len: Optional[int] = None
+    last_beacon: Optional[float] = None
+    beats: int = 0
+    now: float = 0.0  # the latest event time seen
+    next_command_id: int = 1
+    ignored: dict[str, int] = field(default_factory=dict)  # benign drops, by cause
+
+    # -- queries ---------------------------------------------------------------------
+
+    @property
+    def total_samples(self) -> int:
+        """The epoch size: the configured one, else the cohort's dataset length."""
+        return self.config.total_samples or (self.cohort_len or 0)
+
+    def route_of(self, rank: int) -> Optional[tuple[bytes, ...]]:
+        """The ZeroMQ route of an addressable rank (JOINING or ACTIVE), else None."""
+        if 0 <= rank < len(self.ranks) and self.addressable(rank):
+            return self.ranks[rank].route
+        return None
+
+    def addressable(self, rank: int) -> bool:
+        return self.ranks[rank].phase is JOINING or self.ranks[rank].phase is ACTIVE
+
+    def alive_ranks(self) -> list[int]:
+        """ACTIVE ranks in ascending order: the formed world's survivors."""
+        return [r.rank for r in self.ranks if r.phase is ACTIVE]
+
+    def addressable_ranks(self) -> list[int]:
+        return [r.rank for r in self.ranks if r.phase is JOINING or r.phase is ACTIVE]
+
+    def unfolded(self, rank: int) -> int:
+        """Steps the rank reported that no consensus has folded in yet."""
+        rec = self.ranks[rank]
+        return max(0, rec.last_step - rec.folded_step)
+
+    # -- the one place commands addressed to a rank are made --------------------------
+
+    def send(self, out: list[Command], rank: int, **cmd: Any) -> None:
+        """Append ``Send(rank, Control(command_id=next, **cmd))``."""
+        if not (0 <= rank < len(self.ranks)) or not self.addressable(rank):
+            phase = self.ranks[rank].phase if 0 <= rank < len(self.ranks) else "no such rank"
+            raise LocalViolation(f"refusing to address rank {rank} ({phase!r})")
+        ctl = pb.Control(command_id=self.next_command_id, **cmd)
+        self.next_command_id += 1
+        out.append(Send(rank, ctl))
+
+    def count_ignored(self, cause: str) -> None:
+        self.ignored[cause] = self.ignored.get(cause, 0) + 1

@@ -1,0 +1,123 @@
+"""Coverage ledger: pending -> committed on ack, duplicates, discards, remainders."""
+
+from flodl.core._coverage import (
+    commit,
+    discard,
+    epoch_summary,
+    freeze,
+    is_complete,
+    open_epoch,
+    record_batch,
+    summary,
+    uncommitted,
+)
+from flodl.core._state import CoverageState
+
+from .cluster import Cluster
+
+
+def _ledger(expected=20):
+    cov = CoverageState()
+    open_epoch(cov, 0, expected)
+    return cov
+
+
+def test_record_batch_is_pending_until_committed():
+    cov = _ledger()
+    record_batch(cov, 1, 0, 0, 4, step=1, folded=0)
+    assert cov.pending[1] == [(0, 0, 4, 1)]
+    assert cov.epochs[0].unique == 0
+
+
+def test_commit_takes_batches_up_to_the_acked_step():
+    cov = _ledger()
+    record_batch(cov, 1, 0, 0, 4, step=1, folded=0)
+    record_batch(cov, 1, 0, 4, 4, step=2, folded=0)
+    record_batch(cov, 1, 0, 8, 4, step=3, folded=0)
+    assert commit(cov, 1, 2) == 8
+    assert cov.pending[1] == [(0, 8, 4, 3)]
+    ec = cov.epochs[0]
+    assert (ec.unique, ec.trained, ec.duplicates) == (8, 8, 0)
+
+
+def test_commit_of_committed_position_counts_duplicate():
+    cov = _ledger()
+    record_batch(cov, 0, 0, 0, 4, step=1, folded=0)
+    commit(cov, 0, 1)
+    record_batch(cov, 1, 0, 2, 4, step=1, folded=0)
+    commit(cov, 1, 1)
+    ec = cov.epochs[0]
+    assert (ec.unique, ec.trained, ec.duplicates) == (6, 8, 2)
+
+
+def test_record_batch_already_folded_commits_at_once():
+    cov = _ledger()
+    record_batch(cov, 0, 0, 0, 4, step=2, folded=3)
+    assert cov.epochs[0].unique == 4
+    assert not cov.pending.get(0)
+
+
+def test_record_batch_of_zero_samples_is_nothing():
+    cov = _ledger()
+    record_batch(cov, 0, 0, 0, 0, step=1, folded=0)
+    assert not cov.pending.get(0)
+
+
+def test_discard_counts_trained_and_thrown_away():
+    cov = _ledger()
+    record_batch(cov, 2, 0, 10, 4, step=5, folded=0)
+    record_batch(cov, 2, 0, 14, 2, step=6, folded=0)
+    assert discard(cov, 2) == 6
+    assert cov.epochs[0].discarded == 6
+    assert 2 not in cov.pending
+    assert discard(cov, 2) == 0
+
+
+def test_uncommitted_returns_holes_as_contiguous_ranges():
+    cov = _ledger()
+    record_batch(cov, 0, 0, 2, 3, step=1, folded=0)
+    record_batch(cov, 0, 0, 8, 1, step=2, folded=0)
+    commit(cov, 0, 2)
+    assert uncommitted(cov, 0, [(0, 10)]) == [(0, 2), (5, 3), (9, 1)]
+    assert uncommitted(cov, 0, [(2, 3)]) == []
+    assert uncommitted(cov, 0, [(12, 3), (0, 1)]) == [(12, 3), (0, 1)]
+
+
+def test_is_complete_and_summary():
+    cov = _ledger(6)
+    record_batch(cov, 0, 0, 0, 6, step=1, folded=0)
+    assert not is_complete(cov, 0)
+    assert epoch_summary(cov.epochs[0])["missing"] == 6
+    commit(cov, 0, 1)
+    assert is_complete(cov, 0)
+    assert summary(cov) == [
+        {"epoch": 0, "expected": 6, "trained": 6, "duplicates": 0, "missing": 0, "discarded": 0}
+    ]
+    assert not is_complete(cov, 1)
+
+
+def test_freeze_releases_bitmap_and_keeps_counters():
+    cov = _ledger(4)
+    record_batch(cov, 0, 0, 0, 4, step=1, folded=0)
+    commit(cov, 0, 1)
+    record_batch(cov, 1, 0, 0, 2, step=1, folded=0)  # a re-trained, never-folded batch
+    freeze(cov, 0)
+    ec = cov.epochs[0]
+    assert ec.frozen and len(ec.committed) == 0
+    assert (ec.unique, ec.trained, ec.duplicates) == (4, 6, 2)
+    assert cov.pending[1] == []
+
+
+def test_e2e_committed_means_acked():
+    # Nothing is committed before the first round finishes; everything is after the run.
+    c = Cluster(world_size=2, total=16, batch_size=4, epochs=1)
+    c.join_all()
+    for r in (0, 1):
+        while c.deliver_one(r):
+            pass
+        c.train_one(r)
+    assert c.state.coverage.epochs[0].unique == 0
+    res = c.run()
+    assert res.summary["coverage"] == [
+        {"epoch": 0, "expected": 16, "trained": 16, "duplicates": 0, "missing": 0, "discarded": 0}
+    ]
