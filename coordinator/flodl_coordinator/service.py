@@ -366,13 +366,30 @@ class CoordinatorService:
             return False
 
     def _notice(self, cmd: Notice) -> None:
-        decisions.info(json.dumps({"kind": cmd.kind, **cmd.data}, sort_keys=True, default=str))
+        decisions.debug(json.dumps({"kind": cmd.kind, **cmd.data}, sort_keys=True, default=str))
         self.status.notice(cmd)
+        log.info("%s", _human(cmd, self.config.num_epochs))
 
     def _journal_write(self, record: dict) -> None:
         if self._journal is not None:
             self._journal.write(json.dumps(record, sort_keys=True) + "\n")
             self._journal.flush()
+
+
+def _human(cmd: Notice, epochs: int) -> str:
+    """One readable progress line per decision (the JSON record goes to flodl.decisions)."""
+    d = cmd.data
+    if cmd.kind == "epoch":
+        rates = "  ".join(f"r{i} {x:,.0f}/s" for i, x in enumerate(d.get("samples_per_s", [])))
+        cov = d.get("coverage", {})
+        return (
+            f"epoch {d.get('epoch', 0) + 1}/{epochs}  loss {d.get('avg_loss', float('nan')):.4f}  "
+            f"wall {d.get('wall_s', 0):.2f}s  rate {rates}  "
+            f"coverage {cov.get('trained')}/{cov.get('expected')} dup {cov.get('duplicates')} "
+            f"missing {cov.get('missing')}"
+        )
+    fields = " ".join(f"{k}={v}" for k, v in sorted(d.items()))
+    return f"{cmd.kind}: {fields}"
 
 
 def _route_str(route: tuple) -> str:

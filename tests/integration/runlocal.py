@@ -1,0 +1,44 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_local(tmp_path: Path, *args: str, timeout: float = 240, port: int | None = None):
+    """Run `flodl run --local ...`; return (completed process, summary dict or None, trace dir)."""
+    summary = tmp_path / "summary.json"
+    trace = tmp_path / "trace"
+    trace.mkdir(exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "flodl", "run", "--local",
+        "--summary", str(summary), "--trace-dir", str(trace), "--port", str(port or 0), *args,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    data = json.loads(summary.read_text()) if summary.exists() else None
+    return proc, data, trace
+
+
+def traced_counts(trace: Path) -> dict[int, Counter]:
+    """epoch -> Counter(sample id -> times trained), from every rank's own trace file."""
+    per_epoch: dict[int, Counter] = {}
+    for f in trace.glob("rank*.trace"):
+        for line in f.read_text().split("\n"):
+            if line.strip():
+                e, s = line.split()
+                per_epoch.setdefault(int(e), Counter())[int(s)] += 1
+    return per_epoch
+
+
