@@ -75,7 +75,7 @@ def bench_flodl(n: int) -> list[float]:
     cmd = [
         sys.executable, "-m", "flodl_coordinator", "serve", "--bind", "tcp://127.0.0.1:0",
         "--session", SESSION, "--world-size", "1", "--batch-size", "1", "--epochs", "1",
-        "--policy", "sync", "--total-samples", str(n + 10), "--log-level", "WARNING",
+        "--policy", "sync", "--total-samples", str(n + 10), "--log-level", "WARNING", "--liveness-timeout-s", "1",
     ]  # fmt: skip
     p, ep = _spawn(cmd)
     ctx = zmq.Context.instance()

@@ -1,0 +1,57 @@
+"""Fault injection for real process trees: find a rank's process, wait for progress, strike."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def rank_pid(trace_dir: Path, rank: int) -> int | None:
+    """The pid of the rank process started with this trace dir (scans /proc environ)."""
+    want = {f"FLODL_TRACE_DIR={trace_dir}".encode(), f"FLODL_RANK={rank}".encode()}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = set(Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"))
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if want <= env and b"flodl_worker.examples" in cmd:
+            return int(entry)
+    return None
+
+
+def lines_in(path: Path) -> int:
+    try:
+        with open(path, "rb") as fh:
+            return sum(1 for _ in fh)
+    except OSError:
+        return 0
+
+
+def strike_after(trace_dir: Path, rank: int, samples: int, sig: int, deadline_s: float = 120.0) -> dict:
+    """Wait until ``rank`` traced ``samples`` samples, then send ``sig`` to it.
+
+    Polls the rank's own trace file (its progress), not a clock: the strike point is a
+    number of trained samples, so it is the same on a fast or a slow machine.
+    """
+    t_end = time.monotonic() + deadline_s
+    trace = trace_dir / f"rank{rank}.trace"
+    while time.monotonic() < t_end:
+        if lines_in(trace) >= samples:
+            pid = rank_pid(trace_dir, rank)
+            if pid is not None:
+                os.kill(pid, sig)
+                return {"pid": pid, "at_samples": lines_in(trace), "t": time.monotonic()}
+        time.sleep(0.02)  # polling another process's progress; nothing to wait on
+    raise AssertionError(f"rank {rank} never reached {samples} traced samples")
+
+
+def kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
