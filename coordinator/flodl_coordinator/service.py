@@ -104,10 +104,22 @@ class CoordinatorService:
         self.status = StatusBoard()
         self._journal = open(settings.journal, "a", encoding="utf-8") if settings.journal else None
         self._stop_signals = 0
+        # Wakes the loop from outside it (signal handler, tests) without touching a socket.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
 
     # -- lifecycle ---------------------------------------------------------------
 
-    def run(self) -> int:
+    def request_stop(self) -> None:
+        """Ask the loop to stop gracefully (safe from a signal handler or another thread)."""
+        self._stop_signals += 1
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def run(self, *, install_signals: bool = True) -> int:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -118,10 +130,9 @@ class CoordinatorService:
         sock.bind(self.settings.bind)
         self.sock = sock
         ep = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        wake_r, wake_w = socket.socketpair()
-        wake_r.setblocking(False)
-        wake_w.setblocking(False)
-        old = {s: signal.signal(s, self._on_signal(wake_w)) for s in (signal.SIGTERM, signal.SIGINT)}
+        wake_r = self._wake_r
+        sigs = (signal.SIGTERM, signal.SIGINT) if install_signals else ()
+        old = {s: signal.signal(s, self._on_signal()) for s in sigs}
         http = self.status.serve(self.settings.http) if self.settings.http else None
         self._journal_write({"type": "_start", "settings": _settings_record(self.settings)})
         self._ready(ep)
@@ -148,19 +159,15 @@ class CoordinatorService:
             sock.close(linger=LINGER_MS)
             ctx.term()
             wake_r.close()
-            wake_w.close()
+            self._wake_w.close()
             if self._journal:
                 self._journal.close()
         return self._finish()
 
-    def _on_signal(self, wake_w):
+    def _on_signal(self):
         def handler(signum, _frame):
             # Only note it and wake the loop; the loop owns the sockets.
-            self._stop_signals += 1
-            try:
-                wake_w.send(b"x")
-            except OSError:
-                pass
+            self.request_stop()
             if self._stop_signals >= 2:
                 raise SystemExit(130)
 

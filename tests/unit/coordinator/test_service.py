@@ -1,0 +1,92 @@
+"""The service over real sockets: admission refusals and route checks, in one process.
+
+The service runs in a thread (its loop owns its socket); the test plays ranks with
+DEALER sockets and reads what comes back, with poll deadlines instead of sleeps.
+"""
+
+import threading
+
+import pytest
+import zmq
+
+from flodl.wire import Endpoint, decode, pb, split_routing
+from flodl_coordinator.service import CoordinatorService
+from flodl_coordinator.settings import load_settings
+
+SESSION = "svc-test"
+
+
+@pytest.fixture
+def service():
+    settings = load_settings(env={}, flags={
+        "world_size": 2, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 1,
+        "batch_size": 4, "liveness_timeout_s": 30.0,
+    })  # fmt: skip
+    ready = threading.Event()
+    box = {}
+
+    def on_ready(ep):
+        box["ep"] = ep
+        ready.set()
+
+    svc = CoordinatorService(settings, ready=on_ready)
+    t = threading.Thread(target=lambda: box.setdefault("rc", svc.run(install_signals=False)), daemon=True)
+    t.start()
+    assert ready.wait(10)
+    ctx = zmq.Context()
+    yield svc, box["ep"], ctx
+    svc.request_stop()
+    t.join(15)
+    ctx.destroy(0)
+
+
+class Peer:
+    def __init__(self, ctx, ep, rank, inc):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(ep)
+        self.me = Endpoint(SESSION, pb.Sender.KIND_RANK, rank=rank, incarnation=inc)
+
+    def send(self, body, msg):
+        self.sock.send_multipart(self.me.frames(body, msg))
+
+    def recv(self, timeout_ms=5000):
+        assert self.sock.poll(timeout_ms), "nothing came back"
+        return decode(split_routing(self.sock.recv_multipart())[1], session=SESSION)
+
+    def hello(self, rank, sig=b"a" * 32, n=100):
+        self.send("hello", pb.RankHello(rank=rank, world_size=2, model_sig=sig, dataset_len=n))
+        while True:
+            m = self.recv()
+            if m.kind == "hello_ack":
+                return m.envelope.hello_ack
+
+
+def test_second_claim_of_a_rank_and_a_foreign_model_are_refused_by_name(service):
+    svc, ep, ctx = service
+    assert Peer(ctx, ep, 0, 1).hello(0).accepted
+    dup = Peer(ctx, ep, 0, 2).hello(0)
+    assert not dup.accepted and "already" in dup.reason
+    other = Peer(ctx, ep, 1, 3).hello(1, sig=b"b" * 32)
+    assert not other.accepted and "model" in other.reason
+    short = Peer(ctx, ep, 1, 4).hello(1, n=99)
+    assert not short.accepted and "dataset" in short.reason
+
+
+def test_frames_claiming_a_rank_the_route_does_not_own_are_dropped(service):
+    svc, ep, ctx = service
+    r0 = Peer(ctx, ep, 0, 1)
+    assert r0.hello(0).accepted
+    impostor = Peer(ctx, ep, 0, 9)  # speaks as rank 0 from another socket, never admitted
+    impostor.send("timing", pb.Timing(rank=0, heartbeat=pb.Timing.Heartbeat(step_count=1)))
+    r0.send("timing", pb.Timing(rank=1, heartbeat=pb.Timing.Heartbeat(step_count=1)))  # body lies
+    # A third, honest frame from rank 0 proves the service still serves it: it is admitted
+    # and waiting; a beacon arrives on its socket.
+    r0.send("timing", pb.Timing(rank=0, heartbeat=pb.Timing.Heartbeat(step_count=1)))
+    got = r0.recv(5000)
+    assert got.kind == "control"
+    deadline = 50
+    while svc.dropped.get("route_mismatch", 0) < 2 and deadline:
+        r0.sock.poll(100)
+        deadline -= 1
+    assert svc.dropped["route_mismatch"] == 2, dict(svc.dropped)
