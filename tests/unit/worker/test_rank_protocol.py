@@ -1,0 +1,219 @@
+"""The rank runtime against a scripted fake coordinator (docs/protocol.md, rank life cycle).
+
+One real rank process (``python -m flodl_worker.examples.synthetic``, small sizes) dials
+a ROUTER the test drives frame by frame.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from flodl.shuffle import epoch_permutation
+from flodl.wire import pack_round, pb, unpack_round
+from flodl_worker.rank import EXIT_CONFIG, gamma_mass, rank_main
+
+SYNTHETIC = ("--samples", "64", "--test-samples", "32", "--features", "8", "--classes", "3", "--hidden", "16")
+SEED = 7
+STARTUP_S = 30.0  # python + torch import on a loaded 2-core machine: seconds, not minutes
+
+
+def spec(**over) -> pb.RunSpec:
+    base = dict(
+        world_size=1, total_samples=64, batch_size=16, num_epochs=1, seed=SEED,
+        policy=pb.POLICY_SYNC, plane=pb.PLANE_BUS, gamma=1.0,
+        heartbeat_interval_s=0.25, liveness_timeout_s=10.0,
+    )
+    base.update(over)
+    return pb.RunSpec(**base)
+
+
+def start_rank(procs, py, coordinator, tmp_path, **env):
+    full = {
+        "FLODL_RANK": "0",
+        "FLODL_WORLD_SIZE": "1",
+        "FLODL_CONNECT": coordinator.endpoint,
+        "FLODL_SESSION": coordinator.session,
+        "FLODL_HOST": "test-host",
+        "FLODL_TRACE_DIR": str(tmp_path),
+    }
+    full.update(env)
+    return procs.start(py("flodl_worker.examples.synthetic", *SYNTHETIC), env=full)
+
+
+def start_epoch(coordinator, route, offset: int, size: int) -> None:
+    plan = pb.EpochPlan(epoch=0, partition_offset=offset, partition_size=size)
+    coordinator.control(route, start_epoch=pb.Control.StartEpoch(plan=plan))
+
+
+def admit(coordinator, run: pb.RunSpec):
+    route, d = coordinator.expect("hello", timeout=STARTUP_S)  # torch import
+    coordinator.send(route, "hello_ack", pb.HelloAck(accepted=True, run=run))
+    return route, d.envelope
+
+
+def expect_batches(coordinator, want: list[tuple[int, int]], first_step: int = 1):
+    for i, (offset, samples) in enumerate(want):
+        _, d = coordinator.expect("timing", "batch")
+        b = d.envelope.timing.batch
+        assert (b.epoch, b.offset, b.samples, b.step_count) == (0, offset, samples, first_step + i)
+        assert b.batch_ms > 0 and b.data_ms >= 0 and np.isfinite(b.batch_loss) and b.lr == pytest.approx(0.05)
+
+
+def wait_exit(proc, timeout: float = 20.0) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err.decode(errors="replace")
+
+
+def norm(arrays) -> float:
+    return float(np.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in arrays)))
+
+
+@pytest.mark.integration
+def test_rank_full_cycle_against_fake_coordinator(coordinator, procs, py, tmp_path):
+    proc = start_rank(procs, py, coordinator, tmp_path)
+    route, d = coordinator.expect("hello", timeout=STARTUP_S)
+    env = d.envelope
+    h = env.hello
+    assert env.sender.kind == pb.Sender.KIND_RANK and env.sender.rank == 0 and env.sender.host == "test-host"
+    assert (h.rank, h.world_size, h.dataset_len, h.task, h.host) == (0, 1, 64, "synthetic", "test-host")
+    assert len(h.model_sig) == 32 and h.pid == proc.pid
+
+    coordinator.raw(route, b"\xffnot a protobuf")  # a bad frame: dropped, counted, logged once
+    coordinator.send(route, "hello_ack", pb.HelloAck(accepted=True, run=spec()))
+    start_epoch(coordinator, route, 0, 64)
+    expect_batches(coordinator, [(0, 16), (16, 16), (32, 16), (48, 16)])
+    _, d = coordinator.expect("metrics")
+    m = d.envelope.metrics
+    assert (m.rank, m.epoch, m.batches_processed, m.samples_processed) == (0, 0, 4, 64)
+    assert m.compute_only_ms > 0 and m.epoch_ms >= m.compute_only_ms and np.isfinite(m.avg_loss)
+    assert m.share_complete_ms == pytest.approx(m.compute_only_ms + m.data_starve_ms)
+
+    # Averaging: upload weighted by n**gamma = 4, consensus back, sync_ack.
+    coordinator.control(route, request_params=pb.Control.RequestParams(cycle=1))
+    _, d = coordinator.expect("round")
+    up = d.envelope.round
+    assert (up.cycle, up.phase, up.kind, up.weight) == (1, pb.ROUND_PHASE_PARAMS, pb.ROUND_KIND_MODEL, 4.0)
+    weighted = unpack_round(up, d.blobs)
+    assert [a.shape for a in weighted] == [(16, 8), (16,), (3, 16), (3,)]  # parameters() order
+    pre = [a / 4.0 for a in weighted]
+    rng = np.random.default_rng(0)
+    consensus = [rng.standard_normal(a.shape).astype(np.float32) for a in pre]
+    header, blobs = pack_round(consensus, cycle=1, weight=4.0)
+    coordinator.send(route, "round", header, blobs)
+    _, d = coordinator.expect("timing", "sync_ack")
+    ack = d.envelope.timing.sync_ack
+    assert (ack.cycle, ack.step_count) == (1, 4)
+    assert ack.pre_norm == pytest.approx(norm(pre), rel=1e-5)
+    assert ack.post_norm == pytest.approx(norm(consensus), rel=1e-5)
+    assert ack.divergence == pytest.approx(norm([c - p for c, p in zip(consensus, pre)]) / norm(consensus), rel=1e-4)
+    coordinator.control(route, update=pb.Control.Update(version=1, cycle=1))
+
+    coordinator.control(route, execute_eval=pb.Control.ExecuteEval(schedule_id=9, epoch=0, target_rank=0, final=True))
+    _, d = coordinator.expect("timing", "eval_result")
+    ev = d.envelope.timing.eval_result
+    assert (ev.schedule_id, ev.epoch, ev.final, ev.HasField("error")) == (9, 0, True, False)
+    assert 0.0 <= ev.metric <= 1.0
+    coordinator.control(route, execute_eval=pb.Control.ExecuteEval(schedule_id=10, target_rank=5))  # not mine
+
+    coordinator.control(route, shutdown=pb.Control.Shutdown(reason="done"))
+    _, d = coordinator.expect("timing", "exiting")
+    ex = d.envelope.timing.exiting
+    digest = hashlib.sha256(b"".join(c.astype("<f4").tobytes() for c in consensus)).digest()
+    assert (ex.param_digest, ex.steps) == (digest, 4)
+    code, err = wait_exit(proc)
+    assert code == 0, err
+    assert err.count("dropped a frame from the coordinator (malformed)") == 1
+
+    trace = (tmp_path / "rank0.trace").read_text().split("\n")[:-1]
+    assert trace == [f"0 {i}" for i in epoch_permutation(SEED, 0, 64)]
+
+
+@pytest.mark.integration
+def test_rank_throttle_extend_and_zero_mass_round(coordinator, procs, py, tmp_path):
+    proc = start_rank(procs, py, coordinator, tmp_path)
+    route, _ = admit(coordinator, spec())
+    # Throttled before the plan arrives: the rank takes the plan but trains nothing,
+    # while it still heartbeats and answers RequestParams.
+    coordinator.control(route, throttle=pb.Control.Throttle())
+    start_epoch(coordinator, route, 0, 20)
+    for _ in range(2):
+        coordinator.expect("timing", "heartbeat", skip_heartbeats=False)
+    coordinator.control(route, request_params=pb.Control.RequestParams(cycle=5))
+    _, d = coordinator.expect("round")
+    up = d.envelope.round
+    assert up.weight == 0.0 and d.blobs == [] and all(t.elided for t in up.tensors)  # idle guard
+    zeros, _ = pack_round([np.zeros(tuple(t.shape), np.float32) for t in up.tensors], cycle=5, weight=0.0)
+    coordinator.send(route, "round", zeros)
+    _, d = coordinator.expect("timing", "sync_ack")
+    ack = d.envelope.timing.sync_ack
+    assert (ack.cycle, ack.step_count, ack.divergence) == (5, 0, 0.0)  # weight 0: kept local
+    assert ack.pre_norm == pytest.approx(ack.post_norm) and ack.post_norm > 0
+
+    # Extend the plan in training with a non-adjacent range: no batch straddles the gap.
+    extend = pb.Control.ExtendPartition(epoch=0, partition_offset=40, partition_size=8)
+    coordinator.control(route, extend_partition=extend)
+    coordinator.control(route, update=pb.Control.Update(version=1))
+    expect_batches(coordinator, [(0, 16), (16, 4), (40, 8)])
+    _, d = coordinator.expect("metrics")
+    assert (d.envelope.metrics.batches_processed, d.envelope.metrics.samples_processed) == (3, 28)
+
+    coordinator.control(route, shutdown_with_save=pb.Control.ShutdownWithSave(detail="bye"))
+    _, d = coordinator.expect("timing", "exiting")
+    assert d.envelope.timing.exiting.steps == 3
+    code, err = wait_exit(proc)
+    assert code == 0, err
+    perm = epoch_permutation(SEED, 0, 64)
+    ids = [int(line.split()[1]) for line in (tmp_path / "rank0.trace").read_text().splitlines()]
+    assert ids == [int(i) for i in perm[0:20]] + [int(i) for i in perm[40:48]]
+
+
+@pytest.mark.integration
+def test_rank_refused_hello_exits_2_with_reason(coordinator, procs, py, tmp_path):
+    proc = start_rank(procs, py, coordinator, tmp_path)
+    route, _ = coordinator.expect("hello", timeout=STARTUP_S)
+    coordinator.send(route, "hello_ack", pb.HelloAck(accepted=False, reason="model signature differs from rank 0"))
+    code, err = wait_exit(proc)
+    assert code == 2
+    assert "model signature differs from rank 0" in err
+
+
+@pytest.mark.integration
+def test_rank_gives_up_when_no_hello_ack(coordinator, procs, py, tmp_path):
+    proc = start_rank(procs, py, coordinator, tmp_path, FLODL_HELLO_TIMEOUT_S="0.5")
+    coordinator.expect("hello", timeout=STARTUP_S)
+    code, err = wait_exit(proc)
+    assert code == 1
+    assert "no hello_ack from the coordinator" in err
+
+
+@pytest.mark.integration
+def test_rank_exits_when_coordinator_goes_silent(coordinator, procs, py, tmp_path):
+    proc = start_rank(procs, py, coordinator, tmp_path)
+    admit(coordinator, spec(heartbeat_interval_s=0.1, liveness_timeout_s=0.8))
+    for _ in range(3):  # it keeps heartbeating while it waits for a plan...
+        coordinator.expect("timing", "heartbeat", skip_heartbeats=False)
+    code, err = wait_exit(proc)  # ...and gives up, loudly, after liveness_timeout_s of silence
+    assert code == 1
+    assert "heard nothing from the coordinator" in err and "liveness_timeout_s" in err
+
+
+def test_rank_bad_environment_is_one_line_and_exit_2(capsys):
+    fail = lambda *a: pytest.fail("must not be called")  # noqa: E731
+    for env, needle in [
+        ({}, "FLODL_RANK is not set"),
+        ({"FLODL_RANK": "x", "FLODL_WORLD_SIZE": "2", "FLODL_CONNECT": "tcp://h:1"}, "'x' is not an integer"),
+        ({"FLODL_RANK": "2", "FLODL_WORLD_SIZE": "2", "FLODL_CONNECT": "tcp://h:1"}, "out of range"),
+        ({"FLODL_RANK": "0", "FLODL_WORLD_SIZE": "2", "FLODL_CONNECT": "h:1"}, "must start with tcp://"),
+        ({"FLODL_RANK": "0", "FLODL_WORLD_SIZE": "1", "FLODL_CONNECT": "tcp://h", "FLODL_SLOWDOWN": "-1"}, "SLOWDOWN"),
+    ]:
+        assert rank_main(fail, fail, fail, [], env=env) == EXIT_CONFIG
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err, err
+
+
+def test_gamma_mass_idle_guard():
+    assert gamma_mass(0, 0.0) == 0.0 and gamma_mass(0, -1.0) == 0.0 and gamma_mass(-3, 1.0) == 0.0
+    assert gamma_mass(4, 1.0) == 4.0 and gamma_mass(4, 0.0) == 1.0 and gamma_mass(4, 0.5) == 2.0

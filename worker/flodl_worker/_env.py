@@ -1,0 +1,123 @@
+"""The rank's identity, parsed once from the environment (torchrun-style).
+
+Every variable is read here and nowhere else; the runtime sees typed fields. A missing
+or malformed variable is an ``EnvError`` whose message is one line naming the variable,
+what it holds and what was wrong — the rank prints it and exits 2.
+
+=====================  ==========  =====================================================
+Variable               Required    Meaning
+=====================  ==========  =====================================================
+FLODL_RANK             yes         global rank, 0 <= rank < world size
+FLODL_WORLD_SIZE       yes         number of ranks in the run (>= 1)
+FLODL_CONNECT          yes         endpoint to dial: the host's relay frontend or the
+                                   coordinator itself (tcp://HOST:PORT or ipc://PATH)
+FLODL_SESSION          no          run id every frame names (default ``flodl``, the
+                                   coordinator's default)
+FLODL_HOST             no          logical host name (default: socket.gethostname())
+FLODL_LOCAL_RANK       no          index of this rank on its host (default 0; logs only)
+FLODL_SLOWDOWN         no          emulated device speed: every batch additionally sleeps
+                                   FLODL_BASE_MS x factor. Unset = no emulation.
+FLODL_BASE_MS          no          base of the emulated sleep in ms (default 10)
+FLODL_TRACE_DIR        no          append "epoch sample_id" per trained sample to
+                                   ``<dir>/rank<R>.trace`` (coverage checks in tests)
+FLODL_HELLO_TIMEOUT_S  no          how long to wait for the coordinator's hello_ack
+                                   (default 60: covers a coordinator that starts late)
+=====================  ==========  =====================================================
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = ["EnvError", "RankEnv", "DEFAULT_SESSION"]
+
+DEFAULT_SESSION = "flodl"  # the coordinator's default session (flodl_coordinator.settings)
+DEFAULT_BASE_MS = 10.0
+# A coordinator may start after its ranks (ZeroMQ queues the hello until it binds), so
+# this is generous; a rank must still never wait forever.
+DEFAULT_HELLO_TIMEOUT_S = 60.0
+
+
+class EnvError(Exception):
+    """The environment does not describe a rank. The message is one printable line."""
+
+
+def _required(env: Mapping[str, str], name: str, hint: str) -> str:
+    v = env.get(name, "").strip()
+    if not v:
+        raise EnvError(f"{name} is not set ({hint}); the agent or launcher sets it")
+    return v
+
+
+def _int(env: Mapping[str, str], name: str, value: str, *, lo: int) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise EnvError(f"{name}={value!r} is not an integer") from None
+    if n < lo:
+        raise EnvError(f"{name}={n} must be >= {lo}")
+    return n
+
+
+def _float(name: str, value: str, *, lo: float, above: bool = False) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise EnvError(f"{name}={value!r} is not a number") from None
+    if not math.isfinite(x) or x < lo or (above and x == lo):
+        raise EnvError(f"{name}={value!r} must be a finite number {'>' if above else '>='} {lo:g}")
+    return x
+
+
+@dataclass(frozen=True, slots=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    connect: str
+    session: str
+    host: str
+    local_rank: int = 0
+    slowdown: float | None = None
+    base_ms: float = DEFAULT_BASE_MS
+    trace_dir: str | None = None
+    hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S
+
+    @property
+    def emulated_ms(self) -> float:
+        """Extra sleep per batch emulating a slower device (0 = none)."""
+        return 0.0 if self.slowdown is None else self.base_ms * self.slowdown
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> "RankEnv":
+        rank = _int(env, "FLODL_RANK", _required(env, "FLODL_RANK", "this process's global rank"), lo=0)
+        world = _int(
+            env, "FLODL_WORLD_SIZE", _required(env, "FLODL_WORLD_SIZE", "number of ranks in the run"), lo=1
+        )
+        if rank >= world:
+            raise EnvError(f"FLODL_RANK={rank} is out of range for FLODL_WORLD_SIZE={world}")
+        connect = _required(env, "FLODL_CONNECT", "endpoint of the relay or coordinator, e.g. tcp://127.0.0.1:5555")
+        if not connect.startswith(("tcp://", "ipc://", "inproc://")):
+            raise EnvError(f"FLODL_CONNECT={connect!r} must start with tcp://, ipc:// or inproc://")
+        session = env.get("FLODL_SESSION", "").strip() or DEFAULT_SESSION
+        host = env.get("FLODL_HOST", "").strip() or socket.gethostname()
+        local = env.get("FLODL_LOCAL_RANK", "").strip()
+        slow = env.get("FLODL_SLOWDOWN", "").strip()
+        base = env.get("FLODL_BASE_MS", "").strip()
+        hello = env.get("FLODL_HELLO_TIMEOUT_S", "").strip()
+        return cls(
+            rank=rank,
+            world_size=world,
+            connect=connect,
+            session=session,
+            host=host,
+            local_rank=_int(env, "FLODL_LOCAL_RANK", local, lo=0) if local else 0,
+            slowdown=_float("FLODL_SLOWDOWN", slow, lo=0.0) if slow else None,
+            base_ms=_float("FLODL_BASE_MS", base, lo=0.0) if base else DEFAULT_BASE_MS,
+            trace_dir=env.get("FLODL_TRACE_DIR", "").strip() or None,
+            hello_timeout_s=_float("FLODL_HELLO_TIMEOUT_S", hello, lo=0.0, above=True)
+            if hello
+            else DEFAULT_HELLO_TIMEOUT_S,
+        )

@@ -1,0 +1,449 @@
+"""flodl_worker.agent: the per-host agent. Starts the relay and the ranks, reports exits.
+
+    flodl-worker agent --coordinator tcp://HEAD:5555 --ranks 2 -- python train.py --lr 0.1
+
+Theory of operation
+-------------------
+One process, one thread, one loop (STYLE "Examples to follow" 8). The loop polls, with
+one ``zmq.Poller``: the agent's DEALER to the coordinator, a self-pipe that the signal
+handlers wake (``signal.set_wakeup_fd``: SIGCHLD and SIGTERM/SIGINT), and the stdout and
+stderr pipes of every child, which it copies to its own with a ``[rank N]`` / ``[relay]``
+prefix. Every pass then reaps children (``Popen.poll``) and runs the termination timers.
+
+1. Start the relay (``python -m flodl_worker relay``, frontend on ipc:// in a private
+   temporary directory by default) and read its ``RELAY_READY <endpoint>`` line.
+   ``--no-relay``: ranks dial the coordinator directly.
+2. Start N ranks with the torchrun-style environment (FLODL_RANK = offset + i,
+   FLODL_LOCAL_RANK = i, FLODL_WORLD_SIZE, FLODL_CONNECT, FLODL_SESSION, FLODL_HOST,
+   FLODL_SLOWDOWN, FLODL_BASE_MS, FLODL_TRACE_DIR). Send ``agent.hello{host, ranks}``.
+3. The moment a rank ends, send ``agent.rank_exited{rank, code}`` (Popen semantics:
+   negative = killed by that signal). Restart nothing.
+4. When every rank has ended: stop the relay (SIGTERM, bounded wait, then SIGKILL), flush
+   the socket with a bounded linger, exit 0 if every rank exited 0, else 1.
+
+SIGTERM/SIGINT: forward SIGTERM to the ranks, wait up to ``--term-timeout`` (still
+reporting each exit), SIGKILL the rest, then as in 4; ranks that died of the forwarded
+SIGTERM count as a clean stop. ``agent.abort`` from the coordinator does the same.
+Children run in their own session (a terminal's Ctrl-C reaches only the agent, which
+then stops them in order) and, on Linux, get SIGTERM if the agent itself dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import secrets
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from flodl.wire import Endpoint, SeqTracker, WireError, decode, pb, split_routing
+
+from .relay import READY_PREFIX
+
+__all__ = ["AgentConfig", "Agent", "run_agent", "rank_env", "slowdown_for"]
+
+log = logging.getLogger("flodl.agent")
+
+LINGER_MS = 2_000  # the last rank_exited frames get this long to leave on exit
+RELAY_READY_TIMEOUT_S = 15.0  # python + pyzmq import, bind: seconds, not minutes
+RELAY_STOP_TIMEOUT_S = 5.0
+POLL_MS = 200  # safety net only: SIGCHLD wakes the loop the moment a child ends
+PIPE_DRAIN_S = 1.0  # after the last rank ended, wait this long at most for pipe EOFs
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    coordinator: str
+    ranks: int
+    command: tuple[str, ...]
+    rank_offset: int = 0
+    world_size: int = 0  # 0: rank_offset + ranks
+    session: str = "flodl"
+    host: str = ""
+    slowdown: tuple[float, ...] = ()
+    base_ms: float | None = None
+    trace_dir: str | None = None
+    relay_bind: str | None = None  # None: ipc:// in a private temporary directory
+    no_relay: bool = False
+    term_timeout_s: float = 10.0
+
+    @property
+    def world(self) -> int:
+        return self.world_size or self.rank_offset + self.ranks
+
+    @property
+    def host_name(self) -> str:
+        return self.host or socket.gethostname()
+
+
+def slowdown_for(factors: tuple[float, ...], local: int, rank: int, ranks: int, world: int) -> float | None:
+    """The slowdown factor of one rank: a single factor applies to all; N factors are
+    indexed by local rank; world-size factors by global rank (one list for many agents)."""
+    if not factors:
+        return None
+    if len(factors) == 1:
+        return factors[0]
+    if len(factors) == ranks:
+        return factors[local]
+    if len(factors) == world:
+        return factors[rank]
+    counts = sorted({1, ranks, world})
+    raise ValueError(
+        f"--slowdown has {len(factors)} factors; give {', '.join(map(str, counts))} "
+        f"(one for all, one per local rank, or one per global rank)"
+    )
+
+
+def rank_env(cfg: AgentConfig, local: int, connect: str, base: dict[str, str]) -> dict[str, str]:
+    """The environment of local rank ``local`` (torchrun-style identity + emulation)."""
+    env = dict(base)
+    rank = cfg.rank_offset + local
+    env.update(
+        FLODL_RANK=str(rank),
+        FLODL_LOCAL_RANK=str(local),
+        FLODL_LOCAL_WORLD_SIZE=str(cfg.ranks),
+        FLODL_WORLD_SIZE=str(cfg.world),
+        FLODL_CONNECT=connect,
+        FLODL_SESSION=cfg.session,
+        FLODL_HOST=cfg.host_name,
+        PYTHONUNBUFFERED="1",
+    )
+    factor = slowdown_for(cfg.slowdown, local, rank, cfg.ranks, cfg.world)
+    if factor is not None:
+        env["FLODL_SLOWDOWN"] = repr(factor)
+    if cfg.base_ms is not None:
+        env["FLODL_BASE_MS"] = repr(cfg.base_ms)
+    if cfg.trace_dir:
+        env["FLODL_TRACE_DIR"] = cfg.trace_dir
+    # Like torchrun: N ranks each using every core would thrash. Respect an explicit value.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.ranks)))
+    return env
+
+
+def _death_signal_hook():
+    """A preexec_fn that makes a child get SIGTERM when the agent dies (Linux), or None.
+
+    libc is loaded here, in the parent: between fork and exec the child only makes one
+    foreign call (no dlopen, whose locks another thread may hold at fork time).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    PR_SET_PDEATHSIG = 1
+
+    def hook() -> None:  # pragma: no cover - runs in the child
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+    return hook
+
+
+@dataclass
+class _Child:
+    name: str  # log prefix: "rank 3" / "relay"
+    proc: subprocess.Popen
+    rank: int | None = None  # None for the relay
+    buffers: dict = field(default_factory=dict)  # fd -> partial line
+    reported: bool = False
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig):
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"agent-{cfg.host_name}-{os.getpid()}".encode()[:255])
+        self.sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self.sock.connect(cfg.coordinator)
+        self.ep = Endpoint(cfg.session, pb.Sender.KIND_AGENT, host=cfg.host_name, incarnation=secrets.randbits(63))
+        self.seq = SeqTracker()
+        self.drops: dict[str, int] = {}
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.wake_r, self.wake_w = socket.socketpair()
+        for s in (self.wake_r, self.wake_w):
+            s.setblocking(False)
+        self.poller.register(self.wake_r.fileno(), zmq.POLLIN)
+        self.pipes: dict[int, _Child] = {}  # fd -> owner
+        self.relay: _Child | None = None
+        self.ranks: list[_Child] = []
+        self.tmpdir: str | None = None
+        self.stop_reason: str | None = None  # set: SIGTERM forwarded / abort
+        self.kill_at: float | None = None
+        self.relay_failed = False
+        self._old_handlers: dict = {}
+        self._preexec = _death_signal_hook()
+
+    # -- children -----------------------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str], rank: int | None) -> _Child:
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=self._preexec,
+        )
+        child = _Child(name, proc, rank)
+        for f in (proc.stdout, proc.stderr):
+            os.set_blocking(f.fileno(), False)
+            child.buffers[f.fileno()] = b""
+            self.pipes[f.fileno()] = child
+            self.poller.register(f.fileno(), zmq.POLLIN)
+        return child
+
+    def _pipe_readable(self, fd: int) -> None:
+        child = self.pipes[fd]
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        out = sys.stdout.buffer if fd == child.proc.stdout.fileno() else sys.stderr.buffer
+        if not data:  # EOF: flush the partial line, stop watching
+            if child.buffers[fd]:
+                out.write(b"[%s] %s\n" % (child.name.encode(), child.buffers[fd]))
+                out.flush()
+            self.poller.unregister(fd)
+            del self.pipes[fd]
+            return
+        *lines, rest = (child.buffers[fd] + data).split(b"\n")
+        child.buffers[fd] = rest
+        if lines:
+            out.write(b"".join(b"[%s] %s\n" % (child.name.encode(), line) for line in lines))
+            out.flush()
+
+    def _start_relay(self) -> str:
+        bind = self.cfg.relay_bind
+        if bind is None:
+            self.tmpdir = tempfile.mkdtemp(prefix="flodl-")  # 0700: only this user can dial it
+            bind = f"ipc://{self.tmpdir}/relay.sock"
+        argv = [sys.executable, "-m", "flodl_worker", "relay", "--coordinator", self.cfg.coordinator,
+                "--bind", bind, "--host", self.cfg.host_name]
+        self.relay = child = self._spawn("relay", argv, dict(os.environ, PYTHONUNBUFFERED="1"), None)
+        fd = child.proc.stdout.fileno()
+        deadline = time.monotonic() + RELAY_READY_TIMEOUT_S
+        while True:  # only the relay exists yet; a plain select on its pipes is enough
+            *complete, partial = child.buffers[fd].split(b"\n")
+            for i, line in enumerate(complete):  # complete lines only: never a cut endpoint
+                if line.startswith(READY_PREFIX.encode() + b" "):
+                    child.buffers[fd] = b"\n".join(complete[i + 1 :] + [partial])
+                    return line.split(b" ", 1)[1].strip().decode()
+            left = deadline - time.monotonic()
+            if left <= 0 or child.proc.poll() is not None or fd not in self.pipes:
+                raise RuntimeError(
+                    f"relay did not report {READY_PREFIX} (exit code {child.proc.poll()}, "
+                    f"waited {RELAY_READY_TIMEOUT_S:g}s); see its stderr above"
+                )
+            ready, _, _ = select.select(list(self.pipes), [], [], left)
+            for rfd in ready:
+                if rfd == fd:  # keep the READY line in the buffer, pass the rest through
+                    try:
+                        data = os.read(fd, 65536)
+                    except BlockingIOError:
+                        continue
+                    if not data:
+                        self.poller.unregister(fd)
+                        del self.pipes[fd]
+                    child.buffers[fd] += data
+                else:
+                    self._pipe_readable(rfd)
+
+    # -- signals ------------------------------------------------------------------------
+
+    def _install_signals(self) -> None:
+        def stop(signum, _frame):
+            if self.stop_reason is None:
+                self.stop_reason = signal.Signals(signum).name
+
+        self._old_handlers = {
+            signal.SIGTERM: signal.signal(signal.SIGTERM, stop),
+            signal.SIGINT: signal.signal(signal.SIGINT, stop),
+            # A no-op handler (not SIG_IGN, which would auto-reap): its only job is to
+            # wake the poll through the wakeup fd the moment a child ends.
+            signal.SIGCHLD: signal.signal(signal.SIGCHLD, lambda *_: None),
+        }
+        signal.set_wakeup_fd(self.wake_w.fileno(), warn_on_full_buffer=False)
+
+    def _restore_signals(self) -> None:
+        signal.set_wakeup_fd(-1)
+        for sig, h in self._old_handlers.items():
+            signal.signal(sig, h)
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while self.wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    # -- coordinator --------------------------------------------------------------------
+
+    def _send_agent(self, **msg) -> None:
+        try:
+            self.sock.send_multipart(self.ep.frames("agent", pb.AgentMsg(**msg)), zmq.NOBLOCK)
+        except zmq.Again:
+            log.error("could not queue %s for the coordinator (queue full); dropped", list(msg))
+
+    def _on_coordinator(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                _route, payload = split_routing(frames)
+                d = decode(payload, session=self.cfg.session)
+                self.seq.check(d.envelope)
+            except WireError as e:
+                n = self.drops[e.reason] = self.drops.get(e.reason, 0) + 1
+                if n == 1:
+                    log.warning("dropped a frame from the coordinator (%s): %s", e.reason, e.detail)
+                continue
+            env = d.envelope
+            if env.WhichOneof("body") == "agent" and env.agent.WhichOneof("msg") == "abort":
+                log.warning("coordinator asks to abort: %s", env.agent.abort.reason)
+                if self.stop_reason is None:
+                    self.stop_reason = "abort"
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        for child in self.ranks:
+            code = child.proc.poll()
+            if code is not None and not child.reported:
+                child.reported = True
+                self._send_agent(rank_exited=pb.AgentMsg.RankExited(rank=child.rank, code=code))
+                (log.info if code == 0 else log.warning)("%s exited with code %d", child.name, code)
+        if self.relay is not None and self.relay.proc.poll() is not None and not self.relay.reported:
+            self.relay.reported = True
+            if self.stop_reason is None:
+                log.error("relay exited unexpectedly (code %d): stopping the ranks", self.relay.proc.returncode)
+                self.stop_reason = "relay_died"
+                self.relay_failed = True
+
+    def _alive(self) -> list[_Child]:
+        return [c for c in self.ranks if not c.reported]
+
+    def _handle_stop(self, now: float) -> None:
+        if self.stop_reason is not None and self.kill_at is None:
+            log.info("stopping (%s): SIGTERM to %d rank(s)", self.stop_reason, len(self._alive()))
+            for c in self._alive():
+                _signal(c.proc, signal.SIGTERM)
+            self.kill_at = now + self.cfg.term_timeout_s
+        if self.kill_at is not None and now >= self.kill_at:
+            for c in self._alive():
+                log.warning("%s ignored SIGTERM for %gs: SIGKILL", c.name, self.cfg.term_timeout_s)
+                _signal(c.proc, signal.SIGKILL)
+            self.kill_at = float("inf")
+
+    def _pass(self, timeout_ms: int) -> None:
+        for fd, _ev in self.poller.poll(timeout_ms):
+            if fd is self.sock:
+                self._on_coordinator()
+            elif fd == self.wake_r.fileno():
+                self._drain_wakeups()
+            elif fd in self.pipes:
+                self._pipe_readable(fd)
+
+    def run(self) -> int:
+        cfg = self.cfg
+        self._install_signals()
+        try:
+            connect = cfg.coordinator if cfg.no_relay else self._start_relay()
+            if self.stop_reason is not None:
+                log.info("stopped (%s) before any rank started", self.stop_reason)
+                return 0
+            base = dict(os.environ)
+            for i in range(cfg.ranks):
+                rank = cfg.rank_offset + i
+                self.ranks.append(self._spawn(f"rank {rank}", list(cfg.command), rank_env(cfg, i, connect, base), rank))
+            self._send_agent(hello=pb.AgentMsg.AgentHello(host=cfg.host_name, ranks=[c.rank for c in self.ranks]))
+            log.info("agent on %s: %d rank(s) %s via %s", cfg.host_name, cfg.ranks,
+                     [c.rank for c in self.ranks], connect)
+            while self._alive():
+                now = time.monotonic()
+                self._reap()
+                self._handle_stop(now)
+                if not self._alive():
+                    break
+                timeout = POLL_MS
+                if self.kill_at is not None and self.kill_at != float("inf"):
+                    timeout = max(1, min(timeout, int((self.kill_at - now) * 1000) + 1))
+                self._pass(timeout)
+            end = time.monotonic() + PIPE_DRAIN_S  # let the ranks' last lines through
+            while any(c.rank is not None for c in self.pipes.values()) and time.monotonic() < end:
+                self._pass(50)
+            return self._exit_code()
+        except (RuntimeError, OSError) as e:  # relay never ready, command not startable
+            print(f"flodl agent: {e}", file=sys.stderr, flush=True)
+            for c in self._alive():
+                _signal(c.proc, signal.SIGKILL)
+                c.proc.wait()
+            return 1
+        finally:
+            self._stop_relay()
+            self._restore_signals()
+            self.sock.close()  # LINGER_MS bounds the flush of the last rank_exited
+            self.ctx.term()
+            self.wake_r.close()
+            self.wake_w.close()
+            if self.tmpdir:
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def _exit_code(self) -> int:
+        codes = [c.proc.returncode for c in self.ranks]
+        clean = {0, -signal.SIGTERM} if self.stop_reason in ("SIGTERM", "SIGINT") else {0}
+        return 0 if all(code in clean for code in codes) and not self.relay_failed else 1
+
+    def _stop_relay(self) -> None:
+        r = self.relay
+        if r is None:
+            return
+        if r.proc.poll() is None:
+            _signal(r.proc, signal.SIGTERM)
+            try:
+                r.proc.wait(RELAY_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("relay ignored SIGTERM for %gs: SIGKILL", RELAY_STOP_TIMEOUT_S)
+                _signal(r.proc, signal.SIGKILL)
+                r.proc.wait()
+        for fd in [fd for fd, c in self.pipes.items() if c is r]:
+            for _ in range(64):  # pass its last lines through (bounded: a grandchild
+                if fd not in self.pipes:  # could hold the pipe open)
+                    break
+                self._pipe_readable(fd)
+        if r.proc.returncode not in (0, None):
+            log.warning("relay exited with code %d", r.proc.returncode)
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def run_agent(cfg: AgentConfig) -> int:
+    """Run the agent to the end; returns its exit code (0 all ranks 0, 1 otherwise, 2 setup)."""
+    try:
+        agent = Agent(cfg)
+    except zmq.ZMQError as e:
+        print(f"flodl agent: cannot dial the coordinator at {cfg.coordinator}: {e}", file=sys.stderr, flush=True)
+        return 2
+    return agent.run()

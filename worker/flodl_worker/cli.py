@@ -1,0 +1,174 @@
+"""``flodl-worker``: the per-host side of flodl.
+
+    flodl-worker agent --coordinator tcp://HEAD:5555 --ranks 2 -- python train.py [ARGS]
+    flodl-worker relay --coordinator tcp://HEAD:5555 --bind ipc:///tmp/flodl/relay.sock
+
+Flags win over the environment (FLODL_COORDINATOR, FLODL_SESSION, FLODL_HOST). A bad
+flag is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+
+__all__ = ["main"]
+
+_ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (plus a pointer to --help), exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _endpoint(s: str) -> str:
+    if not s.startswith(_ENDPOINT_SCHEMES):
+        raise argparse.ArgumentTypeError(f"{s!r} is not a ZeroMQ endpoint (tcp://HOST:PORT or ipc://PATH)")
+    return s
+
+
+def _count(lo: int):
+    def parse(s: str) -> int:
+        try:
+            n = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"{n} must be >= {lo}")
+        return n
+
+    return parse
+
+
+def _nonneg_float(s: str) -> float:
+    try:
+        x = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not math.isfinite(x) or x < 0:
+        raise argparse.ArgumentTypeError(f"{s!r} must be a finite number >= 0")
+    return x
+
+
+def _factors(s: str) -> tuple[float, ...]:
+    parts = [p for p in s.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("expects comma-separated factors, e.g. 1,2,4")
+    return tuple(_nonneg_float(p.strip()) for p in parts)
+
+
+def _parser() -> _Parser:
+    env = os.environ
+    p = _Parser(prog="flodl-worker", description="flodl-worker: the per-host side of flodl (agent, relay).",
+                epilog="run 'flodl-worker agent --help' or 'flodl-worker relay --help' for their flags")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   type=str.upper, help="default INFO (logs go to stderr)")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{agent,relay}")
+
+    a = sub.add_parser(
+        "agent",
+        help="start this host's relay and ranks; report every rank's exit to the coordinator",
+        usage="%(prog)s --coordinator URL --ranks N [options] -- COMMAND [ARGS...]",
+        description="Start the host's relay and N rank processes running COMMAND (torchrun-style: "
+        "each gets FLODL_RANK, FLODL_LOCAL_RANK, FLODL_WORLD_SIZE, FLODL_CONNECT, FLODL_SESSION, "
+        "FLODL_HOST and the emulation variables), report each exit to the coordinator at once, "
+        "restart nothing. Exit 0 if every rank exited 0, else 1.",
+        epilog="example: flodl-worker agent --coordinator tcp://head:5555 --ranks 3 --slowdown 1,2,4 "
+        "-- python -m flodl_worker.examples.digits --hidden 64",
+    )
+    a.add_argument("--coordinator", metavar="URL", type=_endpoint, default=env.get("FLODL_COORDINATOR") or None,
+                   help="coordinator endpoint, e.g. tcp://head:5555 (env FLODL_COORDINATOR)")
+    a.add_argument("--ranks", metavar="N", type=_count(1), required=True, help="rank processes to start on this host")
+    a.add_argument("--rank-offset", metavar="K", type=_count(0), default=0,
+                   help="global rank of the first one (default 0)")
+    a.add_argument("--world-size", metavar="W", type=_count(1), default=None,
+                   help="ranks in the whole run (default rank-offset + ranks)")
+    a.add_argument("--session", metavar="S", default=env.get("FLODL_SESSION") or "flodl",
+                   help="run id every frame names (env FLODL_SESSION, default 'flodl')")
+    a.add_argument("--host", metavar="NAME", default=env.get("FLODL_HOST") or None,
+                   help="logical host name (env FLODL_HOST, default the hostname)")
+    a.add_argument("--slowdown", metavar="F[,F...]", type=_factors, default=(),
+                   help="emulated device speed factors, e.g. 1,2,4: each batch of a rank sleeps an extra "
+                   "base-ms x factor. One factor for all, one per local rank, or one per global rank")
+    a.add_argument("--base-ms", metavar="MS", type=_nonneg_float, default=None,
+                   help="base of the emulated sleep (default 10)")
+    a.add_argument("--trace-dir", metavar="DIR", default=None,
+                   help="ranks append 'epoch sample_id' per trained sample to DIR/rank<R>.trace")
+    g = a.add_mutually_exclusive_group()
+    g.add_argument("--relay-bind", metavar="URL", type=_endpoint, default=None,
+                   help="relay frontend endpoint (default ipc:// in a private temp dir; tcp port 0 = any)")
+    g.add_argument("--no-relay", action="store_true", help="ranks dial the coordinator directly")
+    a.add_argument("--term-timeout", metavar="SECONDS", type=_nonneg_float, default=10.0,
+                   help="seconds ranks get after SIGTERM before SIGKILL (default 10)")
+
+    r = sub.add_parser(
+        "relay",
+        help="forward this host's ranks to the coordinator (a steerable ZeroMQ proxy)",
+        description="Frontend ROUTER bound for the host's ranks, backend DEALER to the coordinator. "
+        "Prints 'RELAY_READY <endpoint>' on stdout once bound. SIGTERM: clean exit 0.",
+    )
+    r.add_argument("--coordinator", metavar="URL", type=_endpoint, default=env.get("FLODL_COORDINATOR") or None,
+                   help="coordinator endpoint (env FLODL_COORDINATOR)")
+    r.add_argument("--bind", metavar="URL", type=_endpoint, required=True,
+                   help="frontend endpoint for local ranks: tcp://127.0.0.1:PORT (0 = any) or ipc://PATH")
+    r.add_argument("--host", metavar="NAME", default=env.get("FLODL_HOST") or None,
+                   help="logical host name, used in the relay's identity (default the hostname)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, command = argv[:i], argv[i + 1 :]
+    p = _parser()
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.coordinator is None:
+        p.error(f"{args.cmd}: --coordinator is required (or set FLODL_COORDINATOR)")
+    if args.cmd == "relay":
+        if command:
+            p.error("relay takes no command after --")
+        from .relay import run_relay
+
+        return run_relay(args.coordinator, args.bind, args.host)
+
+    from .agent import AgentConfig, run_agent, slowdown_for
+
+    if not command:
+        p.error("agent: give the rank command after --, e.g. -- python train.py")
+    world = args.world_size or args.rank_offset + args.ranks
+    if args.rank_offset + args.ranks > world:
+        p.error(f"agent: ranks {args.rank_offset}..{args.rank_offset + args.ranks - 1} exceed --world-size {world}")
+    try:
+        slowdown_for(args.slowdown, 0, args.rank_offset, args.ranks, world)
+    except ValueError as e:
+        p.error(f"agent: {e}")
+    cfg = AgentConfig(
+        coordinator=args.coordinator,
+        ranks=args.ranks,
+        command=tuple(command),
+        rank_offset=args.rank_offset,
+        world_size=world,
+        session=args.session,
+        host=args.host or "",
+        slowdown=args.slowdown,
+        base_ms=args.base_ms,
+        trace_dir=os.path.abspath(args.trace_dir) if args.trace_dir else None,
+        relay_bind=args.relay_bind,
+        no_relay=args.no_relay,
+        term_timeout_s=args.term_timeout,
+    )
+    return run_agent(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Pieces shared by the example tasks: an MLP, a classification step and accuracy."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+
+__all__ = ["mlp", "classification_step", "accuracy_fn", "make_optimizer", "add_optim_args"]
+
+
+def mlp(inputs: int, hidden: int, outputs: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, outputs))
+
+
+def classification_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> torch.Tensor:
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def accuracy_fn(x: torch.Tensor, y: torch.Tensor):
+    def evaluate(model: nn.Module) -> float:
+        return float((model(x).argmax(dim=1) == y).float().mean())
+
+    return evaluate
+
+
+def add_optim_args(p: argparse.ArgumentParser, *, lr: float) -> None:
+    p.add_argument("--hidden", type=int, default=64, help="hidden units of the MLP (default 64)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default sgd")
+    p.add_argument("--lr", type=float, default=lr, help=f"learning rate (default {lr})")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+
+
+def make_optimizer(args: argparse.Namespace):
+    def build(model: nn.Module) -> torch.optim.Optimizer:
+        if args.optimizer == "adam":
+            return torch.optim.Adam(model.parameters(), lr=args.lr)
+        return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+
+    return build
