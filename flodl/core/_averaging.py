@@ -16,8 +16,9 @@ partitions differ by one batch. The verdict comes with a reason, like torchft's
 ``quorum_compute``; the last one is kept in ``rounds.gate_reason``.
 
 Trigger (§5.3 CPU path): ``cycle += 1``; ``OpenRound(cycle, ranks)`` tells the reducer
-whom to expect; ``RequestParams{cycle}`` to each participant, then ``Throttle`` to each
-(Sync's barrier: a rank stops training until ``Update``).
+whom to expect; ``RequestParams{cycle}`` to each participant, then -- unless the
+dispatcher is progressive -- ``Throttle`` to each (Sync's barrier: a rank stops training
+until ``Update``; a progressive policy paces ranks by the chunks it hands out instead).
 
 Acks: a ``SyncAcked`` for the open cycle from a participant folds its window: steps up
 to ``step_count`` are folded (``folded_step``), their batches are committed in the
@@ -26,14 +27,16 @@ An ack for another cycle, from a non-participant, or a second ack is ignored (co
 
 Finish (``poll``, §5.4-5.5): once every participant still ACTIVE has acked (lost ranks
 are excused -- the reducer was told by ``ForgetRank``), ``version += 1``,
-``global_step += window``, ``Update{version, cycle}`` to each surviving participant,
-then ``SetGlobalStep``. A round pending longer than ``reduce_stall_s`` is a stall:
+``global_step += window``; the dispatcher's ``on_round_finished`` runs the policy's
+feedback and returns each rank's folded next chunk; ``Update{version, cycle,
+next_plan?}`` to each surviving participant, then ``SetGlobalStep``, then the
+dispatcher's ``after_round`` (wake idle ranks). A round pending longer than ``reduce_stall_s`` is a stall:
 ``poll`` reports it and ``_run`` ends the run with ``ShutdownWithSave(REDUCE_STALL)``.
 
 Steps are never "reset": the unfolded count is ``last_step - folded_step`` per rank,
 so a batch that lands between a snapshot and its finish is simply folded next time.
 
-``GATES`` maps a policy to its gate; a Cadence/ElChe engine registers its own there.
+``GATES`` maps a policy to its gate; the Cadence engine (``_cadence``) registers its own.
 """
 
 from __future__ import annotations
@@ -112,13 +115,15 @@ def trigger(st: CoordinatorState, out: list[Command]) -> None:
     rs.ranks = tuple(st.alive_ranks())
     rs.acked = {}
     rs.divergence = {}
+    rs.window = {}
     rs.window_steps = 0
     rs.opened_at = st.now
     out.append(OpenRound(rs.cycle, rs.ranks))
     for r in rs.ranks:
         st.send(out, r, request_params=pb.Control.RequestParams(cycle=rs.cycle))
-    for r in rs.ranks:
-        st.send(out, r, throttle=pb.Control.Throttle())
+    if not dispatcher_for(st).progressive:
+        for r in rs.ranks:
+            st.send(out, r, throttle=pb.Control.Throttle())
 
 
 def on_ack(st: CoordinatorState, ev: SyncAcked) -> None:
@@ -131,7 +136,9 @@ def on_ack(st: CoordinatorState, ev: SyncAcked) -> None:
         return
     rec = st.ranks[ev.rank]
     rs.acked[ev.rank] = ev.step_count
-    rs.window_steps += max(0, ev.step_count - rec.folded_step)
+    folded = max(0, ev.step_count - rec.folded_step)
+    rs.window[ev.rank] = folded
+    rs.window_steps += folded
     rec.folded_step = max(rec.folded_step, ev.step_count)
     _coverage.commit(st.coverage, ev.rank, ev.step_count)
     if ev.divergence is not None:
@@ -165,7 +172,13 @@ def _finish(st: CoordinatorState, out: list[Command]) -> None:
     rs.version += 1
     rs.global_step += rs.window_steps
     alive = [r for r in rs.ranks if st.ranks[r].phase is ACTIVE]
+    dispatcher = dispatcher_for(st)
+    plans = dispatcher.on_round_finished(st, alive, out)
     for r in alive:
-        st.send(out, r, update=pb.Control.Update(version=rs.version, cycle=rs.cycle))
+        upd = pb.Control.Update(version=rs.version, cycle=rs.cycle)
+        if r in plans:
+            upd.next_plan.CopyFrom(plans[r])
+        st.send(out, r, update=upd)
     for r in alive:
         st.send(out, r, set_global_step=pb.Control.SetGlobalStep(global_step=rs.global_step))
+    dispatcher.after_round(st, out)

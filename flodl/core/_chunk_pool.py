@@ -17,7 +17,8 @@ front of its own span through a cursor, so its upcoming data is known for the wh
 An owner consumes front-to-back and a thief peels back-to-front, so they can meet but never
 cross: every position is handed out exactly once unless it is explicitly returned
 (:meth:`~ChunkPool.rollback_take` after a failed send, :meth:`~ChunkPool.forfeit` when a
-rank dies). Completions (:meth:`~ChunkPool.mark_completed`) consume each rank's outstanding
+rank dies, :meth:`~ChunkPool.reopen` when a rank dies and the coordinator knows which of
+its trained positions were never committed). Completions (:meth:`~ChunkPool.mark_completed`) consume each rank's outstanding
 chunks in dispatch order. :meth:`~ChunkPool.uncovered_ranges` is everything not yet
 completed (in-flight counts as uncovered: its gradient is not in the consensus yet), and
 :meth:`ChunkPool.from_coverage` rebuilds a pool whose only work is those holes.
@@ -238,6 +239,27 @@ class ChunkPool:
             moved += n
         self.dispatched[rank] = max(0, self.dispatched[rank] - moved)
         return moved
+
+    def reopen(self, rank: int, holes: Sequence[Range]) -> int:
+        """A rank is gone, and of everything it was handed only ``holes`` still need
+        training: the positions it never trained *and* those it trained in a window
+        that was never folded into the consensus (committed-sample semantics: those were
+        discarded). The pool does not track commits, so the caller names the holes.
+
+        Its outstanding chunks are dropped without being reclaimed (their committed
+        parts stay done), nothing is left in flight for it, and ``holes`` go to the
+        back of ``reclaimed`` in the given order. Returns the samples queued.
+        Contract: every hole lies inside what this rank was handed (outstanding, or
+        completed by it) -- anything else would be handed out twice. Idempotent when
+        called again with no holes."""
+        self._outstanding[rank].clear()
+        self.dispatched[rank] = self.completed[rank]
+        queued = 0
+        for off, size in holes:
+            if size > 0:
+                self._reclaimed.append((int(off), int(size)))
+                queued += int(size)
+        return queued
 
     def mark_completed(self, rank: int, samples: int) -> None:
         """Credit completions (clamped to dispatched: a falsely-declared-dead rank may

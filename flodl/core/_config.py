@@ -1,13 +1,22 @@
-"""CoreConfig: the run's settings as the core sees them (validated, immutable)."""
+"""CoreConfig: the run's settings as the core sees them (validated, immutable).
+
+The cadence knobs (``anchor`` .. ``meta_controller``) configure the ElChe engine of the
+Cadence policy (``_cadence``/``_feedback``); Sync ignores them. Their defaults are the
+reference's (spec §1.1, §6.1): anchor 4 batches of the slowest rank per window, growth
+floor = the initial anchor, ceiling 1000, 5 % fixed-overhead target, no count-move cap,
+the LevelGuard, the LR meta-controller on.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
-__all__ = ["CoreConfig", "POLICIES", "PLANES"]
+__all__ = ["CoreConfig", "POLICIES", "PLANES", "GUARDS"]
 
 POLICIES = ("sync", "cadence", "async")
 PLANES = ("bus", "collective")
+GUARDS = ("none", "level", "growth")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -16,7 +25,9 @@ class CoreConfig:
     batch_size: int = 32
     num_epochs: int = 10
     seed: int = 42
-    policy: str = "sync"
+    # Cadence is flodl's point (unequal ranks stop waiting for the slowest); "sync"
+    # averages after every step of every rank. The service shell picks its own default.
+    policy: str = "cadence"
     plane: str = "bus"
     gamma: float = 1.0  # contribution mass n**gamma; 1 = plain work weighting
     easgd_alpha: float = 0.5
@@ -30,6 +41,23 @@ class CoreConfig:
     reduce_stall_s: float = 300.0
     # Whether to run the final canonical eval on the eval role before Shutdown.
     final_eval: bool = True
+    # -- Cadence (ElChe) ---------------------------------------------------------------
+    # Initial anchor: batches the slowest rank runs per window (faster ranks run
+    # proportionally more). 4 amortises a reduce over a few batches from the first window.
+    anchor: int = 4
+    # Window-pressure growth never goes below this (None: the initial anchor).
+    min_anchor: Optional[int] = None
+    # Staleness safety net; the overhead tune normally settles far below it.
+    max_anchor: int = 1000
+    # Grow the anchor while reduce + fill exceed this fraction of the window's wall.
+    overhead_target: float = 0.05
+    # Cap on how far one recalibration may move a count, and the Throttle spread
+    # (a rank more than this many steps ahead of the slowest pauses). None or 0: off.
+    max_batch_diff: Optional[int] = None
+    # Convergence guard over the replicas' divergence: "level" | "growth" | "none".
+    guard: str = "level"
+    # LR-aware meta-controller above ElChe (LR cliffs, sustained divergence).
+    meta_controller: bool = True
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -48,3 +76,23 @@ class CoreConfig:
             raise ValueError(f"total_samples must be >= 0, got {self.total_samples}")
         if self.heartbeat_interval_s <= 0 or self.liveness_timeout_s <= 0:
             raise ValueError("heartbeat_interval_s and liveness_timeout_s must be > 0")
+        self._check_cadence()
+
+    def _check_cadence(self) -> None:
+        if self.anchor < 1:
+            raise ValueError(f"anchor must be >= 1, got {self.anchor}")
+        if self.min_anchor is not None and self.min_anchor < 1:
+            raise ValueError(f"min_anchor must be >= 1, got {self.min_anchor}")
+        if self.max_anchor < 1:
+            raise ValueError(f"max_anchor must be >= 1, got {self.max_anchor}")
+        if not 0.0 < self.overhead_target < 1.0:
+            raise ValueError(f"overhead_target must be in (0, 1), got {self.overhead_target}")
+        if self.max_batch_diff is not None and self.max_batch_diff < 0:
+            raise ValueError(f"max_batch_diff must be >= 0, got {self.max_batch_diff}")
+        if self.guard not in GUARDS:
+            raise ValueError(f"guard must be one of {GUARDS}, got {self.guard!r}")
+
+    @property
+    def batch_diff_cap(self) -> Optional[int]:
+        """``max_batch_diff`` with 0 meaning off, as None."""
+        return self.max_batch_diff or None

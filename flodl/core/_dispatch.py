@@ -27,9 +27,13 @@ the coordinator never shuffles, it hands out *position ranges* (§8.1-8.3).
   ``SetEpochCallbackRole`` is broadcast at a dispatch whenever it differs from the one
   last announced (so once, unless the holder dies).
 
-The ``Dispatcher`` protocol is the seam a Cadence/ElChe engine replaces: it owns
-``dispatch_epoch``, ``reassign`` and ``idle``; everything it knows lives in
-``state.dispatch``.
+The ``Dispatcher`` protocol is the seam a policy engine replaces: it owns
+``dispatch_epoch``, ``reassign`` and ``idle``, plus the hooks the step calls on every
+batch (``on_batch``) and around a finished round (``on_round_finished`` returns the
+chunk each rank gets inside its ``Update``; ``after_round`` wakes idle ranks).
+``progressive`` says whether chunks stream (no ``Throttle`` barrier at a trigger).
+Sync's hooks do nothing; the Cadence engine (``_cadence``) registers itself in
+``DISPATCHERS`` and keeps its own state in ``state.cadence``.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ __all__ = [
     "contiguous_plans",
     "split_ranges",
     "role_rank",
+    "announce_role",
     "check_batch",
     "record_batch",
 ]
@@ -109,6 +114,16 @@ def role_rank(st: CoordinatorState) -> Optional[int]:
     return alive[0] if alive else None
 
 
+def announce_role(st: CoordinatorState, out: list[Command]) -> None:
+    """``SetEpochCallbackRole`` to every alive rank when the role changed since last told."""
+    d = st.dispatch
+    role = role_rank(st)
+    if role is not None and role != d.announced_role:
+        for r in st.alive_ranks():
+            st.send(out, r, set_epoch_callback_role=pb.Control.SetEpochCallbackRole(rank=role))
+        d.announced_role = role
+
+
 def check_batch(st: CoordinatorState, ev: BatchDone) -> None:
     """Raise ``RankViolation`` unless the batch lies in the rank's current assignment."""
     if ev.samples < 0 or ev.offset < 0:
@@ -136,7 +151,11 @@ def record_batch(st: CoordinatorState, ev: BatchDone) -> None:
 
 
 class Dispatcher(Protocol):
-    """What the step needs from a dispatcher (Sync now; Cadence/ElChe later)."""
+    """What the step needs from a dispatcher (Sync here; Cadence in ``_cadence``)."""
+
+    progressive: bool
+
+    def setup(self, st: CoordinatorState) -> None: ...
 
     def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None: ...
 
@@ -144,9 +163,33 @@ class Dispatcher(Protocol):
 
     def idle(self, st: CoordinatorState, rank: int) -> bool: ...
 
+    def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None: ...
+
+    def on_round_finished(
+        self, st: CoordinatorState, ranks: list[int], out: list[Command]
+    ) -> dict[int, pb.EpochPlan]: ...
+
+    def after_round(self, st: CoordinatorState, out: list[Command]) -> None: ...
+
 
 class SyncDispatcher:
     """Equal contiguous partitions per epoch; a lost rank's remainder is split equally."""
+
+    progressive = False
+
+    def setup(self, st: CoordinatorState) -> None:
+        pass
+
+    def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
+        pass
+
+    def on_round_finished(
+        self, st: CoordinatorState, ranks: list[int], out: list[Command]
+    ) -> dict[int, pb.EpochPlan]:
+        return {}  # Sync: the next plan is the rest of the partition the rank already has
+
+    def after_round(self, st: CoordinatorState, out: list[Command]) -> None:
+        pass
 
     def plans_for_epoch(self, st: CoordinatorState, epoch: int) -> dict[int, tuple[int, int]]:
         cached = st.dispatch.plans.get(epoch)
@@ -163,11 +206,7 @@ class SyncDispatcher:
     def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
         plans = self.plans_for_epoch(st, epoch)
         d = st.dispatch
-        role = role_rank(st)
-        if role is not None and role != d.announced_role:
-            for r in st.alive_ranks():
-                st.send(out, r, set_epoch_callback_role=pb.Control.SetEpochCallbackRole(rank=role))
-            d.announced_role = role
+        announce_role(st, out)
         _coverage.open_epoch(st.coverage, epoch, sum(size for _, size in plans.values()))
         assigned = d.assigned.setdefault(epoch, {})
         for r in st.alive_ranks():

@@ -39,7 +39,7 @@ from typing import Any
 
 from flodl.wire import pb
 
-from . import _averaging, _coverage, _membership
+from . import _averaging, _coverage, _feedback, _membership
 from ._commands import Command, Notice, RunFinished
 from ._dispatch import Dispatcher, role_rank
 from ._errors import LocalViolation
@@ -216,6 +216,10 @@ def summary(st: CoordinatorState) -> dict[str, Any]:
      ranks: [{rank, host, phase, reason, samples, batches, steps, param_digest}],
      coverage: [{epoch, expected, trained, duplicates, missing, discarded}],
      epochs: [{epoch, avg_loss, epoch_ms, per_rank_throughput}]}
+
+    Cadence adds ``elche: {anchor, anchor_rank, counts, phase, calibration_count, guard,
+    last_verdict}`` and, on each ``epochs`` row, ``averages``: the rounds finished while
+    that epoch was being trained. The Sync shape is exactly the one above.
     """
     fe = st.run.final_eval
     cov = _coverage.summary(st.coverage)
@@ -232,7 +236,7 @@ def summary(st: CoordinatorState) -> dict[str, Any]:
         }
         for rec in st.ranks
     ]
-    return {
+    out = {
         "world_size": st.config.world_size,
         "policy": st.config.policy,
         "total_samples": st.total_samples,
@@ -246,3 +250,9 @@ def summary(st: CoordinatorState) -> dict[str, Any]:
         "coverage": cov,
         "epochs": [dict(row) for row in st.metrics.history],
     }
+    cad = st.cadence
+    if cad is not None:
+        out["elche"] = _feedback.summary(cad)
+        for row in out["epochs"]:
+            row["averages"] = cad.averages.get(row["epoch"], 0)
+    return out

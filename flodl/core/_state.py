@@ -14,7 +14,14 @@ record             module               what it knows
 ``CoverageState``  ``_coverage``        committed positions per epoch, pending batches
 ``MetricsState``   ``_metrics``         ChunkDone buffers, aggregated epochs
 ``RunState``       ``_run``             run phase, final eval, stop/finish outcome
+``CadenceState``   ``_cadence``,        Cadence only: ElChe, window ledger, guard,
+                   ``_feedback``        meta, chunk pools, per-rank chunk in flight
 =================  ===================  ==============================================
+
+``CadenceState`` holds the pure engines (``ElChe``, ``WindowLedger``, ``ChunkPool``, the
+guard, the meta-controller), which are plain objects without ``__eq__``; its own
+``__eq__`` compares their attribute trees (``_plain``), so a replayed state still
+compares ``==`` to the original.
 
 Phases are sentinels (h11 style): classes whose repr is their own name, compared with
 ``is``. They survive ``copy.deepcopy`` and compare equal after a replay.
@@ -31,7 +38,8 @@ is enforced where commands are born, not hoped for downstream.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, is_dataclass
 from typing import Any, Optional
 
 from flodl.wire import pb
@@ -63,6 +71,7 @@ __all__ = [
     "MetricsState",
     "FinalEval",
     "RunState",
+    "CadenceState",
     "CoordinatorState",
 ]
 
@@ -147,6 +156,7 @@ class RoundState:
     opened_at: float = 0.0
     window_steps: int = 0  # steps folded by the acks of the open round
     divergence: dict[int, float] = field(default_factory=dict)
+    window: dict[int, int] = field(default_factory=dict)  # rank -> steps its ack folded
     gate_reason: str = ""  # why the gate last said no (or yes)
 
 
@@ -198,6 +208,56 @@ class RunState:
     reason: str = ""
 
 
+def _plain(x: Any) -> Any:
+    """A comparable tree of plain values for ``x`` (objects by their attributes)."""
+    if x is None or isinstance(x, (bool, int, float, str, bytes)):
+        return x
+    if isinstance(x, (list, tuple, deque)):
+        return (type(x).__name__, tuple(_plain(v) for v in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, _plain(v)) for k, v in sorted(x.items(), key=lambda kv: kv[0])))
+    if isinstance(x, (set, frozenset)):
+        return ("set", frozenset(x))
+    if is_dataclass(x):
+        return x  # dataclasses compare by value already
+    if hasattr(x, "__dict__"):
+        return (type(x).__name__, _plain(vars(x)))
+    return x
+
+
+@dataclass(slots=True, eq=False)
+class CadenceState:
+    """Cadence policy: the ElChe engine and the progressive dispatch ledger.
+
+    ``fold_mark[r]`` is the rank's ``folded_step`` at the last finished round: steps
+    since then are its window (the reduce barrier counts them until the round that
+    folds them *finishes*, not merely until the rank acks). ``in_flight[r]`` is the
+    chunk ``(epoch, offset, size)`` the rank is training (at most one).
+    """
+
+    elche: Any  # _elche.ElChe
+    ledger: Any  # _window.WindowLedger: timing of the current window
+    guard: Any  # _guards.Guard
+    meta: Any  # Optional[_lr_meta.LrEventMeta]
+    overshoot: Any  # _overshoot.OvershootBudget
+    pools: dict[int, Any] = field(default_factory=dict)  # epoch -> _chunk_pool.ChunkPool
+    final_plan: Any = None  # _chunk_pool.FinalWindowPlan pinned for the current window
+    in_flight: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    fold_mark: dict[int, int] = field(default_factory=dict)
+    throttled: set[int] = field(default_factory=set)
+    last_lr: dict[int, float] = field(default_factory=dict)  # rank -> latest BatchDone.lr > 0
+    last_sync_ms: float = 0.0  # duration of the last finished round (trigger -> finish)
+    averages: dict[int, int] = field(default_factory=dict)  # epoch -> rounds finished in it
+    last_verdict: str = ""
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CadenceState):
+            return NotImplemented
+        return _plain({k: getattr(self, k) for k in self.__slots__}) == _plain(
+            {k: getattr(other, k) for k in other.__slots__}
+        )
+
+
 @dataclass(slots=True)
 class CoordinatorState:
     config: CoreConfig
@@ -207,6 +267,7 @@ class CoordinatorState:
     coverage: CoverageState = field(default_factory=CoverageState)
     metrics: MetricsState = field(default_factory=MetricsState)
     run: RunState = field(default_factory=RunState)
+    cadence: Optional[CadenceState] = None  # set by the Cadence dispatcher's setup
     cohort_sig: Optional[bytes] = None
     cohort_len: Optional[int] = None
     last_beacon: Optional[float] = None

@@ -33,7 +33,12 @@ Theory of operation
 
 ``forget_rank`` order (§9.2): membership phase -> ``ForgetRank`` (the shell drops the
 route, the reducer drops the rank from an open round) -> the rank's uncommitted
-batches are discarded -> its remainder goes to survivors (``ExtendPartition``).
+batches are discarded -> the dispatcher's ``reassign`` hands what it never committed
+to survivors (Sync: ``ExtendPartition``; Cadence: back into the chunk pool, survivors
+woken).
+
+A ``BatchDone`` also reaches the dispatcher (``on_batch``): Cadence feeds its window
+ledger and streams the rank's next chunk when this batch finished the current one.
 
 Time enters only as ``event.now``; ``state.now`` is the latest seen. ``replay`` feeds a
 journal of events through ``step`` from ``initial_state``; frames that were refused
@@ -48,6 +53,7 @@ from typing import Callable, Iterable, Optional
 from flodl.wire import pb
 
 from . import _averaging, _coverage, _dispatch, _membership, _metrics, _run
+from . import _cadence  # noqa: F401  (registers the Cadence dispatcher and gate)
 from ._commands import Command, ForgetRank, Notice
 from ._config import CoreConfig
 from ._errors import LocalViolation, RankViolation
@@ -81,8 +87,9 @@ def initial_state(config: CoreConfig) -> CoordinatorState:
     if config.plane != "bus":
         raise LocalViolation(f"plane {config.plane!r} is not implemented by the core yet")
     st = CoordinatorState(config=config, ranks=[RankRecord(r) for r in range(config.world_size)])
-    _dispatch.dispatcher_for(st)
+    dispatcher = _dispatch.dispatcher_for(st)
     _averaging.gate_for(st)
+    dispatcher.setup(st)
     return st
 
 
@@ -219,6 +226,7 @@ def _on_batch(st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
     rec.samples += ev.samples
     _dispatch.record_batch(st, ev)
     _coverage.record_batch(st.coverage, ev.rank, ev.epoch, ev.offset, ev.samples, ev.step_count, rec.folded_step)
+    _dispatch.dispatcher_for(st).on_batch(st, ev, out)
 
 
 def _on_ack(st: CoordinatorState, ev: SyncAcked, out: list[Command]) -> None:

@@ -1,7 +1,8 @@
 """Stateful property test of flodl.core against an independent ledger of positions.
 
-Hypothesis picks the order in which scripted ranks join, train, ack, report chunks, die,
-go silent, repeat old frames, and in which time passes. A separate model -- built only
+Hypothesis picks the policy (Sync, or Cadence with a small anchor and maybe a Throttle
+spread), and the order in which scripted ranks join, train, ack, report chunks, die, go
+silent, repeat old frames, and in which time passes. A separate model -- built only
 from the events fed and the commands emitted, never from the core's state -- tracks who
 owns each position and what was committed. Invariants after every step: a position is
 owned by at most one live rank, is never committed twice, the core's counts agree with
@@ -116,8 +117,12 @@ class Ledger:
         elif isinstance(c, Send) and c.kind == "extend_partition":
             x = c.control.extend_partition
             self._assign(c.rank, x.epoch, x.partition_offset, x.partition_size)
-        elif isinstance(c, Send) and c.kind == "update" and self.round and c.control.update.cycle == self.round[0]:
-            self.round = None
+        elif isinstance(c, Send) and c.kind == "update":
+            u = c.control.update
+            if u.HasField("next_plan"):  # Cadence: the next window rides in the Update
+                self._assign(c.rank, u.next_plan.epoch, u.next_plan.partition_offset, u.next_plan.partition_size)
+            if self.round and u.cycle == self.round[0]:
+                self.round = None
 
 
 class CoreMachine(RuleBasedStateMachine):
@@ -128,12 +133,15 @@ class CoreMachine(RuleBasedStateMachine):
         epochs=st.integers(1, 3),
         prejoin=st.booleans(),
         race=st.booleans(),
+        policy=st.sampled_from(["sync", "cadence"]),
+        anchor=st.integers(1, 4),
+        max_batch_diff=st.sampled_from([None, 1, 3]),
     )
-    def setup(self, ws, total, bs, epochs, prejoin, race):
+    def setup(self, ws, total, bs, epochs, prejoin, race, policy, anchor, max_batch_diff):
         self.c = Cluster(
             world_size=ws, total=total, batch_size=bs, epochs=epochs,
             liveness_timeout_s=5.0, reduce_stall_s=1e9, defer_chunks=True, defer_acks=True,
-            race_throttle=race,
+            race_throttle=race, policy=policy, anchor=anchor, max_batch_diff=max_batch_diff,
         )
         self.model = Ledger(ws)
         self.seen = 0

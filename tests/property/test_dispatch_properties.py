@@ -8,8 +8,9 @@ Two drivers:
   sends fail at random (``rollback_take``), ranks die at random (``forfeit``), survivors
   complete, the window's timing goes through the ledger to ElChe and a random guard
   verdict is applied. Invariants are checked after every window and at the end.
-* ``PoolMachine`` drives a bare ChunkPool with random takes, rollbacks, completions and
-  forfeits and checks, after every step, that residues, in-flight chunks, reclaimed
+* ``PoolMachine`` drives a bare ChunkPool with random takes, rollbacks, completions,
+  forfeits and reopens (a death where only some of what the rank was handed is
+  uncommitted) and checks, after every step, that residues, in-flight chunks, reclaimed
   ranges and completed positions partition ``[0, total)`` exactly.
 """
 
@@ -235,7 +236,7 @@ def test_first_calibration_counts_follow_measured_speed_exactly(ws, spread, anch
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """Random takes / rollbacks / completions / forfeits against a bare ChunkPool."""
+    """Random takes / rollbacks / completions / forfeits / reopens against a bare ChunkPool."""
 
     @initialize(
         ws=st.integers(1, 6),
@@ -247,6 +248,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = ChunkPool.with_spans(0, self.total, sizes)
         self.ws = ws
         self.completed = set()
+        self.done_by = [set() for _ in range(ws)]  # completed positions, per rank
         self.last_take = [None] * ws
 
     @rule(rank=st.integers(0, 5), size=st.integers(0, 30))
@@ -276,6 +278,7 @@ class PoolMachine(RuleBasedStateMachine):
         after = self._positions(self.pool.outstanding(rank))
         assert not (before - after) & self.completed
         self.completed |= before - after
+        self.done_by[rank] |= before - after
         self.last_take[rank] = None
 
     @rule(rank=st.integers(0, 5))
@@ -284,6 +287,32 @@ class PoolMachine(RuleBasedStateMachine):
         in_flight = self.pool.in_flight(rank)
         assert self.pool.forfeit(rank) == in_flight
         self.last_take[rank] = None
+
+    @rule(rank=st.integers(0, 5), seed=st.integers(0, 2**16))
+    def reopen(self, rank, seed):
+        """The rank dies; a random part of what it was handed was never committed."""
+        rank %= self.ws
+        rnd = random.Random(seed)
+        handed = self._positions(self.pool.outstanding(rank)) | self.done_by[rank]
+        holes = {p for p in handed if rnd.random() < 0.5}
+        ranges = self._ranges(holes)
+        rnd.shuffle(ranges)
+        kept = self._positions(self.pool.outstanding(rank)) - holes  # committed mid-chunk
+        assert self.pool.reopen(rank, ranges) == len(holes)
+        assert self.pool.in_flight(rank) == 0 and self.pool.outstanding(rank) == ()
+        self.completed = (self.completed | kept) - holes
+        self.done_by[rank] = (self.done_by[rank] | kept) - holes
+        self.last_take[rank] = None
+
+    @staticmethod
+    def _ranges(positions):
+        out = []
+        for p in sorted(positions):
+            if out and out[-1][0] + out[-1][1] == p:
+                out[-1][1] += 1
+            else:
+                out.append([p, 1])
+        return [(o, n) for o, n in out]
 
     @staticmethod
     def _positions(ranges):

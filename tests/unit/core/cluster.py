@@ -11,8 +11,10 @@ Each ``ScriptedRank`` behaves like the rank runtime of docs/protocol.md, minus t
   step_count = the snapshot's}`` (or leaves it due, with ``defer_acks``, for a test to
   send with ``send_ack``). With ``race_throttle`` the rank trains one more batch between
   the snapshot and reading ``Throttle``: that batch is folded only by the next round.
-* ``Throttle`` stops training until ``Update``; ``ExecuteEval`` for this rank answers
-  ``EvalDone``; ``Shutdown``/``ShutdownWithSave`` answers ``RankExiting``.
+* ``Throttle`` stops training until ``Update``; an ``Update`` carrying ``next_plan``
+  (Cadence's atomic dispatch) queues that range like a ``StartEpoch``; ``ExecuteEval``
+  for this rank answers ``EvalDone``; ``Shutdown``/``ShutdownWithSave`` answers
+  ``RankExiting``.
 
 Time is virtual: ``advance(dt)`` moves ``now``, lets every live, non-silent rank send a
 heartbeat once per second of virtual time, and feeds a ``Tick``. Nothing sleeps.
@@ -207,6 +209,9 @@ class Cluster:
             r.throttled = True
         elif kind == "update":
             r.throttled = False
+            if ctl.update.HasField("next_plan"):  # Cadence: the next window, atomically
+                p = ctl.update.next_plan
+                r.work.append([p.epoch, p.partition_offset, p.partition_size])
         elif kind == "execute_eval" and ctl.execute_eval.target_rank == rank:
             x = ctl.execute_eval
             self.feed(

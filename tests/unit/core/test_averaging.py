@@ -22,7 +22,7 @@ from .cluster import Cluster, controls
 
 def _two_ranks_one_batch_each(**kw):
     """ws 2, total 16, bs 4: both ranks have their plan and trained one batch."""
-    c = Cluster(world_size=2, total=16, batch_size=4, **kw)
+    c = Cluster(policy="sync", world_size=2, total=16, batch_size=4, **kw)
     c.join_all()
     for r in (0, 1):
         while c.deliver_one(r):
@@ -53,7 +53,7 @@ def test_sync_cycle_request_throttle_then_update_and_global_step():
 
 
 def test_trigger_command_order_open_round_then_requests_then_throttles():
-    c = Cluster(world_size=2, total=16, batch_size=4)
+    c = Cluster(policy="sync", world_size=2, total=16, batch_size=4)
     c.join_all()
     for r in (0, 1):
         while c.deliver_one(r):
@@ -83,17 +83,17 @@ def test_finish_waits_for_every_ack():
 
 def test_gate_idle_window_never_fires():
     # Scenario 10.
-    c = Cluster(world_size=2, total=16, batch_size=4)
+    c = Cluster(policy="sync", world_size=2, total=16, batch_size=4)
     c.join_all()
     assert should_average(c.state) == (False, "rank 0 has not stepped since the last average")
-    c2 = Cluster(world_size=2, total=16, batch_size=4)
+    c2 = Cluster(policy="sync", world_size=2, total=16, batch_size=4)
     c2.join_all()
     c2.state.dispatch.reported[0] = {0: 8, 1: 8}  # everyone idle, nobody moved
     assert should_average(c2.state) == (False, "no rank has stepped since the last average")
 
 
 def test_gate_waits_for_rank_that_has_work_but_no_step():
-    c = Cluster(world_size=2, total=16, batch_size=4)
+    c = Cluster(policy="sync", world_size=2, total=16, batch_size=4)
     c.join_all()
     for r in (0, 1):
         while c.deliver_one(r):
@@ -106,7 +106,7 @@ def test_gate_waits_for_rank_that_has_work_but_no_step():
 def test_gate_idle_rank_does_not_block_the_tail():
     # Scenario 13 (adapted): total 17, bs 8 -> rank 0 has 9 samples (2 batches), rank 1 has 8
     # (1 batch). After the first round rank 1 is idle with 0 steps: the tail still averages.
-    c = Cluster(world_size=2, total=17, batch_size=8)
+    c = Cluster(policy="sync", world_size=2, total=17, batch_size=8)
     c.join_all()
     c.run_until(lambda: c.state.rounds.cycle == 2)
     assert c.state.rounds.ranks == (0, 1)
@@ -115,7 +115,7 @@ def test_gate_idle_rank_does_not_block_the_tail():
 
 
 def test_gate_no_active_rank_and_wrong_phase():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     assert should_average(c.state)[1] == "run is FORMING"
 
 
@@ -161,7 +161,7 @@ def test_ack_ahead_of_its_batch_commits_the_batch_on_arrival():
 
 
 def test_global_step_adds_folded_steps():
-    c = Cluster(world_size=3, total=60, batch_size=4, epochs=2)
+    c = Cluster(policy="sync", world_size=3, total=60, batch_size=4, epochs=2)
     c.join_all()
     res = c.run()
     assert res.summary["global_step"] == sum(r.step for r in c.ranks)
@@ -178,7 +178,7 @@ def test_divergence_recorded_per_rank():
 
 def test_dead_rank_unblocks_the_gate():
     # Scenario 58: ws 3, timeout 1 s; ranks 0 and 1 step, rank 2 silent.
-    c = Cluster(world_size=3, total=30, batch_size=2, liveness_timeout_s=1.0)
+    c = Cluster(policy="sync", world_size=3, total=30, batch_size=2, liveness_timeout_s=1.0)
     c.join_all()
     for r in (0, 1):
         while c.deliver_one(r):
@@ -196,7 +196,7 @@ def test_dead_rank_unblocks_the_gate():
 
 
 def test_death_mid_round_is_excused_and_update_skips_it():
-    c = Cluster(world_size=3, total=30, batch_size=2)
+    c = Cluster(policy="sync", world_size=3, total=30, batch_size=2)
     c.join_all()
     for r in range(3):
         while c.deliver_one(r):
@@ -225,7 +225,7 @@ def test_reduce_stall_ends_the_run():
 
 @pytest.mark.parametrize("ws", [1, 2, 4])
 def test_every_round_gets_an_ack_from_every_participant(ws):
-    c = Cluster(world_size=ws, total=37, batch_size=3, epochs=2)
+    c = Cluster(policy="sync", world_size=ws, total=37, batch_size=3, epochs=2)
     c.join_all()
     assert c.run().ok
     acks = [e for e in c.journal if isinstance(e, SyncAcked)]

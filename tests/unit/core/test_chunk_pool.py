@@ -110,6 +110,33 @@ def test_pool_forfeit_keeps_dispatch_order():
     assert pool.take_chunk(1, 20) == (30, 20)
 
 
+def test_pool_reopen_returns_exactly_the_uncommitted_positions():
+    # Rank 0 completed (0,30), then took (30,20) and trained 10 of it; only (0,10) and
+    # (30,10) were folded before it died. The pool must hand out (10,20), (40,10) -- the
+    # trained-but-discarded (10,20) included -- and nothing committed.
+    pool = ChunkPool(0, 100, 2)
+    pool.take_chunk(0, 30)
+    pool.mark_completed(0, 30)
+    pool.take_chunk(0, 20)
+    pool.mark_completed(0, 10)
+    assert pool.reopen(0, [(10, 20), (40, 10)]) == 30
+    assert pool.in_flight(0) == 0 and pool.outstanding(0) == ()
+    assert pool.reclaimed() == ((10, 20), (40, 10))
+    assert pool.remaining() == 50 + 30
+    assert pool.take_chunk(1, 25) == (10, 20)
+    assert pool.take_chunk(1, 25) == (40, 10)
+    assert pool.take_chunk(1, 25) == (50, 25)
+    assert pool.uncovered_ranges() == [(10, 20), (40, 60)]  # in flight is uncovered
+    assert pool.reopen(0, []) == 0  # idempotent
+
+
+def test_pool_reopen_without_holes_keeps_committed_in_flight_work_done():
+    pool = ChunkPool(0, 20, 1)
+    pool.take_chunk(0, 20)
+    assert pool.reopen(0, []) == 0  # every trained position of the chunk was committed
+    assert pool.is_epoch_done() and pool.uncovered_ranges() == []
+
+
 # Scenario 55
 def test_pool_rollback_rewinds_cursor():
     pool = ChunkPool(0, 100, 2)

@@ -110,7 +110,7 @@ def test_freeze_releases_bitmap_and_keeps_counters():
 
 def test_e2e_committed_means_acked():
     # Nothing is committed before the first round finishes; everything is after the run.
-    c = Cluster(world_size=2, total=16, batch_size=4, epochs=1)
+    c = Cluster(policy="sync", world_size=2, total=16, batch_size=4, epochs=1)
     c.join_all()
     for r in (0, 1):
         while c.deliver_one(r):

@@ -65,7 +65,7 @@ def test_split_ranges_equal_slices_across_range_boundaries():
 
 def test_equal_plans_first_dispatch():
     # Scenario 36: ws 2, total 10, bs 2.
-    c = Cluster(world_size=2, total=10, batch_size=2)
+    c = Cluster(policy="sync", world_size=2, total=10, batch_size=2)
     c.join_all()
     assert c.out(0) == ["set_epoch_callback_role", "start_epoch"]
     assert c.out(1) == ["set_epoch_callback_role", "start_epoch"]
@@ -76,7 +76,7 @@ def test_equal_plans_first_dispatch():
 
 def test_plan_cache_reuses_plans():
     # Scenario 38: dispatching an epoch twice reuses the same plans; the role goes once.
-    c = Cluster(world_size=2, total=10, batch_size=2)
+    c = Cluster(policy="sync", world_size=2, total=10, batch_size=2)
     c.join_all()
     first = SYNC.plans_for_epoch(c.state, 0)
     out = []
@@ -90,7 +90,7 @@ def test_plan_cache_reuses_plans():
 
 def test_role_broadcast_once_across_epochs():
     # Scenario 39.
-    c = Cluster(world_size=3, total=30, batch_size=4, epochs=3)
+    c = Cluster(policy="sync", world_size=3, total=30, batch_size=4, epochs=3)
     c.join_all()
     assert c.run().ok
     for r in range(3):
@@ -99,7 +99,7 @@ def test_role_broadcast_once_across_epochs():
 
 
 def test_role_reannounced_when_holder_dies():
-    c = Cluster(world_size=3, total=30, batch_size=4, epochs=2)
+    c = Cluster(policy="sync", world_size=3, total=30, batch_size=4, epochs=2)
     c.join_all()
     c.kill(0)
     assert c.run().ok
@@ -110,13 +110,13 @@ def test_role_reannounced_when_holder_dies():
 
 def test_total_samples_guard():
     # Scenario 40: no epoch size known -> a LocalViolation naming the requirement.
-    st = initial_state(CoreConfig(world_size=2))
+    st = initial_state(CoreConfig(policy="sync", world_size=2))
     with pytest.raises(LocalViolation, match="total_samples > 0"):
         SYNC.plans_for_epoch(st, 0)
 
 
 def test_partitions_follow_the_survivors():
-    c = Cluster(world_size=3, total=99, batch_size=10, epochs=2)
+    c = Cluster(policy="sync", world_size=3, total=99, batch_size=10, epochs=2)
     c.join_all()
     c.kill(1)
     c.run_until(lambda: c.state.dispatch.last_dispatched == 1)
@@ -125,7 +125,7 @@ def test_partitions_follow_the_survivors():
 
 
 def test_zero_share_gets_no_start_epoch_and_run_completes():
-    c = Cluster(world_size=3, total=2, batch_size=4, epochs=2)
+    c = Cluster(policy="sync", world_size=3, total=2, batch_size=4, epochs=2)
     c.join_all()
     assert c.out(2) == ["set_epoch_callback_role"]
     res = c.run()
@@ -138,7 +138,7 @@ def test_zero_share_gets_no_start_epoch_and_run_completes():
 
 def test_extend_partition_split_equally_among_survivors():
     # Scenario 59: ws 3, total 30, bs 1; rank 2 silent, nothing processed.
-    c = Cluster(world_size=3, total=30, batch_size=1, liveness_timeout_s=1.0)
+    c = Cluster(policy="sync", world_size=3, total=30, batch_size=1, liveness_timeout_s=1.0)
     c.join_all()
     c.feed(HeartbeatSeen(now=1.5, rank=0))
     c.feed(HeartbeatSeen(now=1.5, rank=1))
@@ -148,7 +148,7 @@ def test_extend_partition_split_equally_among_survivors():
 
 
 def test_remainder_excludes_committed_and_includes_discarded():
-    c = Cluster(world_size=2, total=40, batch_size=4)
+    c = Cluster(policy="sync", world_size=2, total=40, batch_size=4)
     c.join_all()
     c.run_until(lambda: c.ranks[1].step >= 3 and c.state.unfolded(1) > 0)
     committed = [(e, o, n) for (e, o, n, s) in c.ranks[1].trained if s <= c.state.ranks[1].folded_step]
@@ -161,7 +161,7 @@ def test_remainder_excludes_committed_and_includes_discarded():
 
 
 def test_remainder_of_a_rank_that_held_an_extension():
-    c = Cluster(world_size=3, total=30, batch_size=1)
+    c = Cluster(policy="sync", world_size=3, total=30, batch_size=1)
     c.join_all()
     c.kill(2)  # ranks 0 and 1 get (20, 5) and (25, 5)
     c.kill(1)  # rank 1's whole plan (10, 10) and its extension (25, 5) go to rank 0
@@ -171,7 +171,7 @@ def test_remainder_of_a_rank_that_held_an_extension():
 
 
 def test_survivor_that_was_idle_becomes_busy_with_its_extension():
-    c = Cluster(world_size=2, total=20, batch_size=5)
+    c = Cluster(policy="sync", world_size=2, total=20, batch_size=5)
     c.join_all()
     c.silence(1)
     c.run_until(lambda: SYNC.idle(c.state, 0))
@@ -192,7 +192,7 @@ def _batch(rank, offset, samples, step, epoch=0):
 
 
 def test_batch_outside_assignment_is_violation_and_changes_nothing():
-    c = Cluster(world_size=2, total=10, batch_size=2)
+    c = Cluster(policy="sync", world_size=2, total=10, batch_size=2)
     c.join_all()
     before = copy.deepcopy(c.state)
     with pytest.raises(RankViolation, match=r"rank 0: batch \[4, 6\) of epoch 0 is outside its assignment"):
@@ -201,21 +201,21 @@ def test_batch_outside_assignment_is_violation_and_changes_nothing():
 
 
 def test_batch_of_wrong_epoch_is_violation():
-    c = Cluster(world_size=2, total=10, batch_size=2)
+    c = Cluster(policy="sync", world_size=2, total=10, batch_size=2)
     c.join_all()
     with pytest.raises(RankViolation, match="current epoch is 0"):
         c.feed(_batch(0, 0, 2, 1, epoch=1))
 
 
 def test_batch_before_any_plan_is_violation():
-    c = Cluster(world_size=2, total=10, batch_size=2)
+    c = Cluster(policy="sync", world_size=2, total=10, batch_size=2)
     c.hello(0)
     with pytest.raises(RankViolation, match="current epoch is None"):
         c.feed(_batch(0, 0, 2, 1))
 
 
 def test_duplicate_batch_is_ignored_not_violation():
-    c = Cluster(world_size=2, total=10, batch_size=2)
+    c = Cluster(policy="sync", world_size=2, total=10, batch_size=2)
     c.join_all()
     c.feed(_batch(0, 0, 2, 1))
     c.feed(_batch(0, 0, 2, 1))

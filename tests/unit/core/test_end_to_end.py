@@ -8,7 +8,7 @@ EXACT = {"expected": 100, "trained": 100, "duplicates": 0, "missing": 0}
 
 
 def test_three_ranks_three_epochs_exact_coverage():
-    c = Cluster(world_size=3, total=100, batch_size=8, epochs=3)
+    c = Cluster(policy="sync", world_size=3, total=100, batch_size=8, epochs=3)
     c.join_all()
     res = c.run()
     assert res.ok and res.reason == "completed"
@@ -24,7 +24,7 @@ def test_three_ranks_three_epochs_exact_coverage():
 
 
 def test_death_mid_epoch_still_exact_with_discards_counted():
-    c = Cluster(world_size=3, total=100, batch_size=8, epochs=3)
+    c = Cluster(policy="sync", world_size=3, total=100, batch_size=8, epochs=3)
     c.join_all()
     c.run_until(lambda: c.ranks[2].step >= 3 and c.state.unfolded(2) > 0)
     lost_epoch = c.state.dispatch.rank_epoch[2]
@@ -47,7 +47,7 @@ def test_death_mid_epoch_still_exact_with_discards_counted():
 
 
 def test_silent_rank_dies_by_liveness_and_run_completes():
-    c = Cluster(world_size=3, total=60, batch_size=4, epochs=2)
+    c = Cluster(policy="sync", world_size=3, total=60, batch_size=4, epochs=2)
     c.join_all()
     c.run_until(lambda: c.ranks[1].step >= 2)
     c.silence(1)
@@ -59,7 +59,7 @@ def test_silent_rank_dies_by_liveness_and_run_completes():
 
 @pytest.mark.parametrize("ws,total,bs", [(1, 7, 3), (2, 33, 5), (4, 10, 4), (5, 3, 2)])
 def test_shapes_exact_coverage(ws, total, bs):
-    c = Cluster(world_size=ws, total=total, batch_size=bs, epochs=2)
+    c = Cluster(policy="sync", world_size=ws, total=total, batch_size=bs, epochs=2)
     c.join_all()
     res = c.run()
     assert res.ok
@@ -68,7 +68,7 @@ def test_shapes_exact_coverage(ws, total, bs):
 
 
 def test_two_deaths_in_one_epoch():
-    c = Cluster(world_size=4, total=97, batch_size=5, epochs=2)
+    c = Cluster(policy="sync", world_size=4, total=97, batch_size=5, epochs=2)
     c.join_all()
     c.run_until(lambda: c.ranks[3].step >= 2)
     c.kill(3)

@@ -39,7 +39,7 @@ def _refused(cmds):
 
 
 def test_hello_accepted_carries_run_spec():
-    c = Cluster(world_size=2, total=10, batch_size=4, epochs=5, seed=7, gamma=0.5)
+    c = Cluster(policy="sync", world_size=2, total=10, batch_size=4, epochs=5, seed=7, gamma=0.5)
     ack = _ack(c.hello(0))
     assert ack.accepted and ack.reason == ""
     run = ack.run
@@ -51,65 +51,65 @@ def test_hello_accepted_carries_run_spec():
 
 
 def test_hello_refused_rank_out_of_range():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     assert _refused(c.hello(2)) == "rank 2 out of range [0, 2)"
     assert _refused(c.hello(-1)) == "rank -1 out of range [0, 2)"
 
 
 def test_hello_refused_world_size_differs():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     assert _refused(c.hello(0, world_size=3)) == "world_size 3 differs from the coordinator's 2"
 
 
 def test_hello_refused_rank_already_admitted_from_another_route():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.hello(0)
     reason = _refused(c.hello(0, route=(b"elsewhere",)))
     assert reason.startswith("rank 0 already admitted from another route or incarnation")
 
 
 def test_hello_refused_rank_already_admitted_other_incarnation():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.hello(0)
     assert "already admitted" in _refused(c.hello(0, incarnation=5))
 
 
 def test_hello_refused_model_signature_differs():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.hello(0)
     reason = _refused(c.hello(1, model_sig=b"\x01\x02"))
     assert reason.startswith("model signature differs from the cohort's (0102 vs 5a5a")
 
 
 def test_hello_refused_dataset_len_differs_from_cohort():
-    c = Cluster(world_size=2, total=100)
+    c = Cluster(policy="sync", world_size=2, total=100)
     c.hello(0)
     assert _refused(c.hello(1, dataset_len=99)) == "dataset_len 99 differs from the cohort's 100"
 
 
 def test_hello_refused_dataset_len_differs_from_config_total():
-    c = Cluster(world_size=2, total=100, total_samples=100)
+    c = Cluster(policy="sync", world_size=2, total=100, total_samples=100)
     assert _refused(c.hello(0, dataset_len=50)) == "dataset_len 50 differs from total_samples 100"
 
 
 def test_hello_refused_dataset_len_below_one():
-    c = Cluster(world_size=2, total=0)
+    c = Cluster(policy="sync", world_size=2, total=0)
     assert _refused(c.hello(0)) == "dataset_len 0 < 1"
 
 
 def test_hello_refusal_order_range_before_world_size():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     assert "out of range" in _refused(c.hello(5, world_size=9))
 
 
 def test_hello_refusal_order_world_size_before_signature():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.hello(0)
     assert "world_size" in _refused(c.hello(1, world_size=3, model_sig=b"zz", dataset_len=0))
 
 
 def test_hello_refusal_changes_nothing_but_the_reply():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.hello(0)
     before = copy.deepcopy(c.state)
     cmds = c.hello(1, model_sig=b"other")
@@ -118,7 +118,7 @@ def test_hello_refusal_changes_nothing_but_the_reply():
 
 
 def test_hello_retransmit_is_acked_again_idempotently():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.join_all()
     starts = len(c.sends("start_epoch"))
     cmds = c.hello(0)
@@ -128,7 +128,7 @@ def test_hello_retransmit_is_acked_again_idempotently():
 
 
 def test_hello_for_dead_rank_refused_no_rejoin():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.join_all()
     c.kill(1)
     reason = _refused(c.hello(1, route=(b"new",), incarnation=1))
@@ -136,7 +136,7 @@ def test_hello_for_dead_rank_refused_no_rejoin():
 
 
 def test_world_forms_when_all_admitted():
-    c = Cluster(world_size=3)
+    c = Cluster(policy="sync", world_size=3)
     c.hello(0)
     c.hello(1)
     assert not c.sends("start_epoch")
@@ -148,7 +148,7 @@ def test_world_forms_when_all_admitted():
 
 
 def test_route_of_maps_rank_to_route_while_addressable():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     assert c.state.route_of(0) is None
     c.hello(0)
     assert c.state.route_of(0) == (b"relay", b"rank-0")
@@ -175,14 +175,14 @@ def test_transition_missing_entry_names_phase_and_trigger():
 
 
 def test_liveness_silence_equal_to_timeout_is_alive():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.join_all()
     c.feed(Tick(now=10.0))
     assert c.state.ranks[1].phase is ACTIVE
 
 
 def test_liveness_silence_strictly_over_timeout_is_dead():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.join_all()
     c.feed(HeartbeatSeen(now=10.5, rank=0))
     cmds = c.feed(Tick(now=10.5))
@@ -192,7 +192,7 @@ def test_liveness_silence_strictly_over_timeout_is_dead():
 
 
 def test_liveness_every_frame_refreshes_last_seen():
-    c = Cluster(world_size=1)
+    c = Cluster(policy="sync", world_size=1)
     c.join_all()
     c.feed(HeartbeatSeen(now=9.0, rank=0))
     c.feed(HeartbeatSeen(now=3.0, rank=0))  # a late, replayed frame cannot move it back
@@ -203,7 +203,7 @@ def test_liveness_every_frame_refreshes_last_seen():
 
 def test_liveness_no_deaths_while_ranks_speak():
     # Scenario 60 (adapted): ranks that keep talking are never declared dead.
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.join_all()
     for _ in range(50):
         c.advance(1.0)
@@ -211,7 +211,7 @@ def test_liveness_no_deaths_while_ranks_speak():
 
 
 def test_liveness_joining_rank_silent_vacates_slot_and_can_rejoin():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.hello(0)
     cmds = c.feed(Tick(now=11.0))
     assert c.state.ranks[0].phase is VACANT
@@ -222,7 +222,7 @@ def test_liveness_joining_rank_silent_vacates_slot_and_can_rejoin():
 
 
 def test_exit_report_nonzero_code_is_death_naming_code():
-    c = Cluster(world_size=3)
+    c = Cluster(policy="sync", world_size=3)
     c.join_all()
     cmds = c.feed(RankExitReported(now=0.0, rank=1, code=3))
     assert ForgetRank(1, "exited with code 3") in cmds
@@ -230,13 +230,13 @@ def test_exit_report_nonzero_code_is_death_naming_code():
 
 
 def test_exit_report_signal_is_death_naming_signal():
-    c = Cluster(world_size=3)
+    c = Cluster(policy="sync", world_size=3)
     c.join_all()
     assert ForgetRank(2, "killed by signal 9") in c.kill(2, code=-9)
 
 
 def test_exit_report_code_zero_without_exiting_is_death():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.join_all()
     cmds = c.feed(RankExitReported(now=0.0, rank=0, code=0))
     assert ForgetRank(0, "exited without Shutdown (code 0)") in cmds
@@ -244,7 +244,7 @@ def test_exit_report_code_zero_without_exiting_is_death():
 
 
 def test_exiting_is_clean_leave_not_death():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.join_all()
     cmds = c.feed(RankExiting(now=0.0, rank=1, param_digest="ab", steps=0))
     assert ForgetRank(1, "exited cleanly") in cmds
@@ -253,7 +253,7 @@ def test_exiting_is_clean_leave_not_death():
 
 
 def test_forget_rank_sent_once_and_rank_never_addressed_again():
-    c = Cluster(world_size=3)
+    c = Cluster(policy="sync", world_size=3)
     c.join_all()
     c.kill(2)
     c.feed(RankExitReported(now=0.0, rank=2, code=-9))
@@ -266,7 +266,7 @@ def test_forget_rank_sent_once_and_rank_never_addressed_again():
 
 def test_clean_exit_then_staleness_declares_nothing():
     # Scenario 69: Exiting{1} -> LEFT; a later stale heartbeat declares nothing.
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.join_all()
     c.feed(RankExiting(now=0.0, rank=1))
     c.feed(HeartbeatSeen(now=50.0, rank=0))
@@ -278,7 +278,7 @@ def test_clean_exit_then_staleness_declares_nothing():
 
 def test_reported_death_immediate_duplicates_ignored_out_of_range_refused():
     # Scenario 70.
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.join_all()
     c.feed(RankExitReported(now=0.1, rank=1, code=-9))
     assert c.state.ranks[1].phase is DEAD
@@ -289,7 +289,7 @@ def test_reported_death_immediate_duplicates_ignored_out_of_range_refused():
 
 
 def test_exit_report_after_clean_exit_ignored():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.join_all()
     c.feed(RankExiting(now=0.0, rank=1))
     c.feed(RankExitReported(now=0.1, rank=1, code=0))
@@ -297,7 +297,7 @@ def test_exit_report_after_clean_exit_ignored():
 
 
 def test_send_failed_declares_rank_unroutable():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.join_all()
     cmds = c.feed(SendFailed(now=0.0, rank=0, what="start_epoch"))
     assert ForgetRank(0, "unroutable (send of start_epoch failed)") in cmds
@@ -305,7 +305,7 @@ def test_send_failed_declares_rank_unroutable():
 
 def test_exited_rank_skipped_by_broadcasts():
     # Scenario 86 (adapted): a rank that left is not addressed by later broadcasts.
-    c = Cluster(world_size=2, total=16, batch_size=4, epochs=1)
+    c = Cluster(policy="sync", world_size=2, total=16, batch_size=4, epochs=1)
     c.join_all()
     c.feed(RankExiting(now=0.0, rank=1))
     n = len(c.ranks[1].received)
@@ -318,7 +318,7 @@ def test_exited_rank_skipped_by_broadcasts():
 
 
 def test_beacon_at_most_once_per_interval_to_addressable_ranks():
-    c = Cluster(world_size=3, heartbeat_interval_s=1.0)
+    c = Cluster(policy="sync", world_size=3, heartbeat_interval_s=1.0)
     c.hello(0)
     first = c.feed(Tick(now=0.0))
     assert [s.rank for s in first] == [0]  # JOINING ranks hear the beacon too
@@ -331,7 +331,7 @@ def test_beacon_at_most_once_per_interval_to_addressable_ranks():
 
 
 def test_beacon_skips_dead_ranks():
-    c = Cluster(world_size=3)
+    c = Cluster(policy="sync", world_size=3)
     c.join_all()
     c.kill(1)
     beats = [s.rank for s in c.feed(Tick(now=0.0)) if s.kind == "coord_heartbeat"]
@@ -339,12 +339,12 @@ def test_beacon_skips_dead_ranks():
 
 
 def test_beacon_nothing_without_ranks():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     assert c.feed(Tick(now=0.0)) == []
     assert c.state.last_beacon is None
 
 
 def test_config_liveness_reason_uses_configured_timeout():
-    c = Cluster(config=CoreConfig(world_size=1, liveness_timeout_s=2.5))
+    c = Cluster(config=CoreConfig(policy="sync", world_size=1, liveness_timeout_s=2.5))
     c.join_all()
     assert ForgetRank(0, "heartbeat stale (>2.5s)") in c.feed(Tick(now=3.0))

@@ -66,7 +66,7 @@ def test_aggregate_rank_without_chunks_is_zero_and_loss_none():
 
 
 def test_epoch_aggregated_broadcast_once_per_epoch_to_every_rank():
-    c = Cluster(world_size=3, total=30, batch_size=4, epochs=2)
+    c = Cluster(policy="sync", world_size=3, total=30, batch_size=4, epochs=2)
     c.join_all()
     c.run()
     for r in range(3):
@@ -78,7 +78,7 @@ def test_epoch_aggregated_broadcast_once_per_epoch_to_every_rank():
 
 
 def test_epoch_notice_for_the_operator():
-    c = Cluster(world_size=2, total=20, batch_size=5, epochs=1)
+    c = Cluster(policy="sync", world_size=2, total=20, batch_size=5, epochs=1)
     c.join_all()
     c.run()
     (n,) = [x for x in c.commands if isinstance(x, Notice) and x.kind == "epoch"]
@@ -89,7 +89,7 @@ def test_epoch_notice_for_the_operator():
 
 
 def test_not_ready_without_chunk_done_even_if_covered():
-    c = Cluster(world_size=2, total=16, batch_size=4, epochs=1, defer_chunks=True)
+    c = Cluster(policy="sync", world_size=2, total=16, batch_size=4, epochs=1, defer_chunks=True)
     c.hold_chunks = True
     c.join_all()
     c.run_until(lambda: c.state.coverage.epochs[0].unique == 16 and c.state.rounds.version >= 2)
@@ -103,7 +103,7 @@ def test_not_ready_without_chunk_done_even_if_covered():
 
 
 def test_not_ready_until_coverage_complete():
-    c = Cluster(world_size=2, total=16, batch_size=8, epochs=1)
+    c = Cluster(policy="sync", world_size=2, total=16, batch_size=8, epochs=1)
     c.join_all()
     for r in (0, 1):
         while c.deliver_one(r):
@@ -116,7 +116,7 @@ def test_not_ready_until_coverage_complete():
 
 
 def test_duplicate_chunk_done_ignored_and_late_one_counted():
-    c = Cluster(world_size=2, total=16, batch_size=8, epochs=2)
+    c = Cluster(policy="sync", world_size=2, total=16, batch_size=8, epochs=2)
     c.join_all()
     while c.deliver_one(0):
         pass
@@ -131,7 +131,7 @@ def test_duplicate_chunk_done_ignored_and_late_one_counted():
 
 
 def test_chunk_done_for_undispatched_epoch_is_violation():
-    c = Cluster(world_size=2, total=16, batch_size=4)
+    c = Cluster(policy="sync", world_size=2, total=16, batch_size=4)
     c.join_all()
     with pytest.raises(RankViolation, match="epoch 5, which was never dispatched"):
         c.feed(_chunk(0, epoch=5))

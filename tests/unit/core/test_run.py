@@ -32,7 +32,7 @@ from .cluster import Cluster, controls
 
 def test_epoch_transition_sync():
     # Scenario 49: ws 2, total 8, bs 4, epochs 2.
-    c = Cluster(world_size=2, total=8, batch_size=4, epochs=2, final_eval=False)
+    c = Cluster(policy="sync", world_size=2, total=8, batch_size=4, epochs=2, final_eval=False)
     c.join_all()
     res = c.run()
     assert res.ok and res.reason == "completed"
@@ -47,7 +47,7 @@ def test_epoch_transition_sync():
 
 def test_final_eval_then_shutdown():
     # Scenario 75: ExecuteEval to the eval role only, then Shutdown once it answers.
-    c = Cluster(world_size=2, total=8, batch_size=4, epochs=1)
+    c = Cluster(policy="sync", world_size=2, total=8, batch_size=4, epochs=1)
     c.join_all()
     c.run_until(lambda: c.state.run.phase is FINAL_EVAL)
     (x,) = controls(c.commands, "execute_eval")
@@ -63,7 +63,7 @@ def test_final_eval_then_shutdown():
 
 
 def test_no_final_eval_when_disabled():
-    c = Cluster(world_size=2, total=8, batch_size=4, epochs=1, final_eval=False)
+    c = Cluster(policy="sync", world_size=2, total=8, batch_size=4, epochs=1, final_eval=False)
     c.join_all()
     res = c.run()
     assert not controls(c.commands, "execute_eval")
@@ -71,7 +71,7 @@ def test_no_final_eval_when_disabled():
 
 
 def test_final_eval_error_skips_accuracy():
-    c = Cluster(world_size=2, total=8, batch_size=4, epochs=1, eval_error="no held-out set")
+    c = Cluster(policy="sync", world_size=2, total=8, batch_size=4, epochs=1, eval_error="no held-out set")
     c.join_all()
     res = c.run()
     assert res.ok and res.summary["accuracy"] is None
@@ -79,7 +79,7 @@ def test_final_eval_error_skips_accuracy():
 
 
 def test_final_eval_rank_death_skips_accuracy_and_shuts_down():
-    c = Cluster(world_size=2, total=8, batch_size=4, epochs=1)
+    c = Cluster(policy="sync", world_size=2, total=8, batch_size=4, epochs=1)
     c.join_all()
     c.run_until(lambda: c.state.run.phase is FINAL_EVAL)
     c.kill(0)
@@ -90,7 +90,7 @@ def test_final_eval_rank_death_skips_accuracy_and_shuts_down():
 
 
 def test_eval_done_from_other_rank_or_not_final_ignored():
-    c = Cluster(world_size=2, total=8, batch_size=4, epochs=1)
+    c = Cluster(policy="sync", world_size=2, total=8, batch_size=4, epochs=1)
     c.join_all()
     c.run_until(lambda: c.state.run.phase is FINAL_EVAL)
     c.feed(EvalDone(now=c.now, rank=1, schedule_id=FINAL_SCHEDULE_ID, epoch=1, metric=0.1, final=True))
@@ -103,7 +103,7 @@ def test_final_round_commits_an_unfolded_tail_before_the_end():
     # §11.3 step 1: after the last epoch aggregates, unfolded steps get a final round
     # before the eval, even with one rank. (A step over no samples is the only way to
     # leave one: everything with samples must be committed for the epoch to aggregate.)
-    c = Cluster(world_size=1, total=4, batch_size=4, epochs=1)
+    c = Cluster(policy="sync", world_size=1, total=4, batch_size=4, epochs=1)
     c.join_all()
     while c.deliver_one(0):
         pass
@@ -121,7 +121,7 @@ def test_final_round_commits_an_unfolded_tail_before_the_end():
 
 
 def test_all_ranks_lost_fails_the_run():
-    c = Cluster(world_size=2, total=40, batch_size=4)
+    c = Cluster(policy="sync", world_size=2, total=40, batch_size=4)
     c.join_all()
     c.kill(0)
     cmds = c.kill(1)
@@ -133,7 +133,7 @@ def test_all_ranks_lost_fails_the_run():
 
 
 def test_all_ranks_silent_fails_the_run_on_tick():
-    c = Cluster(world_size=2, total=40, batch_size=4)
+    c = Cluster(policy="sync", world_size=2, total=40, batch_size=4)
     c.join_all()
     cmds = c.feed(Tick(now=11.0))
     (fin,) = [x for x in cmds if isinstance(x, RunFinished)]
@@ -141,7 +141,7 @@ def test_all_ranks_silent_fails_the_run_on_tick():
 
 
 def test_stop_requested_shuts_down_and_finishes_when_all_left():
-    c = Cluster(world_size=2, total=40, batch_size=4)
+    c = Cluster(policy="sync", world_size=2, total=40, batch_size=4)
     c.join_all()
     cmds = c.feed(StopRequested(now=0.0, reason="SIGTERM"))
     stops = controls(cmds, "shutdown")
@@ -153,7 +153,7 @@ def test_stop_requested_shuts_down_and_finishes_when_all_left():
 
 
 def test_stop_finishes_after_liveness_timeout_if_ranks_stay():
-    c = Cluster(world_size=2, total=40, batch_size=4)
+    c = Cluster(policy="sync", world_size=2, total=40, batch_size=4)
     c.join_all()
     c.feed(StopRequested(now=0.0))
     for r in c.ranks:
@@ -165,7 +165,7 @@ def test_stop_finishes_after_liveness_timeout_if_ranks_stay():
 
 
 def test_stop_before_world_forms():
-    c = Cluster(world_size=3)
+    c = Cluster(policy="sync", world_size=3)
     c.hello(0)
     cmds = c.feed(StopRequested(now=0.0, reason="bye"))
     assert [r for r, _ in controls(cmds, "shutdown")] == [0]
@@ -174,7 +174,7 @@ def test_stop_before_world_forms():
 
 
 def test_exit_report_code_zero_after_shutdown_is_clean():
-    c = Cluster(world_size=2, total=8, batch_size=4, epochs=1, final_eval=False)
+    c = Cluster(policy="sync", world_size=2, total=8, batch_size=4, epochs=1, final_eval=False)
     c.join_all()
     c.ranks[1].deaf = {"shutdown"}
     c.run_until(lambda: c.state.run.phase is SHUTTING_DOWN)
@@ -186,7 +186,7 @@ def test_exit_report_code_zero_after_shutdown_is_clean():
 
 
 def test_run_finished_summary_shape_is_json_safe():
-    c = Cluster(world_size=3, total=50, batch_size=8, epochs=2)
+    c = Cluster(policy="sync", world_size=3, total=50, batch_size=8, epochs=2)
     c.join_all()
     res = c.run()
     s = json.loads(json.dumps(res.summary))
@@ -201,7 +201,7 @@ def test_run_finished_summary_shape_is_json_safe():
 
 
 def test_events_after_finish_ignored_and_hello_refused():
-    c = Cluster(world_size=1, total=4, batch_size=4, epochs=1)
+    c = Cluster(policy="sync", world_size=1, total=4, batch_size=4, epochs=1)
     c.join_all()
     c.run()
     assert c.feed(Tick(now=c.now + 100)) == []

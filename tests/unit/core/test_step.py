@@ -29,7 +29,7 @@ from .cluster import Cluster
 
 
 def _run_with_death():
-    c = Cluster(world_size=3, total=100, batch_size=8, epochs=2)
+    c = Cluster(policy="sync", world_size=3, total=100, batch_size=8, epochs=2)
     c.join_all()
     c.run_until(lambda: c.ranks[2].step >= 2 and c.state.unfolded(2) > 0)
     c.kill(2)
@@ -38,13 +38,13 @@ def _run_with_death():
 
 
 def test_initial_state_refuses_policies_without_engine():
-    with pytest.raises(LocalViolation, match="policy 'cadence' has no dispatcher yet"):
-        initial_state(CoreConfig(world_size=2, policy="cadence"))
+    with pytest.raises(LocalViolation, match="policy 'async' has no dispatcher yet"):
+        initial_state(CoreConfig(world_size=2, policy="async"))
 
 
 def test_initial_state_refuses_collective_plane():
     with pytest.raises(LocalViolation, match="plane 'collective'"):
-        initial_state(CoreConfig(world_size=2, plane="collective"))
+        initial_state(CoreConfig(policy="sync", world_size=2, plane="collective"))
 
 
 def test_protocol_violation_is_abstract():
@@ -56,13 +56,13 @@ def test_protocol_violation_is_abstract():
 
 
 def test_step_refuses_a_non_event():
-    st = initial_state(CoreConfig(world_size=1))
+    st = initial_state(CoreConfig(policy="sync", world_size=1))
     with pytest.raises(LocalViolation, match="not an event: str"):
         step(st, "tick")
 
 
 def test_violation_changes_nothing():
-    c = Cluster(world_size=2, total=10, batch_size=2)
+    c = Cluster(policy="sync", world_size=2, total=10, batch_size=2)
     c.join_all()
     before = copy.deepcopy(c.state)
     with pytest.raises(RankViolation, match=r"rank 9 out of range \[0, 2\)"):
@@ -73,7 +73,7 @@ def test_violation_changes_nothing():
 
 
 def test_late_frames_from_a_dead_rank_are_ignored_and_counted():
-    c = Cluster(world_size=2, total=10, batch_size=2)
+    c = Cluster(policy="sync", world_size=2, total=10, batch_size=2)
     c.join_all()
     c.kill(1)
     before = copy.deepcopy(c.state)
@@ -87,7 +87,7 @@ def test_late_frames_from_a_dead_rank_are_ignored_and_counted():
 
 
 def test_unsupported_events_refresh_liveness_only():
-    c = Cluster(world_size=1, total=4, batch_size=4)
+    c = Cluster(policy="sync", world_size=1, total=4, batch_size=4)
     c.join_all()
     c.feed(CheckpointDone(now=3.0, rank=0, version=1))
     c.feed(IntentRaised(now=4.0, rank=0, kind="eval"))
@@ -96,7 +96,7 @@ def test_unsupported_events_refresh_liveness_only():
 
 
 def test_send_refuses_a_rank_that_is_gone():
-    c = Cluster(world_size=2)
+    c = Cluster(policy="sync", world_size=2)
     c.join_all()
     c.kill(1)
     with pytest.raises(LocalViolation, match=r"refusing to address rank 1 \(DEAD\)"):
@@ -104,7 +104,7 @@ def test_send_refuses_a_rank_that_is_gone():
 
 
 def test_command_ids_strictly_increase_from_one():
-    c = Cluster(world_size=3, total=30, batch_size=4, epochs=1)
+    c = Cluster(policy="sync", world_size=3, total=30, batch_size=4, epochs=1)
     c.join_all()
     c.run()
     ids = [s.control.command_id for s in c.commands if isinstance(s, Send)]
@@ -138,7 +138,7 @@ def test_replay_through_json_records():
 
 
 def test_replay_skips_refused_frames():
-    c = Cluster(world_size=2, total=10, batch_size=2)
+    c = Cluster(policy="sync", world_size=2, total=10, batch_size=2)
     c.join_all()
     bad = BatchDone(now=0.0, rank=0, batch_ms=1, data_ms=0, step_count=1, loss=1, samples=2, epoch=0, offset=9)
     with pytest.raises(RankViolation):
@@ -150,7 +150,7 @@ def test_replay_skips_refused_frames():
 def test_fixed_point_one_event_can_cascade_to_the_end():
     # The last ack folds the tail, completes coverage, aggregates the last epoch and
     # sends the final eval: all in one step, in the documented priority order.
-    c = Cluster(world_size=1, total=4, batch_size=4, epochs=1)
+    c = Cluster(policy="sync", world_size=1, total=4, batch_size=4, epochs=1)
     c.join_all()
     while c.deliver_one(0):
         pass
@@ -161,7 +161,7 @@ def test_fixed_point_one_event_can_cascade_to_the_end():
 
 
 def test_tick_deaths_then_beacon_to_survivors():
-    c = Cluster(world_size=3)
+    c = Cluster(policy="sync", world_size=3)
     c.join_all()
     c.feed(HeartbeatSeen(now=11.0, rank=0))
     cmds = c.feed(Tick(now=11.0))

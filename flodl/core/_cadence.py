@@ -1,0 +1,410 @@
+"""Cadence (ElChe) dispatch: progressive chunks, the barriers, and the firing gate.
+
+Theory of operation
+-------------------
+Under Cadence every rank runs its own *window* between two averages: ``counts[r]``
+batches from ElChe (``state.cadence.elche``) -- the slowest rank ``anchor`` batches, a
+faster one proportionally more -- so all ranks reach the reduce together and nobody
+idles at a barrier the slowest card sets (spec §6). Work is handed out progressively,
+one chunk per rank at a time, from one ``ChunkPool`` per epoch (§8.4-8.8); a chunk is
+normally exactly one window.
+
+* **Epoch start** (``dispatch_epoch``, §8.4): a pool whose reservation spans follow the
+  alive ranks' counts (equal before calibration), every alive rank put at the epoch,
+  then ``start_window``: the final-window plan is pinned, every rank's chunk is sized
+  (``compute_chunk_batches``) *before any take*, then taken; each goes out as
+  ``StartEpoch``.
+* **Streaming** (``_dispatch_next``, §8.5): when a rank's chunk is done it gets its next
+  one unless held -- one chunk in flight; the *reduce barrier* (its steps since the last
+  *finished* round reached ``reduce_step_budget``: it waits for the ``Update``); throttled
+  (waits for the ``Update``); the *epoch barrier* (its epoch's pool is drained: epoch e+1
+  opens only once e is aggregated, by ``_run.advance``; we never stream across). The pool
+  is credited per ``BatchDone`` (positions trained, in order), so a chunk is done when its
+  last batch is reported, whenever the ``ChunkDone`` metrics frame lands.
+* **Finish** (``on_round_finished``, §5.4-5.5): the feedback (``_feedback``) recalibrates
+  ElChe; throttle marks clear; every alive rank with nothing in flight gets its next
+  window folded into its ``Update`` (atomic dispatch, via ``start_window``); then
+  ``after_round`` wakes whoever is still idle.
+* **Death** (``reassign``, §9.2 step 7 made exact): the rank's chunk in flight *and* the
+  positions it trained but never got folded (ARCHITECTURE §6: trained and discarded) go
+  back to the pool -- ``ChunkPool.reopen`` with the uncommitted sub-ranges of everything
+  it was handed -- then the plan is re-pinned and survivors are woken. Positions it had
+  committed stay done, so every epoch is trained exactly once by committed samples.
+
+Wake rule (why nothing deadlocks): whenever a chunk completes, a round finishes or a rank
+dies, every alive rank that is idle (nothing in flight, not held, not throttled) and whose
+pool has work gets a chunk -- at least one batch, even when the pinned final-window plan
+gives it 0 (a short take from a reclaimed fragment would otherwise leave work unowned
+while everyone else waits at the barrier). So the gate below can only be blocked by a
+rank that is training.
+
+Gate (``cadence_gate``, §5.2): no round pending; each alive rank has run its window
+(steps >= ``counts[r]``), is throttled, or is *quiesced* (nothing in flight and its
+epoch's pool has nothing left); and at least one rank moved. Timing never gates firing.
+
+Throttle (§4 step 5): with ``max_batch_diff = m`` and every rank ACTIVE, a rank whose
+window steps exceed the slowest's by more than ``m`` gets one ``Throttle``; it counts as
+at the barrier until the round finishes (its ``Update`` releases it).
+
+Sizes are in batches, the pool in samples. The epoch's sub-batch tail (``total % bs``)
+belongs to the last alive rank's span, so it is trained like any other position (a short
+last batch); chunk sizing sees the remainder rounded up to whole batches.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from flodl.wire import pb
+
+from . import _averaging, _coverage, _dispatch, _feedback
+from ._chunk_pool import (
+    ChunkPool,
+    compute_chunk_batches,
+    refresh_final_window_plan,
+    reservation_span_sizes,
+)
+from ._commands import Command
+from ._config import CoreConfig
+from ._elche import ElChe
+from ._errors import LocalViolation
+from ._events import BatchDone
+from ._guards import make_guard
+from ._lr_meta import LrEventMeta
+from ._overshoot import OvershootBudget
+from ._state import ACTIVE, PENDING, TRAINING, CadenceState, CoordinatorState
+from ._window import WindowLedger
+
+__all__ = [
+    "CadenceDispatcher",
+    "CADENCE",
+    "new_state",
+    "cadence_gate",
+    "quiesced",
+    "window_steps",
+    "chunk_batches",
+    "start_window",
+    "wake",
+]
+
+POLICY = "cadence"
+
+
+def new_state(cfg: CoreConfig) -> CadenceState:
+    el = ElChe(
+        cfg.world_size,
+        cfg.anchor,
+        overhead_target=cfg.overhead_target,
+        max_anchor=cfg.max_anchor,
+        min_anchor=cfg.min_anchor,
+        max_batch_diff=cfg.batch_diff_cap,
+    )
+    el.batch_counts = [el.anchor] * cfg.world_size  # a min_anchor above anchor lifts both
+    return CadenceState(
+        elche=el,
+        ledger=WindowLedger(cfg.world_size),
+        guard=make_guard(cfg.guard),
+        meta=LrEventMeta() if cfg.meta_controller else None,
+        overshoot=OvershootBudget(),
+    )
+
+
+# -- queries ------------------------------------------------------------------------------
+
+
+def _batches(samples: int, bs: int) -> int:
+    return -(-samples // bs)
+
+
+def window_steps(st: CoordinatorState, rank: int) -> int:
+    """Steps the rank reported since the last *finished* round (its current window)."""
+    cad = st.cadence
+    return max(0, st.ranks[rank].last_step - cad.fold_mark.get(rank, 0))
+
+
+def _budget(st: CoordinatorState, rank: int) -> int:
+    cad = st.cadence
+    return cad.overshoot.budget(cad.elche.batch_counts[rank], POLICY)
+
+
+def _alive_counts(st: CoordinatorState) -> list[int]:
+    """ElChe's counts with every rank that is not ACTIVE zeroed (it gets no work)."""
+    counts = st.cadence.elche.batch_counts
+    return [c if rec.phase is ACTIVE else 0 for c, rec in zip(counts, st.ranks)]
+
+
+def _pool_of(st: CoordinatorState, rank: int) -> Optional[ChunkPool]:
+    epoch = st.dispatch.rank_epoch.get(rank)
+    return None if epoch is None else st.cadence.pools.get(epoch)
+
+
+def quiesced(st: CoordinatorState, rank: int) -> bool:
+    """Nothing in flight and its epoch's pool has nothing left (no pool: not quiesced)."""
+    if rank in st.cadence.in_flight:
+        return False
+    pool = _pool_of(st, rank)
+    return pool is not None and pool.remaining() == 0
+
+
+def cadence_gate(st: CoordinatorState) -> tuple[bool, str]:
+    """Cadence gate (§5.2): (verdict, reason)."""
+    if st.run.phase is not TRAINING:
+        return False, f"run is {st.run.phase!r}"
+    if st.rounds.phase is PENDING:
+        return False, f"round {st.rounds.cycle} pending"
+    alive = st.alive_ranks()
+    if not alive:
+        return False, "no active rank"
+    cad = st.cadence
+    counts = cad.elche.batch_counts
+    any_mover = False
+    for r in alive:
+        steps = window_steps(st, r)
+        any_mover = any_mover or steps > 0
+        if steps >= counts[r] or r in cad.throttled:
+            continue
+        if not quiesced(st, r):
+            return False, f"rank {r} ran {steps}/{counts[r]} batches of its window and has work left"
+    if not any_mover:
+        return False, "no rank has stepped since the last average"
+    return True, "every active rank ran its window, is throttled, or has no work left"
+
+
+# -- sizing and taking --------------------------------------------------------------------
+
+
+def _pin(st: CoordinatorState, epoch: int) -> None:
+    """Pin the final-window plan for the window about to start (once per window)."""
+    cad = st.cadence
+    pool = cad.pools[epoch]
+    cad.final_plan = refresh_final_window_plan(
+        None,
+        epoch=epoch,
+        remaining_batches=_batches(pool.remaining(), st.config.batch_size),
+        counts=cad.elche.batch_counts,
+        alive=[rec.phase is ACTIVE for rec in st.ranks],
+        barrier_paced=True,
+    )
+
+
+def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
+    """Batches for the rank's next chunk of ``epoch`` (§8.6; 0: nothing for it)."""
+    cad = st.cadence
+    pool = cad.pools.get(epoch)
+    if pool is None:
+        return 0
+    bs, el, plan = st.config.batch_size, cad.elche, cad.final_plan
+    return compute_chunk_batches(
+        rank,
+        remaining_samples=_batches(pool.remaining(), bs) * bs,
+        counts=_alive_counts(st),
+        batch_size=bs,
+        barrier_paced=True,
+        calibrated=el.calibrated or el.has_speed_hint(),
+        total_samples=pool.total,
+        steps=window_steps(st, rank),
+        budget=_budget(st, rank),
+        final_alloc=plan.alloc if plan is not None and plan.epoch == epoch else None,
+    )
+
+
+def _take(st: CoordinatorState, rank: int, epoch: int, batches: int) -> Optional[tuple[int, int]]:
+    """Take a chunk for the rank; record it as its assignment and its chunk in flight."""
+    cad, d = st.cadence, st.dispatch
+    got = cad.pools[epoch].take_chunk(rank, batches * st.config.batch_size)
+    if got is None or got[1] == 0:
+        return None
+    off, n = got
+    ranges = d.assigned.setdefault(epoch, {}).setdefault(rank, [])
+    if ranges and ranges[-1][0] + ranges[-1][1] == off:
+        ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
+    else:
+        ranges.append((off, n))
+    d.rank_epoch[rank] = epoch
+    cad.in_flight[rank] = (epoch, off, n)
+    return got
+
+
+def start_window(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int, tuple[int, int]]:
+    """Pin the plan, size every rank in ``ranks`` before any take, then take (§8.4/§8.6)."""
+    if epoch not in st.cadence.pools:
+        return {}
+    _pin(st, epoch)
+    sizes = {r: chunk_batches(st, r, epoch) for r in ranks}
+    taken: dict[int, tuple[int, int]] = {}
+    for r in ranks:
+        if sizes[r] > 0:
+            got = _take(st, r, epoch, sizes[r])
+            if got is not None:
+                taken[r] = got
+    return taken
+
+
+def _send_plan(st: CoordinatorState, rank: int, epoch: int, got: tuple[int, int], out: list[Command]) -> None:
+    plan = pb.EpochPlan(epoch=epoch, partition_offset=got[0], partition_size=got[1])
+    st.send(out, rank, start_epoch=pb.Control.StartEpoch(plan=plan))
+
+
+# -- streaming ----------------------------------------------------------------------------
+
+
+def _held(st: CoordinatorState, rank: int) -> Optional[str]:
+    """Why the rank may not get a chunk now; None if it may (§8.5 steps 2-3)."""
+    cad = st.cadence
+    if st.ranks[rank].phase is not ACTIVE:
+        return "not active"
+    if rank in cad.in_flight:
+        return "one chunk in flight"
+    if rank in cad.throttled:
+        return "throttled until the Update"
+    budget = _budget(st, rank)
+    if budget > 0 and window_steps(st, rank) >= budget:
+        return "reduce barrier"
+    return None
+
+
+def _dispatch_next(st: CoordinatorState, rank: int, out: list[Command]) -> bool:
+    """Stream the rank its next chunk unless held or its epoch is drained."""
+    if _held(st, rank) is not None:
+        return False
+    pool = _pool_of(st, rank)
+    if pool is None or pool.remaining() == 0:
+        return False  # epoch barrier: the next epoch opens when this one is aggregated
+    epoch = st.dispatch.rank_epoch[rank]
+    left = max(1, _budget(st, rank) - window_steps(st, rank))  # never cross the reduce
+    n = chunk_batches(st, rank, epoch)
+    n = min(n, left) if n > 0 else min(left, _batches(pool.remaining(), st.config.batch_size))
+    got = _take(st, rank, epoch, n)
+    if got is None:
+        return False
+    _send_plan(st, rank, epoch, got, out)
+    return True
+
+
+def wake(st: CoordinatorState, out: list[Command]) -> None:
+    """Give every idle, unheld alive rank whose pool has work its next chunk."""
+    if st.run.phase is not TRAINING:
+        return
+    for r in st.alive_ranks():
+        _dispatch_next(st, r, out)
+
+
+def _check_throttle(st: CoordinatorState, rank: int, out: list[Command]) -> None:
+    m = st.config.batch_diff_cap
+    cad = st.cadence
+    if m is None or rank in cad.throttled:
+        return
+    if any(rec.phase is not ACTIVE for rec in st.ranks):
+        return  # a rank is gone: the spread is no longer meaningful (spec: active < ws)
+    steps = [window_steps(st, r) for r in range(len(st.ranks))]
+    if steps[rank] > min(steps) + m:
+        cad.throttled.add(rank)
+        st.send(out, rank, throttle=pb.Control.Throttle())
+
+
+# -- the dispatcher -----------------------------------------------------------------------
+
+
+class CadenceDispatcher:
+    """Progressive, barrier-paced chunk dispatch driven by ElChe (see module doc)."""
+
+    progressive = True
+
+    def setup(self, st: CoordinatorState) -> None:
+        st.cadence = new_state(st.config)
+
+    def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
+        total = _dispatch.epoch_samples(st.total_samples, 1, epoch)
+        if total <= 0:
+            raise LocalViolation("dispatch_epoch requires total_samples > 0")
+        cad, d = st.cadence, st.dispatch
+        if epoch in cad.pools:
+            raise LocalViolation(f"epoch {epoch} was already dispatched")
+        _dispatch.announce_role(st, out)
+        _coverage.open_epoch(st.coverage, epoch, total)
+        d.assigned.setdefault(epoch, {})
+        d.reported.setdefault(epoch, {})
+        d.last_dispatched = epoch
+        d.dispatched_at.setdefault(epoch, st.now)
+        cad.elche.set_max_total_batches(total // st.config.batch_size)  # a window <= an epoch
+        for old in [e for e in cad.pools if e < epoch]:
+            del cad.pools[old]
+        cad.pools[epoch] = self._new_pool(st, epoch, total)
+        alive = st.alive_ranks()
+        for r in alive:
+            d.rank_epoch[r] = epoch
+        for r, got in start_window(st, epoch, alive).items():
+            _send_plan(st, r, epoch, got, out)
+        wake(st, out)
+
+    @staticmethod
+    def _new_pool(st: CoordinatorState, epoch: int, total: int) -> ChunkPool:
+        bs, el = st.config.batch_size, st.cadence.elche
+        counts = _alive_counts(st)
+        if not (el.calibrated or el.has_speed_hint()):
+            counts = [1 if c > 0 else 0 for c in counts]  # equal spans among the alive
+        batch_total = (total // bs) * bs
+        spans = reservation_span_sizes(batch_total, bs, counts, True)
+        owners = [r for r, c in enumerate(counts) if c > 0] or [len(counts) - 1]
+        spans[owners[-1]] += total - batch_total  # the sub-batch tail
+        return ChunkPool.with_spans(epoch, total, spans)
+
+    def reassign(self, st: CoordinatorState, rank: int, out: list[Command]) -> None:
+        cad, d = st.cadence, st.dispatch
+        cad.in_flight.pop(rank, None)
+        cad.throttled.discard(rank)
+        for epoch, pool in cad.pools.items():
+            ec = st.coverage.epochs.get(epoch)
+            if ec is None or ec.frozen:
+                continue
+            mine = d.assigned.get(epoch, {}).get(rank, [])
+            pool.reopen(rank, _coverage.uncommitted(st.coverage, epoch, mine))
+            if mine:
+                d.assigned[epoch][rank] = []
+        if d.last_dispatched in cad.pools and st.alive_ranks():
+            _pin(st, d.last_dispatched)
+        wake(st, out)
+
+    def idle(self, st: CoordinatorState, rank: int) -> bool:
+        return quiesced(st, rank)
+
+    def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
+        cad, r = st.cadence, ev.rank
+        cad.ledger.record_batch(r, ev.batch_ms, ev.data_ms)
+        cad.ledger.record_batch_loss(r, ev.loss)
+        if ev.lr > 0.0:
+            cad.last_lr[r] = ev.lr
+        pool = cad.pools.get(ev.epoch)
+        if pool is not None and ev.samples > 0:
+            pool.mark_completed(r, ev.samples)
+        _check_throttle(st, r, out)
+        chunk = cad.in_flight.get(r)
+        if chunk is not None and chunk[0] == ev.epoch and (pool is None or pool.in_flight(r) == 0):
+            del cad.in_flight[r]
+            wake(st, out)
+
+    def on_round_finished(
+        self, st: CoordinatorState, ranks: list[int], out: list[Command]
+    ) -> dict[int, pb.EpochPlan]:
+        cad = st.cadence
+        epoch = st.dispatch.last_dispatched
+        _feedback.finish_window(st, epoch, out)
+        for r in ranks:
+            cad.fold_mark[r] = st.ranks[r].folded_step
+        cad.throttled.clear()
+        if epoch is None:
+            return {}
+        cad.averages[epoch] = cad.averages.get(epoch, 0) + 1
+        ready = [r for r in ranks if r not in cad.in_flight]
+        return {
+            r: pb.EpochPlan(epoch=epoch, partition_offset=off, partition_size=n)
+            for r, (off, n) in start_window(st, epoch, ready).items()
+        }
+
+    def after_round(self, st: CoordinatorState, out: list[Command]) -> None:
+        wake(st, out)
+
+
+CADENCE = CadenceDispatcher()
+_dispatch.DISPATCHERS[POLICY] = CADENCE
+_averaging.GATES[POLICY] = cadence_gate

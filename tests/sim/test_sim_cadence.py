@@ -1,0 +1,84 @@
+"""Cadence in virtual time: heterogeneous ranks stop waiting, and coverage stays exact."""
+
+import random
+
+import pytest
+
+from flodl.core import Notice, replay
+from flodl.sim import SimConfig, simulate
+
+# The 1,2,4 rig: three ranks at 10, 20 and 40 ms per batch, 5 % jitter, 0.5 ms links.
+RIG = dict(ms_per_batch=(10, 20, 40), jitter=0.05, latency_s=0.0005, batch_size=16)
+
+
+def _exact(result, expected):
+    cov = result.summary["coverage"]
+    assert cov, "no epoch completed"
+    for c in cov:
+        assert (c["expected"], c["trained"], c["duplicates"], c["missing"]) == (expected, expected, 0, 0), c
+
+
+def test_cadence_on_1_2_4_is_efficient_and_beats_sync():
+    # 2 x 6000 samples at 16 per batch: ~28 windows of [16, 8, 4] batches (160 ms each).
+    cfg = dict(RIG, total_samples=6000, epochs=2)
+    sync = simulate(SimConfig(**cfg, policy="sync"))
+    cad = simulate(SimConfig(**cfg, policy="cadence"))
+    assert sync.finished.ok and cad.finished.ok
+    _exact(cad, 6000)
+    assert cad.summary["averages"] >= 20
+    assert cad.summary["elche"]["counts"] == [16, 8, 4]  # 4:2:1, the speeds' inverse
+    assert cad.efficiency >= 0.90, cad.efficiency
+    assert cad.efficiency >= 1.8 * sync.efficiency, (cad.efficiency, sync.efficiency)
+
+
+def test_cadence_windows_explain_themselves():
+    res = simulate(SimConfig(**RIG, total_samples=3000, epochs=1, policy="cadence"))
+    assert res.finished.ok
+    windows = [c for c in _commands(res) if isinstance(c, Notice) and c.kind == "window"]
+    assert len(windows) == res.summary["averages"]
+    assert windows[0].data["sync_ms"] == 0.0 and windows[1].data["sync_ms"] > 0.0
+    assert all(w.data["verdict"] in ("Stable", "SuppressGrowth", "NudgeDown") for w in windows)
+    late = windows[-1].data
+    assert late["overhead"] is not None and late["overhead"] < 0.10
+
+
+def _commands(res):
+    """Every command of the run, rebuilt from its event journal (replay is exact)."""
+    record = []
+    replay(res.state.config, res.events, record=record)
+    return record
+
+
+@pytest.mark.timeout(5)
+def test_64_ranks_spread_1_to_10x_exact_over_several_epochs():
+    rng = random.Random(7)
+    ms = tuple(rng.uniform(5.0, 50.0) for _ in range(64))
+    res = simulate(SimConfig(ms_per_batch=ms, total_samples=16_000, batch_size=16, epochs=3, policy="cadence"))
+    assert res.finished.ok
+    _exact(res, 16_000)
+    counts = res.summary["elche"]["counts"]
+    fastest, slowest = ms.index(min(ms)), ms.index(max(ms))
+    assert counts[fastest] > counts[slowest]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5, 6])
+def test_a_crash_and_a_hang_lose_and_double_nothing(seed):
+    rng = random.Random(seed)
+    cfg = SimConfig(
+        ms_per_batch=(10, 20, 40, 15), total_samples=1000, batch_size=16, epochs=3, seed=seed, policy="cadence",
+        fail_at={rng.randrange(4): rng.randrange(1, 40)},
+        hang_at={rng.randrange(4): rng.randrange(1, 40)},
+    )  # fmt: skip
+    res = simulate(cfg)
+    assert res.finished is not None and res.finished.ok, res.finished
+    _exact(res, 1000)
+    assert res.summary["discarded_samples"] == sum(c["discarded"] for c in res.summary["coverage"])
+
+
+def test_same_seed_same_run_and_the_event_list_replays():
+    cfg = SimConfig(ms_per_batch=(10, 30), total_samples=300, batch_size=8, epochs=2, seed=11, fail_at={1: 7},
+                    policy="cadence")  # fmt: skip
+    a, b = simulate(cfg), simulate(cfg)
+    assert a.events == b.events and a.summary == b.summary
+    st = replay(a.state.config, a.events)
+    assert st == a.state

@@ -1,0 +1,510 @@
+"""Cadence (ElChe) in the core: gate, progressive dispatch, finish feedback, deaths.
+
+Scenario numbers are the coordinator halves of reference/coordinator-behaviour.md §12,
+adapted to our names: ``BatchDone`` for Batch frames, ``ChunkDone`` for MetricsMsg,
+``SyncAcked`` for SyncAck, a hand-built TRAINING state instead of the Rust "headless"
+coordinator, and a ``SendFailed`` event where the original saw a failed send.
+"""
+
+import copy
+
+import pytest
+
+from flodl.core import (
+    BatchDone,
+    CoreConfig,
+    Notice,
+    OpenRound,
+    Send,
+    SendFailed,
+    SyncAcked,
+    initial_state,
+    replay,
+)
+from flodl.core import _feedback
+from flodl.core._cadence import (
+    CADENCE,
+    _dispatch_next,
+    cadence_gate,
+    chunk_batches,
+    start_window,
+    window_steps,
+)
+from flodl.core._chunk_pool import ChunkPool
+from flodl.core._coverage import open_epoch
+from flodl.core._state import ACTIVE, DEAD, IDLE, PENDING, TRAINING
+from .cluster import Cluster, controls
+
+EXACT = {"expected": 100, "trained": 100, "duplicates": 0, "missing": 0}
+
+
+def _state(ws, anchor, *, total=100, bs=1, epochs=2, **kw):
+    """A formed, training cadence coordinator with no epoch dispatched (NoGuard)."""
+    kw.setdefault("guard", "none")
+    cfg = CoreConfig(world_size=ws, policy="cadence", anchor=anchor, batch_size=bs, num_epochs=epochs,
+                     total_samples=total, **kw)  # fmt: skip
+    st = initial_state(cfg)
+    for rec in st.ranks:
+        rec.phase, rec.route = ACTIVE, (b"r%d" % rec.rank,)
+    st.run.phase = TRAINING
+    return st
+
+
+def _steps(st, steps):
+    for r, s in enumerate(steps):
+        st.ranks[r].last_step = s
+
+
+def _pool(st, epoch, total, *, equal=True):
+    """A pool for ``epoch``: equal spans (the spec's ``ChunkPool::new``) or, with
+    ``equal=False``, the spans the dispatcher itself would lay out from the counts."""
+    pool = ChunkPool(epoch, total, st.config.world_size) if equal else CADENCE._new_pool(st, epoch, total)
+    st.cadence.pools[epoch] = pool
+    open_epoch(st.coverage, epoch, total)
+    for r in range(st.config.world_size):
+        st.dispatch.rank_epoch[r] = epoch
+
+
+def _cluster(**kw):
+    kw.setdefault("policy", "cadence")
+    return Cluster(**kw)
+
+
+def _drain(c, *ranks):
+    for r in ranks:
+        while c.deliver_one(r):
+            pass
+
+
+def _plan(ctl):
+    p = ctl.start_epoch.plan if ctl.HasField("start_epoch") else ctl.update.next_plan
+    return (p.epoch, p.partition_offset, p.partition_size)
+
+
+# -- A. the gate ----------------------------------------------------------------------------
+
+
+def test_gate_blocked_while_a_round_is_pending():
+    # Scenario 5.
+    st = _state(2, 2)
+    st.cadence.elche.report_timing([10, 20], [2, 2], 0)
+    assert st.cadence.elche.batch_counts == [4, 2]
+    _steps(st, [4, 2])
+    st.rounds.phase = PENDING
+    assert cadence_gate(st) == (False, "round 0 pending")
+    st.rounds.phase = IDLE
+    assert cadence_gate(st)[0] is True
+
+
+def test_gate_rearms_without_looking_at_acks():
+    # Scenario 6: counts are the gate; the last round's acks are not.
+    st = _state(2, 2)
+    st.cadence.elche.report_timing([10, 20], [2, 2], 0)
+    _steps(st, [4, 2])
+    st.rounds.acked = {}
+    assert cadence_gate(st)[0] is True
+
+
+def test_gate_counts_not_time():
+    # Scenario 7: two 1 ms windows reach counts [2, 2] -> fire.
+    st = _state(2, 2)
+    st.cadence.elche.report_timing([10000, 10000], [1, 1], 0)
+    assert st.cadence.elche.batch_counts == [2, 2]
+    _steps(st, [2, 2])
+    for r in (0, 1):
+        for _ in range(2):
+            st.cadence.ledger.record_batch(r, 0.5, 0.0)
+    assert cadence_gate(st)[0] is True
+
+
+def test_gate_below_counts_never_fires_however_long():
+    # Scenario 8: counts [8, 4], steps [7, 3], a huge wall: still no.
+    st = _state(2, 4)
+    st.cadence.elche.report_timing([10, 20], [2, 2], 0)
+    assert st.cadence.elche.batch_counts == [8, 4]
+    _pool(st, 0, 100)
+    st.cadence.in_flight = {0: (0, 0, 8), 1: (0, 50, 4)}
+    _steps(st, [7, 3])
+    st.cadence.ledger.record_batch(0, 1e9, 0.0)
+    assert cadence_gate(st) == (False, "rank 0 ran 7/8 batches of its window and has work left")
+
+
+def test_gate_quiesced_zero_step_tail_rank_does_not_block():
+    # Scenario 9: counts [20, 4, 4]; rank 2 has nothing to do and nothing left.
+    st = _state(3, 4)
+    st.cadence.elche.report_timing([200, 1000, 1000], [4, 4, 4], 10)
+    assert st.cadence.elche.batch_counts == [20, 4, 4]
+    _pool(st, 0, 0)
+    _steps(st, [20, 4, 0])
+    assert cadence_gate(st)[0] is True
+    st.cadence.pools[0] = ChunkPool(0, 1000, 3)
+    assert cadence_gate(st) == (False, "rank 2 ran 0/4 batches of its window and has work left")
+
+
+def test_gate_missing_pool_is_not_quiesced_and_idle_window_never_fires():
+    st = _state(2, 4)
+    _steps(st, [4, 0])
+    assert cadence_gate(st)[0] is False  # rank 1: no pool, not quiesced
+    _pool(st, 0, 0)
+    _steps(st, [0, 0])
+    assert cadence_gate(st) == (False, "no rank has stepped since the last average")  # scenario 10
+
+
+def test_throttle_once_when_a_rank_runs_ahead_then_released_by_the_update():
+    # Scenario 12 (Async/CPU there; the same rule under Cadence): max_batch_diff 2,
+    # steps [4, 1] -> one Throttle to rank 0; its 5th batch sends nothing more; the mark
+    # clears when the round finishes, and the throttled rank counts as at the barrier.
+    c = _cluster(world_size=2, total=100, batch_size=1, epochs=1, anchor=8, max_batch_diff=2, guard="none")
+    c.join_all()
+    _drain(c, 0, 1)
+    c.train_one(1)
+    for _ in range(5):
+        c.train_one(0)
+    throttles = c.sends("throttle")
+    assert [s.rank for s in throttles] == [0]
+    assert c.state.cadence.throttled == {0}
+    assert c.state.rounds.gate_reason.startswith("rank 1 ran 1/8")
+    for _ in range(7):
+        c.train_one(1)
+    assert len(c.sends("request_params")) == 2  # rank 0 throttled at 5/8 does not block
+    _drain(c, 0, 1)
+    assert c.state.rounds.phase is IDLE and c.state.cadence.throttled == set()
+    assert "update" in c.out(0)
+    res = c.run()
+    assert [{k: e[k] for k in EXACT} for e in res.summary["coverage"]] == [EXACT]
+
+
+def test_no_throttle_once_a_rank_is_gone():
+    # Scenario 12, second half: with a rank dead the spread rule is off.
+    c = _cluster(world_size=3, total=99, batch_size=1, epochs=1, anchor=8, max_batch_diff=2, guard="none")
+    c.join_all()
+    c.kill(2)
+    _drain(c, 0, 1)
+    c.train_one(1)
+    for _ in range(5):
+        c.train_one(0)
+    assert c.sends("throttle") == []
+
+
+# -- E. progressive dispatch ----------------------------------------------------------------
+
+
+def _cold_start():
+    c = _cluster(world_size=2, total=100, batch_size=1, epochs=2, anchor=4, guard="none", speeds=[10, 20],
+                 defer_acks=True)  # fmt: skip
+    c.join_all()
+    return c
+
+
+def test_progressive_cold_start_sends_one_window_each():
+    # Scenario 42 (we send no StageAdvisory: the rank's stager is not wired yet).
+    c = _cold_start()
+    assert c.out(0) == ["set_epoch_callback_role", "start_epoch"]
+    assert c.out(1) == ["set_epoch_callback_role", "start_epoch"]
+    assert _plan(c.ranks[0].received[-1]) == (0, 0, 4)
+    assert _plan(c.ranks[1].received[-1]) == (0, 50, 4)
+    assert c.state.dispatch.rank_epoch == {0: 0, 1: 0}
+    assert c.state.cadence.in_flight == {0: (0, 0, 4), 1: (0, 50, 4)}
+
+
+def test_first_reduce_holds_ranks_then_folds_the_recalibrated_windows_into_update():
+    # Scenario 43: delivered feed [11, 21] ms (batch + data) -> counts [8, 4].
+    c = _cold_start()
+    _drain(c, 0, 1)
+    for _ in range(4):
+        c.train_one(0)
+        c.train_one(1)
+    assert [s.kind for s in c.sends()][-2:] == ["request_params", "request_params"]
+    assert c.sends("throttle") == []  # progressive: no hard barrier
+    assert len(c.sends("start_epoch")) == 2  # both HELD at 4 >= budget 4
+    assert c.state.rounds.phase is PENDING
+    _drain(c, 0, 1)
+    c.send_ack(0)
+    cmds = c.feed(SyncAcked(now=c.now, rank=1, cycle=1, step_count=4, divergence=0.01))
+    c.ranks[1].ack_due = None
+    assert c.state.cadence.elche.batch_counts == [8, 4]
+    upd = controls(cmds, "update")
+    assert [(r, u.update.version, _plan(u)) for r, u in upd] == [(0, 1, (0, 4, 8)), (1, 1, (0, 54, 4))]
+    assert [(r, g.set_global_step.global_step) for r, g in controls(cmds, "set_global_step")] == [(0, 8), (1, 8)]
+    kinds = [x.kind for x in cmds if isinstance(x, Send)]
+    assert kinds == ["update", "update", "set_global_step", "set_global_step"]
+    window = [x for x in cmds if isinstance(x, Notice) and x.kind == "window"]
+    assert len(window) == 1 and window[0].data["counts"] == [8, 4] and window[0].data["verdict"] == "Stable"
+
+
+def test_send_failure_at_kickoff_returns_the_chunk_to_the_pool():
+    # Scenario 44 (a failed send is a SendFailed event here, and the rank is lost).
+    c = _cold_start()
+    c.feed(SendFailed(now=c.now, rank=1, what="start_epoch"))
+    pool = c.state.cadence.pools[0]
+    assert c.state.ranks[1].phase is DEAD
+    assert pool.reclaimed() == ((50, 4),) and pool.remaining() == 96
+    assert not pool.is_epoch_done()
+    c.ranks[1].alive = False
+    res = c.run()
+    assert res.ok and [{k: e[k] for k in EXACT} for e in res.summary["coverage"]] == [EXACT] * 2
+
+
+def test_fold_mid_epoch():
+    # Scenario 45: counts [20, 10], pool 1000 -> {0, 0, 20} and {0, 500, 10}.
+    st = _state(2, 10, total=1000)
+    st.cadence.elche.report_timing([500, 1000], [10, 10], 10)
+    assert st.cadence.elche.batch_counts == [20, 10]
+    _pool(st, 0, 1000)
+    assert start_window(st, 0, [0, 1]) == {0: (0, 20), 1: (500, 10)}
+    assert st.dispatch.assigned[0] == {0: [(0, 20)], 1: [(500, 10)]}
+    st.cadence.pools[0] = ChunkPool(0, 0, 2)
+    assert start_window(st, 0, [0, 1]) == {}
+    assert start_window(st, 7, [0, 1]) == {}  # an epoch without a pool
+
+
+def test_tail_is_shared_by_the_final_window_plan():
+    # Scenario 46 (Async caps the tail by share; under Cadence the pinned final-window
+    # plan splits the last 59 batches by counts [50, 10]: no lone 1, sum exact).
+    st = _state(2, 10, total=59)
+    for _ in range(5):
+        st.cadence.elche.report_timing([200, 1000], [10, 10], 10)
+    assert st.cadence.elche.batch_counts == [50, 10]
+    _pool(st, 0, 59, equal=False)  # spans [50, 9]
+    taken = start_window(st, 0, [0, 1])
+    assert st.cadence.final_plan.alloc == (49, 10)
+    assert [chunk_batches(st, r, 0) for r in (0, 1)] == [49, 10]  # sized before any take
+    # A take never runs past the rank's own span while it has a residue: rank 1 gets its
+    # 9 now and streams the last batch when it has run them (still inside its window).
+    assert taken == {0: (0, 49), 1: (50, 9)}
+    assert st.cadence.pools[0].remaining() == 1
+
+
+def test_cadence_final_window_has_no_lone_one():
+    # Scenario 47: counts [45, 10, 9]; pool 63 -> [44, 10, 9].
+    st = _state(3, 10, total=63)
+    for _ in range(5):
+        st.cadence.elche.report_timing([200, 900, 1000], [10, 10, 10], 10)
+    assert st.cadence.elche.batch_counts == [45, 10, 9]
+    _pool(st, 0, 63)
+    sizes = [chunk_batches(st, r, 0) for r in range(3)]  # unpinned: the edge schedule
+    assert sizes == [45, 10, 9]
+    taken = start_window(st, 0, [0, 1, 2])
+    assert st.cadence.final_plan.alloc == (44, 10, 9)  # sum 63, no lone 1, rank 0 largest
+    assert [taken[r][1] for r in range(3)] == [21, 10, 9]  # equal spans of 21: rank 0 short
+    assert [chunk_batches(st, r, 0) for r in range(3)] == [44, 10, 9]  # the pinned sizes
+
+
+def test_streamed_chunk_never_crosses_the_reduce():
+    st = _state(2, 4, total=100)
+    st.cadence.elche.report_timing([10, 20], [2, 2], 0)  # counts [8, 4]
+    _pool(st, 0, 100)
+    _steps(st, [3, 0])
+    assert window_steps(st, 0) == 3
+    assert chunk_batches(st, 0, 0) == 8  # the window, before the streaming cap
+    out = []
+    assert _dispatch_next(st, 0, out)
+    assert _plan(out[0].control) == (0, 0, 5)  # 8 - 3 already run this window
+
+
+# -- whole runs in the Cluster ----------------------------------------------------------------
+
+
+class CheckedCluster(Cluster):
+    """A Cluster that checks cadence's dispatch invariants after every event."""
+
+    def feed(self, ev):
+        cmds = super().feed(ev)
+        cad = self.state.cadence
+        for pool in cad.pools.values():
+            for r in range(self.config.world_size):
+                assert len(pool.outstanding(r)) <= 1, "more than one chunk in flight"
+        for r, (epoch, _off, _n) in cad.in_flight.items():
+            assert cad.pools[epoch].in_flight(r) > 0
+        return cmds
+
+
+def test_three_unequal_ranks_exact_coverage_and_elche_summary():
+    c = CheckedCluster(world_size=3, total=100, batch_size=4, epochs=3, policy="cadence", anchor=2,
+                       speeds=[10, 20, 40])  # fmt: skip
+    c.join_all()
+    res = c.run()
+    assert res.ok and res.reason == "completed"
+    s = res.summary
+    assert [{k: e[k] for k in EXACT} for e in s["coverage"]] == [EXACT] * 3
+    assert s["policy"] == "cadence" and s["global_step"] == sum(r["steps"] for r in s["ranks"])
+    el = s["elche"]
+    assert set(el) >= {"anchor", "counts", "phase", "calibration_count"}
+    assert el["counts"][0] > el["counts"][1] > el["counts"][2]  # faster ranks run more
+    assert el["calibration_count"] == s["averages"]
+    assert sum(e["averages"] for e in s["epochs"]) == s["averages"]
+    assert all(e["averages"] >= 1 for e in s["epochs"])
+    windows = [x for x in c.of_type(Notice) if x.kind == "window"]
+    assert len(windows) == s["averages"] and all(w.data["reason"] for w in windows)
+    # Atomic dispatch: after the first window, chunks ride in the Update.
+    assert any(s.control.update.HasField("next_plan") for s in c.sends("update"))
+
+
+def test_epoch_barrier_nothing_of_the_next_epoch_before_this_one_aggregated():
+    c = _cluster(world_size=3, total=60, batch_size=4, epochs=3, anchor=2)
+    c.join_all()
+    c.run()
+    aggregated = -1
+    for cmd in c.commands:
+        if getattr(cmd, "kind", None) == "epoch_aggregated" and cmd.rank == 0:
+            aggregated = cmd.control.epoch_aggregated.metrics.epoch
+        if getattr(cmd, "kind", None) in ("start_epoch", "update"):
+            ctl = cmd.control
+            if ctl.HasField("start_epoch") or ctl.update.HasField("next_plan"):
+                assert _plan(ctl)[0] <= aggregated + 1
+
+
+def test_death_mid_epoch_exact_coverage_with_discards_counted():
+    c = CheckedCluster(world_size=3, total=100, batch_size=8, epochs=3, policy="cadence", anchor=2)
+    c.join_all()
+    c.run_until(lambda: c.ranks[2].step >= 3 and c.state.unfolded(2) > 0)
+    lost_epoch = c.state.dispatch.rank_epoch[2]
+    pending = sum(n for e, _o, n, s in c.ranks[2].trained if s > c.state.ranks[2].folded_step)
+    assert pending > 0
+    c.kill(2)
+    res = c.run()
+    assert res.ok
+    cov = res.summary["coverage"]
+    assert [{k: e[k] for k in EXACT} for e in cov] == [EXACT] * 3
+    assert cov[lost_epoch]["discarded"] == pending == res.summary["discarded_samples"]
+    assert res.summary["ranks"][2]["phase"] == "DEAD"
+    trained = {}
+    for r in c.ranks[:2]:
+        for e, off, n, _ in r.trained:
+            for p in range(off, off + n):
+                trained[(e, p)] = trained.get((e, p), 0) + 1
+    assert all(v == 1 for v in trained.values())  # survivors never repeat a position
+    folded = c.state.ranks[2].folded_step
+    for e, off, n, step in c.ranks[2].trained:  # what the dead rank committed stays its own
+        if step <= folded:
+            assert all((e, p) not in trained for p in range(off, off + n))
+
+
+def test_death_while_a_round_is_pending_and_a_silent_rank():
+    c = _cluster(world_size=4, total=97, batch_size=5, epochs=2, anchor=2, defer_acks=True)
+    c.join_all()
+    c.run_until(lambda: c.state.rounds.phase is PENDING)
+    c.kill(3)
+    c.run_until(lambda: c.ranks[1].step >= 6)
+    c.silence(1)
+    res = c.run()
+    assert res.ok
+    assert all(e["missing"] == 0 and e["duplicates"] == 0 for e in res.summary["coverage"])
+
+
+@pytest.mark.parametrize("ws,total,bs", [(1, 7, 3), (2, 33, 5), (4, 10, 4), (5, 3, 2)])
+def test_shapes_exact_coverage(ws, total, bs):
+    c = _cluster(world_size=ws, total=total, batch_size=bs, epochs=2)
+    c.join_all()
+    res = c.run()
+    assert res.ok
+    for e in res.summary["coverage"]:
+        assert (e["expected"], e["trained"], e["duplicates"], e["missing"]) == (total, total, 0, 0)
+
+
+def test_replay_rebuilds_the_same_state_and_commands():
+    c = _cluster(world_size=3, total=100, batch_size=8, epochs=2, anchor=2, guard="level")
+    c.join_all()
+    c.run_until(lambda: c.ranks[1].step >= 5)
+    c.kill(1)
+    c.run()
+    record = []
+    st = replay(c.config, c.journal, record=record)
+    assert st == c.state
+    assert record == c.commands
+    other = copy.deepcopy(c.state)
+    other.cadence.elche.anchor += 1
+    assert other != c.state  # the engines really take part in the comparison
+
+
+def test_trigger_opens_the_round_without_throttle():
+    c = _cold_start()
+    _drain(c, 0, 1)
+    for _ in range(4):
+        c.train_one(0)
+    for _ in range(3):
+        c.train_one(1)
+    cmds = c.feed(BatchDone(now=0.0, rank=1, batch_ms=20, data_ms=1, step_count=4, loss=1.0, samples=1,
+                            epoch=0, offset=53))  # fmt: skip
+    assert cmds[0] == OpenRound(1, (0, 1))
+    assert [(x.rank, x.kind) for x in cmds[1:]] == [(0, "request_params"), (1, "request_params")]
+
+
+# -- feedback at finish ------------------------------------------------------------------------
+
+
+def _window(st, per_rank_ms, *, lr=None, divergence=None, opened=0.0, now=0.0):
+    cad, rs = st.cadence, st.rounds
+    for r, ms in enumerate(per_rank_ms):
+        for _ in range(4):
+            cad.ledger.record_batch(r, ms, 0.0)
+        if lr is not None:
+            cad.last_lr[r] = lr
+    rs.window = {r: 4 for r in range(len(per_rank_ms))}
+    rs.divergence = {r: divergence for r in range(len(per_rank_ms))} if divergence is not None else {}
+    rs.opened_at, st.now = opened, now
+    out = []
+    _feedback.finish_window(st, 0, out)
+    assert len(out) == 1 and out[0].kind == "window"
+    return out[0].data
+
+
+def test_feedback_sync_ms_is_the_previous_round_and_the_first_is_zero():
+    st = _state(2, 4)
+    first = _window(st, [10.0, 20.0], opened=1.0, now=1.25)
+    assert first["sync_ms"] == 0.0 and first["counts"] == [8, 4] and first["anchor_rank"] == 1
+    second = _window(st, [10.0, 20.0], opened=2.0, now=2.01)
+    assert second["sync_ms"] == pytest.approx(250.0)
+    assert second["overhead"] == pytest.approx(250.0 / (4 * 20.0 + 250.0))
+    assert st.cadence.ledger.steps == [0, 0]  # the ledger restarts every window
+
+
+def test_feedback_guard_verdict_lands_and_explains_itself():
+    st = _state(2, 4, guard="level")
+    verdicts = [_window(st, [10.0, 20.0], divergence=d) for d in (0.02, 0.03, 0.04)]
+    assert [v["verdict"] for v in verdicts] == ["Stable", "Stable", "SuppressGrowth"]
+    assert "divergence rose" in verdicts[-1]["reason"]
+    assert st.cadence.elche.growth_enabled is False
+    assert _feedback.summary(st.cadence)["last_verdict"] == "SuppressGrowth"
+
+
+def test_feedback_meta_controller_nudges_on_an_lr_cliff():
+    st = _state(2, 8)
+    assert _window(st, [10.0, 20.0], lr=0.1)["meta"] is None
+    data = _window(st, [10.0, 20.0], lr=0.01)
+    assert data["meta"]["factor"] == pytest.approx(0.5)
+    assert (data["anchor_before"], data["anchor"]) == (8, 4)
+
+
+def test_feedback_without_meta_or_lr_leaves_the_anchor():
+    st = _state(2, 8, meta_controller=False)
+    _window(st, [10.0, 20.0], lr=0.1)
+    assert _window(st, [10.0, 20.0], lr=0.01)["meta"] is None
+    assert st.cadence.elche.anchor == 8
+
+
+# -- config and summary -----------------------------------------------------------------------
+
+
+def test_config_cadence_knobs_defaults_and_validation():
+    cfg = CoreConfig(world_size=2)
+    assert (cfg.anchor, cfg.min_anchor, cfg.max_anchor, cfg.overhead_target) == (4, None, 1000, 0.05)
+    assert (cfg.max_batch_diff, cfg.guard, cfg.meta_controller) == (None, "level", True)
+    assert CoreConfig(world_size=2, max_batch_diff=0).batch_diff_cap is None
+    for bad in ({"anchor": 0}, {"max_anchor": 0}, {"overhead_target": 0.0}, {"guard": "trend"},
+                {"max_batch_diff": -1}, {"min_anchor": 0}):  # fmt: skip
+        with pytest.raises(ValueError):
+            CoreConfig(world_size=2, **bad)
+    st = initial_state(CoreConfig(world_size=3, policy="cadence", anchor=6, min_anchor=8, guard="growth",
+                                  meta_controller=False))  # fmt: skip
+    el = st.cadence.elche
+    assert (el.anchor, el.min_anchor, el.batch_counts) == (8, 8, [8, 8, 8])
+    assert st.cadence.guard.name == "growth" and st.cadence.meta is None
+
+
+def test_sync_summary_has_no_cadence_block():
+    c = Cluster(world_size=2, total=16, batch_size=4, epochs=1, policy="sync")
+    c.join_all()
+    s = c.run().summary
+    assert "elche" not in s and all("averages" not in e for e in s["epochs"])
+    assert c.state.cadence is None
