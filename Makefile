@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml coordinator/pyproject.toml worker/pyproject.toml requir
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/flodl run --local --ranks 3 --task digits --slowdown 1,2,4 --epochs 12 --summary demo-summary.json
+	$(BIN)/flodl run --local --ranks 3 --task digits --slowdown 1,2,4 --epochs 12 --policy cadence --summary demo-summary.json
 
 test: setup
 	$(BIN)/python -m pytest -q tests

@@ -60,7 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--base-ms", type=float, default=10.0, help="emulated ms per batch per slowdown unit (10)")
     r.add_argument("--epochs", type=int, default=10, help="epochs (default 10)")
     r.add_argument("--batch-size", type=int, default=32, help="samples per step per rank (default 32)")
-    r.add_argument("--policy", default="sync", help="averaging policy: sync | cadence | async")
+    r.add_argument("--policy", default="cadence", choices=("cadence", "sync"),
+                   help="averaging policy: cadence (default: per-rank windows proportional to speed) "
+                   "or sync (average once every rank stepped)")
+    r.add_argument("--anchor", type=int, help="cadence: initial batches of the slowest rank per window")
     r.add_argument("--seed", type=int, default=42, help="shuffle and init seed (default 42)")
     r.add_argument("--port", type=int, default=0, help="coordinator TCP port on 127.0.0.1 (0 = any free)")
     r.add_argument("--summary", help="write the run summary JSON to this path")
@@ -115,6 +118,8 @@ def _run_local(args) -> int:
     ]  # fmt: skip
     if args.journal:
         coord_cmd += ["--journal", args.journal]
+    if args.anchor:
+        coord_cmd += ["--anchor", str(args.anchor)]
     t0 = time.monotonic()
     coord = subprocess.Popen(coord_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     procs = [coord]

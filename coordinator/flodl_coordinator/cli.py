@@ -20,13 +20,19 @@ _RUN_FLAGS = {
     "batch_size": (int, "samples per step on every rank (default 32)"),
     "epochs": (int, "epochs to train (default 10)"),
     "seed": (int, "shuffle and init seed (default 42)"),
-    "policy": (str, "averaging policy: sync | cadence | async"),
+    "policy": (str, "averaging policy: cadence (default) | sync"),
     "plane": (str, "averaging data plane: bus | collective"),
     "gamma": (float, "contribution mass exponent: weight = steps**gamma (default 1)"),
     "total_samples": (int, "samples per epoch; 0 = the cohort's dataset length"),
     "heartbeat_interval_s": (float, "coordinator beacon / rank heartbeat interval (default 1)"),
     "liveness_timeout_s": (float, "silence after which a rank is declared dead (default 10)"),
     "reduce_stall_s": (float, "an averaging round pending this long ends the run (default 300)"),
+    "anchor": (int, "cadence: initial batches of the slowest rank per window (default 4)"),
+    "min_anchor": (int, "cadence: growth floor; 0 = the initial anchor"),
+    "max_anchor": (int, "cadence: growth ceiling (default 1000)"),
+    "overhead_target": (float, "cadence: grow windows while averaging costs more than this share (0.05)"),
+    "max_batch_diff": (int, "cadence: cap on per-window count moves; 0 = none"),
+    "guard": (str, "cadence convergence guard: level | growth | none (default level)"),
 }
 
 

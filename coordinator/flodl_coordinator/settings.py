@@ -39,7 +39,7 @@ class Settings:
     batch_size: int = 32
     epochs: int = 10
     seed: int = 42
-    policy: str = "sync"
+    policy: str = "cadence"
     plane: str = "bus"
     gamma: float = 1.0
     easgd_alpha: float = 0.5
@@ -49,6 +49,14 @@ class Settings:
     liveness_timeout_s: float = 10.0
     reduce_stall_s: float = 300.0
     final_eval: bool = True
+    # cadence (ElChe)
+    anchor: int = 4
+    min_anchor: int = 0  # 0: the initial anchor
+    max_anchor: int = 1000
+    overhead_target: float = 0.05
+    max_batch_diff: int = 0  # 0: no cap on how far counts move per window
+    guard: str = "level"
+    meta_controller: bool = True
 
     def core_config(self) -> CoreConfig:
         try:
@@ -67,6 +75,13 @@ class Settings:
                 liveness_timeout_s=self.liveness_timeout_s,
                 reduce_stall_s=self.reduce_stall_s,
                 final_eval=self.final_eval,
+                anchor=self.anchor,
+                min_anchor=self.min_anchor or None,
+                max_anchor=self.max_anchor,
+                overhead_target=self.overhead_target,
+                max_batch_diff=self.max_batch_diff or None,
+                guard=self.guard,
+                meta_controller=self.meta_controller,
             )
         except ValueError as e:
             raise SettingsError(f"config error: {e}") from None

@@ -169,6 +169,7 @@ def poll(st: CoordinatorState, out: list[Command]) -> Optional[str]:
 def _finish(st: CoordinatorState, out: list[Command]) -> None:
     rs = st.rounds
     _transition(rs, "finish")
+    rs.open_s += max(0.0, st.now - rs.opened_at)
     rs.version += 1
     rs.global_step += rs.window_steps
     alive = [r for r in rs.ranks if st.ranks[r].phase is ACTIVE]

@@ -211,7 +211,7 @@ def on_stop(st: CoordinatorState, ev: StopRequested, out: list[Command]) -> None
 def summary(st: CoordinatorState) -> dict[str, Any]:
     """The run summary (JSON-safe)::
 
-    {world_size, policy, total_samples, epochs_completed, averages, global_step,
+    {world_size, policy, total_samples, epochs_completed, averages, averaging_s, global_step,
      accuracy: float|None, wall_s, discarded_samples,
      ranks: [{rank, host, phase, reason, samples, batches, steps, param_digest}],
      coverage: [{epoch, expected, trained, duplicates, missing, discarded}],
@@ -242,6 +242,7 @@ def summary(st: CoordinatorState) -> dict[str, Any]:
         "total_samples": st.total_samples,
         "epochs_completed": len(st.metrics.history),
         "averages": st.rounds.version,
+        "averaging_s": st.rounds.open_s,
         "global_step": st.rounds.global_step,
         "accuracy": fe.accuracy if fe is not None else None,
         "wall_s": (st.now - st.run.formed_at) if st.run.formed_at is not None else 0.0,

@@ -158,6 +158,7 @@ class RoundState:
     divergence: dict[int, float] = field(default_factory=dict)
     window: dict[int, int] = field(default_factory=dict)  # rank -> steps its ack folded
     gate_reason: str = ""  # why the gate last said no (or yes)
+    open_s: float = 0.0  # total time rounds were open (trigger -> finish): averaging overhead
 
 
 @dataclass(slots=True)

@@ -191,7 +191,7 @@ def test_run_finished_summary_shape_is_json_safe():
     res = c.run()
     s = json.loads(json.dumps(res.summary))
     assert set(s) == {
-        "world_size", "policy", "total_samples", "epochs_completed", "averages", "global_step",
+        "world_size", "policy", "total_samples", "epochs_completed", "averages", "averaging_s", "global_step",
         "accuracy", "wall_s", "discarded_samples", "ranks", "coverage", "epochs",
     }
     assert set(s["ranks"][0]) == {"rank", "host", "phase", "reason", "samples", "batches", "steps", "param_digest"}
