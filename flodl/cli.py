@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=0, help="coordinator TCP port on 127.0.0.1 (0 = any free)")
     r.add_argument("--summary", help="write the run summary JSON to this path")
     r.add_argument("--journal", help="keep the coordinator's event journal at this path")
+    r.add_argument("--checkpoint-dir", help="write consensus checkpoints (model, optimizer, coverage) here")
+    r.add_argument("--checkpoint-every", type=int, default=0, help="a checkpoint every N epochs (0 = only on failure)")
+    r.add_argument("--resume", help="resume from a checkpoint dir (or the --checkpoint-dir of a previous run)")
     r.add_argument("--trace-dir", help="ranks write the sample ids they train here (coverage audit)")
     r.add_argument("--liveness-timeout", type=float, default=10.0, help="seconds of silence = dead rank")
     r.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
@@ -99,6 +102,10 @@ def _run_local(args) -> int:
         raise LaunchError(f"--ranks must be >= 1, got {args.ranks}")
     if args.epochs < 1 or args.batch_size < 1:
         raise LaunchError("--epochs and --batch-size must be >= 1")
+    if args.checkpoint_every < 0:
+        raise LaunchError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise LaunchError("--checkpoint-every needs --checkpoint-dir")
     slow = _slowdowns(args.slowdown, args.ranks)
     session = "local-" + secrets.token_hex(6)
     workdir = tempfile.mkdtemp(prefix="flodl-run-")
@@ -118,6 +125,11 @@ def _run_local(args) -> int:
     ]  # fmt: skip
     if args.journal:
         coord_cmd += ["--journal", args.journal]
+    if args.checkpoint_dir:
+        coord_cmd += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir)]
+        coord_cmd += ["--checkpoint-every", str(args.checkpoint_every)]
+    if args.resume:
+        coord_cmd += ["--resume", os.path.abspath(args.resume)]
     if args.anchor:
         coord_cmd += ["--anchor", str(args.anchor)]
     t0 = time.monotonic()

@@ -47,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--summary", help="write the run summary JSON here at the end")
     s.add_argument("--http", help="serve /status and /metrics on host:port")
     s.add_argument("--log-level", default="INFO")
+    s.add_argument("--checkpoint-dir", help="write consensus checkpoints under this directory (shared storage)")
+    s.add_argument("--checkpoint-every", type=int, help="a consensus checkpoint every N epochs (0 = off)")
+    s.add_argument("--checkpoint-keep", type=int, help="keep only the newest N checkpoints (0 = all)")
+    s.add_argument("--resume", help="resume from this checkpoint (its dir, meta.json, or a root with 'latest')")
     for name, (typ, help_) in _RUN_FLAGS.items():
         s.add_argument("--" + name.replace("_", "-"), type=typ, help=help_)
     s.add_argument("--bf16-wire", action="store_const", const=True, help="bf16 tensors on the bus")
@@ -65,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
-    flags = {k: getattr(args, k) for k in list(_RUN_FLAGS) + ["bind", "session", "journal", "summary", "http"]}
+    service_keys = ["bind", "session", "journal", "summary", "http"]
+    checkpoint_keys = ["checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume"]
+    flags = {k: getattr(args, k) for k in list(_RUN_FLAGS) + service_keys + checkpoint_keys}
     flags["bf16_wire"] = args.bf16_wire
     flags["final_eval"] = args.final_eval
     try:
@@ -75,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .service import CoordinatorService  # zmq import only when serving
 
-    return CoordinatorService(settings).run()
+    try:
+        service = CoordinatorService(settings)  # a bad --resume is refused here, in one line
+    except SettingsError as e:
+        print(f"flodl-coordinator: {e}", file=sys.stderr)
+        return 2
+    return service.run()
 
 
 def _replay(path: str) -> int:

@@ -59,6 +59,7 @@ from flodl.wire import (
     split_routing,
 )
 
+from .checkpointing import Checkpointing
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings
 from .status import StatusBoard
@@ -88,6 +89,9 @@ class CoordinatorService:
         clock: Callable[[], float] = time.monotonic,
         ready: Callable[[str], None] | None = None,
     ) -> None:
+        # First: a bad --resume or checkpoint_dir is refused before anything starts.
+        self.checkpointing = Checkpointing(settings)
+        settings = self.checkpointing.pinned(settings)
         self.settings = settings
         self.clock = clock
         self._ready = ready or (lambda ep: print(f"COORDINATOR_READY {ep}", flush=True))
@@ -134,14 +138,17 @@ class CoordinatorService:
         sigs = (signal.SIGTERM, signal.SIGINT) if install_signals else ()
         old = {s: signal.signal(s, self._on_signal()) for s in sigs}
         http = self.status.serve(self.settings.http) if self.settings.http else None
-        self._journal_write({"type": "_start", "settings": _settings_record(self.settings)})
+        start = {"type": "_start", "settings": _settings_record(self.settings)}
+        if self.checkpointing.resumed is not None:  # replay must resume from the same point
+            start["resume_meta"] = self.checkpointing.resumed.meta
+        self._journal_write(start)
         self._ready(ep)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake_r.fileno(), zmq.POLLIN)
         next_tick = self.clock()
         try:
-            while self.finished is None:
+            while self.finished is None or self.checkpointing.lingering(self.clock()):
                 timeout_ms = max(0.0, (next_tick - self.clock()) * 1000.0)
                 events = dict(poller.poll(timeout_ms))
                 if wake_r.fileno() in events:
@@ -201,6 +208,7 @@ class CoordinatorService:
             return 1
         summary = dict(f.summary)
         summary.update(ok=f.ok, reason=f.reason, dropped_frames=dict(self.dropped))
+        summary["checkpoints"] = self.checkpointing.summary()
         summary.setdefault("bus", {})
         summary["bus"].update(
             rounds=self.reducer.rounds_completed, bytes_in=self.reducer.bytes_in, bytes_out=self.reducer.bytes_out
@@ -258,6 +266,8 @@ class CoordinatorService:
         if kind in ("timing", "metrics", "round"):
             rank = self._owned_rank(route, env, d)
             if kind == "timing":
+                if env.timing.WhichOneof("event") == "checkpoint_result":
+                    self.checkpointing.on_result(rank, env.timing.checkpoint_result)
                 return self._feed(timing_event(now, env.timing))
             if kind == "metrics":
                 return self._feed(metrics_event(now, env.metrics))
@@ -338,18 +348,21 @@ class CoordinatorService:
             if route is None:
                 self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
                 return
-            frames = self.endpoint.frames("control", cmd.control, route=tuple(route))
+            control = self.checkpointing.stamp(cmd.rank, cmd.control)
+            frames = self.endpoint.frames("control", control, route=tuple(route))
             if not self._send_frames(frames):
                 self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
         elif isinstance(cmd, Reply):
-            self._send_frames(self.endpoint.frames("hello_ack", cmd.ack, route=cmd.route))
+            ack = self.checkpointing.stamp_ack(cmd.ack)
+            self._send_frames(self.endpoint.frames("hello_ack", ack, route=cmd.route))
         elif isinstance(cmd, OpenRound):
             self._send_round(self.reducer.open(cmd.cycle, cmd.ranks))
         elif isinstance(cmd, ForgetRank):
             log.warning("rank %d forgotten: %s", cmd.rank, cmd.reason)
             self._send_round(self.reducer.drop(cmd.rank))
         elif isinstance(cmd, Notice):
-            self._notice(cmd)
+            if not self.checkpointing.on_notice(cmd):
+                self._notice(cmd)
         elif isinstance(cmd, RunFinished):
             self.finished = cmd
 

@@ -57,6 +57,11 @@ class Settings:
     max_batch_diff: int = 0  # 0: no cap on how far counts move per window
     guard: str = "level"
     meta_controller: bool = True
+    # checkpoints (flodl_coordinator.checkpoints): where, how often, how many, resume
+    checkpoint_dir: str = ""  # root of ckpt-<version>/ dirs; empty = no checkpoints
+    checkpoint_every: int = 0  # epochs between consensus checkpoints; 0 = off
+    checkpoint_keep: int = 0  # keep the newest N checkpoints; 0 = all
+    resume: str = ""  # checkpoint dir (or its root / latest / meta.json) to resume from
 
     def core_config(self) -> CoreConfig:
         try:
@@ -160,5 +165,11 @@ def load_settings(
         raise SettingsError(f"config error: bind {s.bind!r} must start with tcp://, ipc:// or inproc://")
     if s.tick_interval_s <= 0:
         raise SettingsError("config error: tick_interval_s must be > 0")
+    if s.checkpoint_every < 0 or s.checkpoint_keep < 0:
+        raise SettingsError("config error: checkpoint_every and checkpoint_keep must be >= 0")
+    if s.checkpoint_every > 0 and not s.checkpoint_dir:
+        raise SettingsError(
+            "config error: checkpoint_every needs checkpoint_dir (flag --checkpoint-dir, env FLODL_CHECKPOINT_DIR)"
+        )
     s.core_config()  # validates the run fields with the core's own rules
     return s

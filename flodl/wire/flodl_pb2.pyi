@@ -153,7 +153,7 @@ class RankHello(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_sig: _Optional[bytes] = ..., dataset_len: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., bf16_wire: _Optional[bool] = ..., task: _Optional[str] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch")
+    __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class RunSpec(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     LIVENESS_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     START_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     total_samples: int
     batch_size: int
@@ -180,7 +181,8 @@ class RunSpec(_message.Message):
     heartbeat_interval_s: float
     liveness_timeout_s: float
     start_epoch: int
-    def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ...) -> None: ...
+    resume_from: str
+    def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ...) -> None: ...
 
 class HelloAck(_message.Message):
     __slots__ = ("accepted", "reason", "run")
@@ -332,12 +334,16 @@ class Control(_message.Message):
         global_step: int
         def __init__(self, global_step: _Optional[int] = ...) -> None: ...
     class Checkpoint(_message.Message):
-        __slots__ = ("version", "target_rank")
+        __slots__ = ("version", "target_rank", "path", "cycle")
         VERSION_FIELD_NUMBER: _ClassVar[int]
         TARGET_RANK_FIELD_NUMBER: _ClassVar[int]
+        PATH_FIELD_NUMBER: _ClassVar[int]
+        CYCLE_FIELD_NUMBER: _ClassVar[int]
         version: int
         target_rank: int
-        def __init__(self, version: _Optional[int] = ..., target_rank: _Optional[int] = ...) -> None: ...
+        path: str
+        cycle: int
+        def __init__(self, version: _Optional[int] = ..., target_rank: _Optional[int] = ..., path: _Optional[str] = ..., cycle: _Optional[int] = ...) -> None: ...
     class ExecuteEval(_message.Message):
         __slots__ = ("schedule_id", "epoch", "target_rank", "final")
         SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -529,14 +535,18 @@ class Timing(_message.Message):
         final: bool
         def __init__(self, schedule_id: _Optional[int] = ..., epoch: _Optional[int] = ..., metric: _Optional[float] = ..., elapsed_ms: _Optional[float] = ..., error: _Optional[str] = ..., final: _Optional[bool] = ...) -> None: ...
     class CheckpointResult(_message.Message):
-        __slots__ = ("version", "elapsed_ms", "error")
+        __slots__ = ("version", "elapsed_ms", "error", "sha256", "cycle")
         VERSION_FIELD_NUMBER: _ClassVar[int]
         ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
         ERROR_FIELD_NUMBER: _ClassVar[int]
+        SHA256_FIELD_NUMBER: _ClassVar[int]
+        CYCLE_FIELD_NUMBER: _ClassVar[int]
         version: int
         elapsed_ms: float
         error: str
-        def __init__(self, version: _Optional[int] = ..., elapsed_ms: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+        sha256: bytes
+        cycle: int
+        def __init__(self, version: _Optional[int] = ..., elapsed_ms: _Optional[float] = ..., error: _Optional[str] = ..., sha256: _Optional[bytes] = ..., cycle: _Optional[int] = ...) -> None: ...
     class EpochFnElapsed(_message.Message):
         __slots__ = ("epoch", "elapsed_ms")
         EPOCH_FIELD_NUMBER: _ClassVar[int]

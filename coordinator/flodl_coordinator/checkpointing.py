@@ -1,0 +1,145 @@
+"""The service's checkpoint glue: where the core's decisions meet the file system.
+
+Theory of operation
+-------------------
+The core decides *when* to checkpoint and *who* saves (a ``Checkpoint{version,
+target_rank, cycle}`` command) and *what* the coordinator remembers (a
+``Notice("checkpoint_meta", {"version", "meta"})`` built by
+``flodl.core._checkpoint.checkpoint_meta``). Paths are not the core's business: this
+shell stamps them onto the outgoing frames.
+
+* ``stamp(control)``: a ``Checkpoint`` gets ``path`` = a fresh staging path from the
+  ``CheckpointStore`` (``checkpoints``). Other commands pass through untouched.
+* ``stamp_ack(ack)``: on a resumed run, an accepted ``hello_ack`` carries
+  ``RunSpec.resume_from`` = the verified ``model.pt``; the rank loads it after
+  building its model and optimizer.
+* ``on_notice`` consumes ``checkpoint_meta``; ``on_result`` a rank's
+  ``CheckpointResult``. The store joins the two per version and commits atomically.
+* ``lingering(now)``: a ``ShutdownWithSave`` ends the core's run in the same step that
+  asks the role rank to save, so the service keeps its loop alive -- at most
+  ``liveness_timeout_s`` -- until the save is answered and committed.
+
+Resume is resolved at construction: a bad ``--resume`` (torn, foreign, newer schema,
+other seed / world / batch / dataset size / policy, nothing left to train) raises
+``SettingsError`` with one line before any socket is bound. A resumed run whose
+``total_samples`` was left 0 is pinned to the checkpoint's, so a rank with another
+dataset size is refused at hello by the core's own rule.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any, Optional
+
+from flodl.core import Notice
+from flodl.wire import pb
+
+from .checkpoints import Checkpoint, CheckpointError, CheckpointStore, Committed, resolve_resume
+from .settings import Settings, SettingsError
+
+__all__ = ["Checkpointing", "META_NOTICE"]
+
+log = logging.getLogger("flodl.checkpoint")
+
+META_NOTICE = "checkpoint_meta"  # Notice kind the core emits with {"version", "meta"}
+
+
+class Checkpointing:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.store: Optional[CheckpointStore] = None
+        self.resumed: Optional[Checkpoint] = None
+        self.point = None  # flodl.core._checkpoint.ResumePoint of a resumed run
+        self._linger_until: Optional[float] = None
+        if settings.checkpoint_dir:
+            try:
+                self.store = CheckpointStore(settings.checkpoint_dir, keep=settings.checkpoint_keep)
+            except CheckpointError as e:
+                raise SettingsError(f"config error: {e}") from None
+        if settings.resume:
+            try:
+                self.resumed, self.point = resolve_resume(settings.resume, settings.core_config())
+            except CheckpointError as e:
+                raise SettingsError(f"resume refused: {e}") from None
+            log.info(
+                "resuming from %s: epoch %d, %d samples of it left, global step %d",
+                self.resumed.path, self.point.epoch, self.point.remaining(self.point.epoch), self.point.global_step,
+            )
+
+    def pinned(self, settings: Settings) -> Settings:
+        """``settings`` with the epoch size fixed to the checkpoint's on a resumed run."""
+        if self.point is not None and settings.total_samples == 0:
+            return replace(settings, total_samples=self.point.total_samples)
+        return settings
+
+    # -- outbound stamping ---------------------------------------------------------------
+
+    def stamp(self, rank: int, control: pb.Control) -> pb.Control:
+        if control.WhichOneof("cmd") != "checkpoint" or self.store is None:
+            return control
+        out = pb.Control()
+        out.CopyFrom(control)
+        try:
+            out.checkpoint.path = self.store.model_path(control.checkpoint.version, rank)
+        except OSError as e:  # the rank will answer "no path" and the core fails over
+            log.error("checkpoint v%d: cannot stage a directory for rank %d: %s", control.checkpoint.version, rank, e)
+        return out
+
+    def stamp_ack(self, ack: pb.HelloAck) -> pb.HelloAck:
+        if self.resumed is None or not ack.accepted:
+            return ack
+        out = pb.HelloAck()
+        out.CopyFrom(ack)
+        out.run.resume_from = self.resumed.model_path
+        return out
+
+    # -- inbound -------------------------------------------------------------------------
+
+    def on_notice(self, cmd: Notice) -> bool:
+        """True if ``cmd`` was the core's checkpoint meta (consumed here)."""
+        if cmd.kind != META_NOTICE:
+            return False
+        version = int(cmd.data["version"])
+        if self.store is None:
+            log.warning("checkpoint v%d decided but no checkpoint_dir is set: ignored", version)
+            return True
+        self._report(self.store.stage_meta(version, cmd.data["meta"]))
+        return True
+
+    def on_result(self, rank: int, res: pb.Timing.CheckpointResult) -> None:
+        if self.store is None:
+            return
+        error = res.error if res.HasField("error") else None
+        self._report(self.store.on_result(res.version, rank, error=error, sha256=res.sha256))
+
+    def _report(self, outcomes: list) -> None:
+        for o in outcomes:
+            if isinstance(o, Committed):
+                log.info("checkpoint v%d committed: %s (model saved by rank %d)", o.version, o.path, o.rank)
+            else:
+                log.warning("checkpoint v%d not saved by rank %d: %s", o.version, o.rank, o.reason)
+
+    # -- end of run ----------------------------------------------------------------------
+
+    def lingering(self, now: float) -> bool:
+        """Keep the loop alive (bounded) while a decided save still waits for its rank."""
+        if self.store is None or not self.store.awaiting():
+            return False
+        if self._linger_until is None:
+            self._linger_until = now + self.settings.liveness_timeout_s
+            log.info("waiting up to %gs for the role rank's checkpoint save", self.settings.liveness_timeout_s)
+        if now < self._linger_until:
+            return True
+        log.warning("checkpoint save not answered within %gs: abandoned", self.settings.liveness_timeout_s)
+        self.store.forget()
+        return False
+
+    def summary(self) -> dict[str, Any]:
+        s = self.store
+        return {
+            "dir": s.root if s else None,
+            "committed": [{"version": c.version, "rank": c.rank, "path": c.path} for c in (s.committed if s else [])],
+            "failed": [{"version": f.version, "rank": f.rank, "reason": f.reason} for f in (s.failed if s else [])],
+            "resumed_from": self.resumed.path if self.resumed else None,
+        }

@@ -1,0 +1,369 @@
+"""Checkpoints on disk: atomic commits, verified loads, refusals with a reason.
+
+Theory of operation
+-------------------
+A checkpoint is a directory ``<root>/ckpt-<version>/`` holding two files written by
+two processes (``flodl.core._checkpoint`` explains what they mean):
+
+* ``model.pt`` -- the role rank's ``torch.save({"model", "optimizer", ...})``;
+* ``meta.json`` -- the coordinator's trajectory, plus ``model: {file, sha256, rank,
+  bytes}``: the *commit marker*, written last.
+
+Commit protocol (nothing half-written is ever visible under a ``ckpt-*`` name):
+
+1. For each ``Checkpoint`` command the shell hands the rank a fresh *staging*
+   path, ``<root>/.staging/<name>-r<rank>-<token>/model.pt`` (``model_path``). The
+   rank writes it atomically (temp file, fsync, ``os.replace``) and answers
+   ``CheckpointResult{version, sha256}``.
+2. The core's meta for that version arrives separately (``stage_meta``), before or
+   after the result: the two are joined per version.
+3. With both: the coordinator re-hashes ``model.pt`` *as it sees it* (so a
+   checkpoint dir that is not shared storage, or a file torn in transit, fails here
+   and not at resume), checks the rank's digest, writes ``meta.json`` atomically into
+   the staging dir, fsyncs, then ``os.rename``\\ s the whole directory to
+   ``<root>/<name>`` (atomic within one file system) and replaces ``<root>/latest``
+   (a one-line file naming it) atomically.
+
+``load_checkpoint(path)`` accepts a checkpoint directory, its ``meta.json`` or
+``model.pt``, a ``latest`` file, or the root (it follows ``latest``). It refuses --
+``CheckpointError`` with one line -- a missing commit marker, unreadable JSON, a
+missing ``model.pt`` or a sha256 mismatch (torn). ``resolve_resume`` adds the run
+checks of ``validate_meta`` (seed, world, dataset size, batch size, policy, epochs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from flodl.core import CoreConfig
+from flodl.core._checkpoint import ResumePoint, resume_plan, validate_meta
+
+__all__ = [
+    "META_FILE",
+    "MODEL_FILE",
+    "LATEST_FILE",
+    "CheckpointError",
+    "Checkpoint",
+    "Committed",
+    "Failed",
+    "CheckpointStore",
+    "load_checkpoint",
+    "resolve_resume",
+    "sha256_file",
+    "write_json_atomic",
+    "write_text_atomic",
+]
+
+log = logging.getLogger("flodl.checkpoint")
+
+META_FILE = "meta.json"
+MODEL_FILE = "model.pt"
+LATEST_FILE = "latest"
+STAGING_DIR = ".staging"
+# Results and metas waiting for their other half, per version. Only the newest few can
+# still matter: an older one whose partner never came is forgotten, not leaked.
+MAX_PENDING_VERSIONS = 8
+_NAME = re.compile(r"^ckpt-(\d+)")
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be used; ``str(e)`` is one line naming the reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A verified, complete checkpoint."""
+
+    path: str  # the checkpoint directory
+    meta: dict
+    model_path: str
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    version: int
+    rank: int
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    version: int
+    rank: int
+    reason: str
+
+
+# -- atomic files --------------------------------------------------------------------------
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename/creation inside ``path`` durable (no-op where dirs can't be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so readers see the old file or the new one, never half."""
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(3)}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(d)
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -- loading -------------------------------------------------------------------------------
+
+
+def _resolve_dir(path: str) -> str:
+    """The checkpoint directory ``path`` designates (follows ``latest``)."""
+    p = os.path.abspath(path)
+    if os.path.isfile(p):
+        base = os.path.basename(p)
+        if base in (META_FILE, MODEL_FILE):
+            return os.path.dirname(p)
+        if base == LATEST_FILE:
+            return _follow_latest(os.path.dirname(p))
+        raise CheckpointError(f"{path} is not a checkpoint (expected a directory, {META_FILE} or {LATEST_FILE})")
+    if not os.path.isdir(p):
+        raise CheckpointError(f"{path} does not exist")
+    if not os.path.exists(os.path.join(p, META_FILE)) and os.path.isfile(os.path.join(p, LATEST_FILE)):
+        return _follow_latest(p)
+    return p
+
+
+def _follow_latest(root: str) -> str:
+    try:
+        with open(os.path.join(root, LATEST_FILE), encoding="utf-8") as fh:
+            name = fh.read().strip()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {os.path.join(root, LATEST_FILE)}: {e.strerror}") from None
+    if not name or "/" in name or name.startswith("."):
+        raise CheckpointError(f"{os.path.join(root, LATEST_FILE)} names {name!r}, not a checkpoint directory")
+    return os.path.join(root, name)
+
+
+def load_checkpoint(path: str) -> Checkpoint:
+    """A complete, verified checkpoint at ``path``, or ``CheckpointError`` saying why not."""
+    d = _resolve_dir(path)
+    meta_path = os.path.join(d, META_FILE)
+    if not os.path.isfile(meta_path):
+        raise CheckpointError(f"torn checkpoint {d}: no {META_FILE} (the commit marker): the save never completed")
+    try:
+        with open(meta_path, encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"torn checkpoint {d}: {META_FILE} is unreadable ({e})") from None
+    try:
+        resume_plan(meta)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {d} is not usable: {e}") from None
+    model = meta.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("sha256"), str):
+        raise CheckpointError(f"torn checkpoint {d}: {META_FILE} records no model sha256")
+    name = model.get("file", MODEL_FILE)
+    if not isinstance(name, str) or "/" in name or name.startswith("."):
+        raise CheckpointError(f"checkpoint {d}: {META_FILE} names an invalid model file {name!r}")
+    model_path = os.path.join(d, name)
+    if not os.path.isfile(model_path):
+        raise CheckpointError(f"torn checkpoint {d}: {name} is missing")
+    got = sha256_file(model_path)
+    if got != model["sha256"]:
+        raise CheckpointError(
+            f"torn checkpoint {d}: {name} sha256 {got[:16]}… differs from the recorded {model['sha256'][:16]}…"
+        )
+    return Checkpoint(path=d, meta=meta, model_path=model_path)
+
+
+def resolve_resume(
+    path: str, config: CoreConfig, *, total_samples: Optional[int] = None
+) -> tuple[Checkpoint, ResumePoint]:
+    """Load ``path`` and check it against the run; ``CheckpointError`` on any defect."""
+    ck = load_checkpoint(path)
+    reasons = validate_meta(ck.meta, config, total_samples=total_samples)
+    if reasons:
+        raise CheckpointError(f"cannot resume from {ck.path}: " + "; ".join(reasons))
+    return ck, resume_plan(ck.meta)
+
+
+# -- the store: staging, joining, committing ------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Request:
+    staging: str
+    result: Optional[tuple[str, bytes]] = None  # ("ok"|error text, rank's sha256)
+
+
+class CheckpointStore:
+    """The coordinator's side of the commit protocol, for one checkpoint root."""
+
+    def __init__(self, root: str, *, keep: int = 0) -> None:
+        self.root = os.path.abspath(root)
+        self.keep = keep  # keep the newest ``keep`` checkpoints; 0 = all
+        self._requests: dict[tuple[int, int], _Request] = {}
+        self._metas: dict[int, dict] = {}
+        self.committed: list[Committed] = []
+        self.failed: list[Failed] = []
+        try:
+            os.makedirs(os.path.join(self.root, STAGING_DIR), exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint_dir {root}: cannot create it ({e.strerror})") from None
+        if not os.access(self.root, os.W_OK):
+            raise CheckpointError(f"checkpoint_dir {root} is not writable")
+
+    def model_path(self, version: int, rank: int) -> str:
+        """A fresh staging path for rank ``rank``'s save of ``version`` (what the rank writes)."""
+        old = self._requests.pop((version, rank), None)
+        if old is not None:
+            shutil.rmtree(old.staging, ignore_errors=True)
+        staging = os.path.join(self.root, STAGING_DIR, f"ckpt-{version:08d}-r{rank}-{secrets.token_hex(4)}")
+        os.makedirs(staging, exist_ok=True)
+        self._requests[(version, rank)] = _Request(staging)
+        self._bound()
+        return os.path.join(staging, MODEL_FILE)
+
+    def stage_meta(self, version: int, meta: dict) -> list[Committed | Failed]:
+        """The core's meta for ``version``; commits at once if a rank already saved it."""
+        self._metas[version] = meta
+        self._bound()
+        return self._try_commit(version)
+
+    def on_result(self, version: int, rank: int, *, error: Optional[str], sha256: bytes = b"") -> list:
+        """A rank's ``CheckpointResult``; returns what it settled (Committed / Failed)."""
+        req = self._requests.get((version, rank))
+        if req is None:
+            return [Failed(version, rank, "a CheckpointResult nobody asked for (ignored)")]
+        if error is not None:
+            del self._requests[(version, rank)]
+            shutil.rmtree(req.staging, ignore_errors=True)
+            return [self._fail(version, rank, f"rank {rank} could not save: {error}")]
+        req.result = ("ok", bytes(sha256))
+        return self._try_commit(version)
+
+    def awaiting(self) -> bool:
+        """True while a staged meta still waits for a rank's save (the shell lingers)."""
+        return any(v in self._metas and r.result is None for (v, _), r in self._requests.items())
+
+    def forget(self) -> None:
+        """Drop every unfinished save (run over): their staging dirs go too."""
+        for req in self._requests.values():
+            shutil.rmtree(req.staging, ignore_errors=True)
+        self._requests.clear()
+        self._metas.clear()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _fail(self, version: int, rank: int, reason: str) -> Failed:
+        f = Failed(version, rank, reason)
+        self.failed.append(f)
+        return f
+
+    def _try_commit(self, version: int) -> list:
+        meta = self._metas.get(version)
+        if meta is None:
+            return []
+        for (v, rank), req in list(self._requests.items()):
+            if v == version and req.result is not None:
+                out = self._commit(version, rank, req, meta)
+                if isinstance(out, Committed):
+                    return [out]
+                return [out] + self._try_commit(version)  # another rank's save may still do
+        return []
+
+    def _commit(self, version: int, rank: int, req: _Request, meta: dict) -> Committed | Failed:
+        del self._requests[(version, rank)]
+        model = os.path.join(req.staging, MODEL_FILE)
+        try:
+            if not os.path.isfile(model):
+                raise CheckpointError(
+                    f"{model} (written by rank {rank}) is not visible to the coordinator: "
+                    "checkpoint_dir must be on storage shared by every host"
+                )
+            digest = sha256_file(model)
+            reported = req.result[1].hex() if req.result else ""
+            if reported and reported != digest:
+                raise CheckpointError(
+                    f"{model} is torn: sha256 {digest[:16]}… but rank {rank} wrote {reported[:16]}…"
+                )
+            size = os.path.getsize(model)
+            full = dict(meta, model={"file": MODEL_FILE, "sha256": digest, "rank": rank, "bytes": size})
+            write_json_atomic(os.path.join(req.staging, META_FILE), full)
+            fsync_dir(req.staging)
+            final = self._final_name(version, str(meta.get("reason", "checkpoint")))
+            os.rename(req.staging, os.path.join(self.root, final))
+            fsync_dir(self.root)
+            write_text_atomic(os.path.join(self.root, LATEST_FILE), final + "\n")
+        except (OSError, CheckpointError) as e:
+            shutil.rmtree(req.staging, ignore_errors=True)
+            return self._fail(version, rank, str(e) if isinstance(e, CheckpointError) else f"commit failed: {e}")
+        self._metas.pop(version, None)
+        for key in [k for k in self._requests if k[0] == version]:  # superseded saves
+            shutil.rmtree(self._requests.pop(key).staging, ignore_errors=True)
+        c = Committed(version, rank, os.path.join(self.root, final))
+        self.committed.append(c)
+        self._prune(final)
+        return c
+
+    def _final_name(self, version: int, reason: str) -> str:
+        base = f"ckpt-{version:08d}" + ("" if reason == "checkpoint" else f"-{reason}")
+        name, n = base, 1
+        while os.path.exists(os.path.join(self.root, name)):
+            n += 1
+            name = f"{base}.{n}"
+        return name
+
+    def _prune(self, newest: str) -> None:
+        if self.keep <= 0:
+            return
+        names = sorted(
+            (n for n in os.listdir(self.root) if _NAME.match(n) and os.path.isdir(os.path.join(self.root, n))),
+            key=lambda n: (int(_NAME.match(n).group(1)), os.path.getmtime(os.path.join(self.root, n))),
+        )
+        for n in names[: max(0, len(names) - self.keep)]:
+            if n != newest:
+                shutil.rmtree(os.path.join(self.root, n), ignore_errors=True)
+
+    def _bound(self) -> None:
+        versions = sorted({v for v, _ in self._requests} | set(self._metas))
+        for old in versions[:-MAX_PENDING_VERSIONS]:
+            self._metas.pop(old, None)
+            for key in [k for k in self._requests if k[0] == old]:
+                shutil.rmtree(self._requests.pop(key).staging, ignore_errors=True)

@@ -1,0 +1,80 @@
+"""Checkpoint, stop, resume: coverage exact and training continues (the issue's test).
+
+Run 1 trains with a consensus checkpoint every epoch and is stopped (SIGINT to the
+launcher: the coordinator gets SIGTERM) once a checkpoint is committed. Run 2 resumes
+from the checkpoint root. The ranks' own traces of run 2 must be *exactly* the samples
+the checkpoint left uncovered -- each once, none of the covered ones -- and the run must
+go on to the last epoch.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+from flodl.core._checkpoint import resume_plan
+from flodl.shuffle import epoch_permutation
+from flodl_coordinator.checkpoints import load_checkpoint
+from runlocal import ROOT, run_local, traced_counts
+
+pytestmark = pytest.mark.integration
+
+EPOCHS = 8
+SAMPLES = 256
+SEED = 11
+ARGS = (
+    "--ranks", "2", "--task", "synthetic", "--policy", "sync", "--epochs", str(EPOCHS),
+    "--batch-size", "16", "--seed", str(SEED), "--base-ms", "20", "--quiet",
+)  # fmt: skip
+TASK = ("--", "--samples", str(SAMPLES), "--test-samples", "64", "--features", "8", "--hidden", "16")
+
+
+def _stop_after_first_checkpoint(ck_dir, tmp_path) -> None:
+    cmd = [sys.executable, "-m", "flodl", "run", "--local", *ARGS, "--checkpoint-dir", str(ck_dir),
+           "--checkpoint-every", "1", "--summary", str(tmp_path / "s1.json"), *TASK]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (ck_dir / "latest").exists():
+            assert proc.poll() is None, "run 1 ended without committing a checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.05)  # polling a file another process creates, not synchronising
+        proc.send_signal(signal.SIGINT)  # the launcher stops its coordinator and agent
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs the core wiring: Checkpoint + checkpoint_meta emission, resume from a ResumePoint "
+    "(flodl/core/_checkpoint.py); remove this mark once wired",
+)
+def test_checkpoint_stop_resume_trains_exactly_the_uncovered_samples(tmp_path):
+    ck_dir = tmp_path / "ck"
+    _stop_after_first_checkpoint(ck_dir, tmp_path)
+    ck = load_checkpoint(str(ck_dir))  # complete and verified, whatever moment it was stopped
+    point = resume_plan(ck.meta)
+    assert point.epoch < EPOCHS
+
+    run2 = tmp_path / "run2"
+    run2.mkdir()
+    proc, summary, trace = run_local(run2, *ARGS, "--resume", str(ck_dir), *TASK)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert summary["ok"] is True and summary["checkpoints"]["resumed_from"] == ck.path
+
+    want: dict[int, Counter] = {}
+    for e in range(point.epoch, EPOCHS):
+        perm = epoch_permutation(SEED, e, SAMPLES)
+        want[e] = Counter(int(perm[p]) for off, n in point.uncovered(e) for p in range(off, off + n))
+    got = {e: c for e, c in traced_counts(trace).items() if c}
+    assert got == {e: c for e, c in want.items() if c}  # exactly the uncovered samples, each once
+    for row in summary["coverage"]:
+        assert (row["duplicates"], row["missing"]) == (0, 0), row
+    assert os.path.isdir(ck.path)
