@@ -16,7 +16,9 @@ partitions differ by one batch. The verdict comes with a reason, like torchft's
 ``quorum_compute``; the last one is kept in ``rounds.gate_reason``.
 
 Trigger (§5.3 CPU path): ``cycle += 1``; ``OpenRound(cycle, ranks)`` tells the reducer
-whom to expect; ``RequestParams{cycle}`` to each participant, then -- unless the
+whom to expect; the dispatcher's ``on_trigger`` (Cadence: every idle participant gets
+its next window as a ``StartEpoch`` *before* its ``RequestParams``, so it trains while
+the round is open); ``RequestParams{cycle}`` to each participant, then -- unless the
 dispatcher is progressive -- ``Throttle`` to each (Sync's barrier: a rank stops training
 until ``Update``; a progressive policy paces ranks by the chunks it hands out instead).
 
@@ -119,9 +121,11 @@ def trigger(st: CoordinatorState, out: list[Command]) -> None:
     rs.window_steps = 0
     rs.opened_at = st.now
     out.append(OpenRound(rs.cycle, rs.ranks))
+    dispatcher = dispatcher_for(st)
+    dispatcher.on_trigger(st, list(rs.ranks), out)
     for r in rs.ranks:
         st.send(out, r, request_params=pb.Control.RequestParams(cycle=rs.cycle))
-    if not dispatcher_for(st).progressive:
+    if not dispatcher.progressive:
         for r in rs.ranks:
             st.send(out, r, throttle=pb.Control.Throttle())
 

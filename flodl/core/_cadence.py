@@ -16,31 +16,51 @@ normally exactly one window.
   ``StartEpoch``.
 * **Streaming** (``_dispatch_next``, §8.5): when a rank's chunk is done it gets its next
   one unless held -- one chunk in flight; the *reduce barrier* (its steps since the last
-  *finished* round reached ``reduce_step_budget``: it waits for the ``Update``); throttled
-  (waits for the ``Update``); the *epoch barrier* (its epoch's pool is drained: epoch e+1
-  opens only once e is aggregated, by ``_run.advance``; we never stream across). The pool
-  is credited per ``BatchDone`` (positions trained, in order), so a chunk is done when its
-  last batch is reported, whenever the ``ChunkDone`` metrics frame lands.
+  *trigger* reached ``reduce_step_budget``: it waits for the next round's trigger);
+  throttled (waits for the ``Update``); the *epoch barrier* (its epoch's pool is drained:
+  epoch e+1 opens only once e is aggregated, by ``_run.advance``; we never stream
+  across). The pool is credited per ``BatchDone`` (positions trained, in order), so a
+  chunk is done when its last batch is reported, whenever the ``ChunkDone`` metrics
+  frame lands.
+* **Trigger** (``on_trigger``): the round overlaps the next window. Every participant's
+  window mark (``window_mark``) moves to its last reported step, so steps reported from
+  here on are its next window: that is what the reduce barrier, the chunk sizing and
+  the gate count. Every participant that is not held (nothing in flight, not
+  throttled) gets its next window now, via ``start_window``, as a ``StartEpoch`` sent
+  just before its ``RequestParams``: it has work queued when it snapshots and trains
+  while the round is open; the rank applies the consensus delta-preserving
+  (``theta <- consensus + (theta - snapshot)``). Folding is by the snapshot, not the
+  mark: the ack's ``step_count`` (``_coverage.commit``: batches with step <= it) -- steps
+  after the snapshot are folded by the *next* round. The two differ when a rank trains
+  a batch between the trigger and reading its ``RequestParams`` (the ``StartEpoch``
+  woke it first): that batch is folded now but paced as the next window's, so windows
+  stay aligned on the trigger. The next round cannot fire before this one finishes
+  (the gate), however fast the ranks run their windows.
 * **Finish** (``on_round_finished``, §5.4-5.5): the feedback (``_feedback``) recalibrates
-  ElChe; throttle marks clear; every alive rank with nothing in flight gets its next
-  window folded into its ``Update`` (atomic dispatch, via ``start_window``); then
-  ``after_round`` wakes whoever is still idle.
+  ElChe (windows handed out at the trigger were sized by the counts before it: one
+  window of lag); throttle marks clear; every alive rank that is not held (it got nothing at the trigger: throttled, or its pool was empty) gets its
+  next window folded into its ``Update`` (atomic dispatch, via ``start_window``); then
+  ``after_round`` wakes whoever is still idle. A rank that already ran the window it
+  got at the trigger stays at the reduce barrier.
 * **Death** (``reassign``, §9.2 step 7 made exact): the rank's chunk in flight *and* the
   positions it trained but never got folded (ARCHITECTURE §6: trained and discarded) go
   back to the pool -- ``ChunkPool.reopen`` with the uncommitted sub-ranges of everything
   it was handed -- then the plan is re-pinned and survivors are woken. Positions it had
   committed stay done, so every epoch is trained exactly once by committed samples.
 
-Wake rule (why nothing deadlocks): whenever a chunk completes, a round finishes or a rank
-dies, every alive rank that is idle (nothing in flight, not held, not throttled) and whose
+Wake rule (why nothing deadlocks): whenever a chunk completes, a round opens or finishes
+or a rank dies, every alive rank that is idle (nothing in flight, not held, not throttled) and whose
 pool has work gets a chunk -- at least one batch, even when the pinned final-window plan
 gives it 0 (a short take from a reclaimed fragment would otherwise leave work unowned
 while everyone else waits at the barrier). So the gate below can only be blocked by a
 rank that is training.
 
 Gate (``cadence_gate``, §5.2): no round pending; each alive rank has run its window
-(steps >= ``counts[r]``), is throttled, or is *quiesced* (nothing in flight and its
-epoch's pool has nothing left); and at least one rank moved. Timing never gates firing.
+(steps since the last trigger >= ``counts[r]``), is throttled, or is *quiesced*
+(nothing in flight and its epoch's pool has nothing left); and at least one rank has
+steps no round folded yet. Timing never gates firing. When the rest holds while a
+round is still open, the round is what delays the next one: ``barrier_at`` records
+when, and the feedback reports the delay as the round's exposed cost (``_feedback``).
 
 Throttle (§4 step 5): with ``max_batch_diff = m`` and every rank ACTIVE, a rank whose
 window steps exceed the slowest's by more than ``m`` gets one ``Throttle``; it counts as
@@ -82,6 +102,7 @@ __all__ = [
     "cadence_gate",
     "quiesced",
     "window_steps",
+    "windows_done",
     "chunk_batches",
     "start_window",
     "wake",
@@ -117,9 +138,8 @@ def _batches(samples: int, bs: int) -> int:
 
 
 def window_steps(st: CoordinatorState, rank: int) -> int:
-    """Steps the rank reported since the last *finished* round (its current window)."""
-    cad = st.cadence
-    return max(0, st.ranks[rank].last_step - cad.fold_mark.get(rank, 0))
+    """Steps the rank reported since the last trigger (its current window)."""
+    return max(0, st.ranks[rank].last_step - st.cadence.window_mark.get(rank, 0))
 
 
 def _budget(st: CoordinatorState, rank: int) -> int:
@@ -152,6 +172,11 @@ def cadence_gate(st: CoordinatorState) -> tuple[bool, str]:
         return False, f"run is {st.run.phase!r}"
     if st.rounds.phase is PENDING:
         return False, f"round {st.rounds.cycle} pending"
+    return windows_done(st)
+
+
+def windows_done(st: CoordinatorState) -> tuple[bool, str]:
+    """The gate's body: every alive rank ran its window, is throttled or quiesced."""
     alive = st.alive_ranks()
     if not alive:
         return False, "no active rank"
@@ -160,7 +185,7 @@ def cadence_gate(st: CoordinatorState) -> tuple[bool, str]:
     any_mover = False
     for r in alive:
         steps = window_steps(st, r)
-        any_mover = any_mover or steps > 0
+        any_mover = any_mover or st.unfolded(r) > 0
         if steps >= counts[r] or r in cad.throttled:
             continue
         if not quiesced(st, r):
@@ -208,6 +233,11 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
     )
 
 
+def _capped(st: CoordinatorState, rank: int, n: int) -> int:
+    budget = _budget(st, rank)
+    return min(n, max(1, budget - window_steps(st, rank))) if budget > 0 and n > 0 else n
+
+
 def _take(st: CoordinatorState, rank: int, epoch: int, batches: int) -> Optional[tuple[int, int]]:
     """Take a chunk for the rank; record it as its assignment and its chunk in flight."""
     cad, d = st.cadence, st.dispatch
@@ -226,11 +256,14 @@ def _take(st: CoordinatorState, rank: int, epoch: int, batches: int) -> Optional
 
 
 def start_window(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int, tuple[int, int]]:
-    """Pin the plan, size every rank in ``ranks`` before any take, then take (§8.4/§8.6)."""
+    """Pin the plan, size every rank in ``ranks`` before any take, then take (§8.4/§8.6).
+
+    A rank that already ran part of its window gets only the rest (never crosses the
+    reduce, as in streaming)."""
     if epoch not in st.cadence.pools:
         return {}
     _pin(st, epoch)
-    sizes = {r: chunk_batches(st, r, epoch) for r in ranks}
+    sizes = {r: _capped(st, r, chunk_batches(st, r, epoch)) for r in ranks}
     taken: dict[int, tuple[int, int]] = {}
     for r in ranks:
         if sizes[r] > 0:
@@ -289,6 +322,14 @@ def wake(st: CoordinatorState, out: list[Command]) -> None:
         _dispatch_next(st, r, out)
 
 
+def _note_barrier(st: CoordinatorState) -> None:
+    """While a round is open, remember when every rank reached its window end."""
+    cad = st.cadence
+    if st.rounds.phase is PENDING and cad.barrier_at is None and st.run.phase is TRAINING:
+        if windows_done(st)[0]:
+            cad.barrier_at = st.now
+
+
 def _check_throttle(st: CoordinatorState, rank: int, out: list[Command]) -> None:
     m = st.config.batch_diff_cap
     cad = st.cadence
@@ -329,7 +370,11 @@ class CadenceDispatcher:
         cad.elche.set_max_total_batches(total // st.config.batch_size)  # a window <= an epoch
         for old in [e for e in cad.pools if e < epoch]:
             del cad.pools[old]
-        cad.pools[epoch] = self._new_pool(st, epoch, total)
+        if st.checkpoints.resume_epoch == epoch:  # resumed: only what the checkpoint left
+            holes = st.checkpoints.resume_holes
+            cad.pools[epoch] = ChunkPool.from_coverage(epoch, total, st.config.world_size, holes)
+        else:
+            cad.pools[epoch] = self._new_pool(st, epoch, total)
         alive = st.alive_ranks()
         for r in alive:
             d.rank_epoch[r] = epoch
@@ -364,6 +409,7 @@ class CadenceDispatcher:
         if d.last_dispatched in cad.pools and st.alive_ranks():
             _pin(st, d.last_dispatched)
         wake(st, out)
+        _note_barrier(st)
 
     def idle(self, st: CoordinatorState, rank: int) -> bool:
         return quiesced(st, rank)
@@ -382,6 +428,19 @@ class CadenceDispatcher:
         if chunk is not None and chunk[0] == ev.epoch and (pool is None or pool.in_flight(r) == 0):
             del cad.in_flight[r]
             wake(st, out)
+        _note_barrier(st)
+
+    def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None:
+        cad = st.cadence
+        for r in ranks:  # the next window starts here
+            cad.window_mark[r] = st.ranks[r].last_step
+        cad.barrier_at = None
+        epoch = st.dispatch.last_dispatched
+        if epoch is None or st.run.phase is not TRAINING:
+            return
+        ready = [r for r in ranks if _held(st, r) is None]
+        for r, got in start_window(st, epoch, ready).items():
+            _send_plan(st, r, epoch, got, out)  # before its RequestParams (the caller's)
 
     def on_round_finished(
         self, st: CoordinatorState, ranks: list[int], out: list[Command]
@@ -389,13 +448,11 @@ class CadenceDispatcher:
         cad = st.cadence
         epoch = st.dispatch.last_dispatched
         _feedback.finish_window(st, epoch, out)
-        for r in ranks:
-            cad.fold_mark[r] = st.ranks[r].folded_step
         cad.throttled.clear()
         if epoch is None:
             return {}
         cad.averages[epoch] = cad.averages.get(epoch, 0) + 1
-        ready = [r for r in ranks if r not in cad.in_flight]
+        ready = [r for r in ranks if _held(st, r) is None]
         return {
             r: pb.EpochPlan(epoch=epoch, partition_offset=off, partition_size=n)
             for r, (off, n) in start_window(st, epoch, ready).items()

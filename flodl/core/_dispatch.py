@@ -29,7 +29,9 @@ the coordinator never shuffles, it hands out *position ranges* (§8.1-8.3).
 
 The ``Dispatcher`` protocol is the seam a policy engine replaces: it owns
 ``dispatch_epoch``, ``reassign`` and ``idle``, plus the hooks the step calls on every
-batch (``on_batch``) and around a finished round (``on_round_finished`` returns the
+batch (``on_batch``), when a round opens (``on_trigger``, just before the
+``RequestParams``: Cadence hands idle ranks their next window there, so the round
+overlaps training) and around a finished round (``on_round_finished`` returns the
 chunk each rank gets inside its ``Update``; ``after_round`` wakes idle ranks).
 ``progressive`` says whether chunks stream (no ``Throttle`` barrier at a trigger).
 Sync's hooks do nothing; the Cadence engine (``_cadence``) registers itself in
@@ -165,6 +167,8 @@ class Dispatcher(Protocol):
 
     def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None: ...
 
+    def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None: ...
+
     def on_round_finished(
         self, st: CoordinatorState, ranks: list[int], out: list[Command]
     ) -> dict[int, pb.EpochPlan]: ...
@@ -182,6 +186,9 @@ class SyncDispatcher:
 
     def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
         pass
+
+    def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None:
+        pass  # Sync: the rank keeps its partition; the Throttle barrier follows
 
     def on_round_finished(
         self, st: CoordinatorState, ranks: list[int], out: list[Command]
@@ -204,6 +211,9 @@ class SyncDispatcher:
         return plans
 
     def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
+        if st.checkpoints.resume_epoch == epoch:
+            self._dispatch_resumed(st, epoch, out)
+            return
         plans = self.plans_for_epoch(st, epoch)
         d = st.dispatch
         announce_role(st, out)
@@ -216,6 +226,29 @@ class SyncDispatcher:
             plan = pb.EpochPlan(epoch=epoch, partition_offset=off, partition_size=size)
             st.send(out, r, start_epoch=pb.Control.StartEpoch(plan=plan))
             assigned[r] = [(off, size)]
+            d.rank_epoch[r] = epoch
+        d.reported.setdefault(epoch, {})
+        d.last_dispatched = epoch
+        d.dispatched_at.setdefault(epoch, st.now)
+
+    def _dispatch_resumed(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
+        """The resumed epoch: only its uncovered ranges (``checkpoints.resume_holes``),
+        split equally; a rank's first range is its ``StartEpoch`` plan, the rest
+        ``ExtendPartition``s. The coverage was opened, covered positions committed."""
+        d = st.dispatch
+        announce_role(st, out)
+        assigned = d.assigned.setdefault(epoch, {})
+        alive = st.alive_ranks()
+        for r, ranges in zip(alive, split_ranges(list(st.checkpoints.resume_holes), len(alive))):
+            if not ranges:
+                continue
+            (off, size), rest = ranges[0], ranges[1:]
+            plan = pb.EpochPlan(epoch=epoch, partition_offset=off, partition_size=size)
+            st.send(out, r, start_epoch=pb.Control.StartEpoch(plan=plan))
+            for o, s in rest:
+                ext = pb.Control.ExtendPartition(epoch=epoch, partition_offset=o, partition_size=s)
+                st.send(out, r, extend_partition=ext)
+            assigned[r] = list(ranges)
             d.rank_epoch[r] = epoch
         d.reported.setdefault(epoch, {})
         d.last_dispatched = epoch

@@ -8,9 +8,15 @@ moved and before the next windows are folded into the ``Update``s -- the head of
 §5.5, in this order:
 
 1. The window's timing (the ``WindowLedger``, fed by every ``BatchDone``: ``batch_ms``,
-   ``data_ms``, loss) becomes a ``WindowReport``. Its ``sync_ms`` is the duration of the
-   *previous* round, trigger to finish in event time: the fixed cost the window just
-   reported paid at its start (so the first window reports 0, as upstream). ElChe picks
+   ``data_ms``, loss) becomes a ``WindowReport``. Its ``sync_ms`` is what the *previous*
+   round cost the ranks (so the first window reports 0, as upstream). Rounds overlap
+   the next window (``_cadence``: each rank's next chunk goes out with its
+   ``RequestParams``), so a round's duration is not paid by anyone; what is paid is the
+   *exposed* part: from the moment every rank had run its window while the round was
+   still open (``CadenceState.barrier_at``: the next round would have fired then) to
+   the finish -- 0 whenever the round is shorter than a window. That is the fixed
+   cost the anchor's growth rule should amortise; the round's duration is reported
+   next to it as ``round_ms``. ElChe picks
    the scale (delivered when coherent: §5.1's mixed-scale guard) and recalibrates:
    smoothed speeds, the anchor rank, the counts, and possibly a staged growth.
 2. The guard reads the acks' divergences (``DivergenceReport``; a rank without one
@@ -22,8 +28,8 @@ moved and before the next windows are folded into the ``Update``s -- the head of
    ElChe: Stable commits a staged growth, SuppressGrowth vetoes it and latches growth
    off, NudgeDown discards it and shrinks the anchor. The overshoot budget follows (it
    only moves under Async; kept so that engine can share this head).
-4. The ledger is reset (timing and steps); this round's duration is kept for the next
-   report.
+4. The ledger is reset (timing and steps); this round's exposed cost is kept for the
+   next report (and summed in ``exposed_s``).
 5. One ``Notice("window", ...)``: the new counts, anchor before/after, phase, the
    window's overhead estimate ``(sync + fill) / (anchor x slow ms + sync + fill)``, the
    verdict and its reason, the meta nudge if any. O(world size), nothing more.
@@ -87,7 +93,11 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
     cad.overshoot.on_verdict(verdict, POLICY)
     cad.ledger.reset_timing()
     cad.ledger.reset_steps()
-    cad.last_sync_ms = max(0.0, st.now - rs.opened_at) * 1000.0
+    round_ms = max(0.0, st.now - rs.opened_at) * 1000.0
+    exposed_ms = 0.0 if cad.barrier_at is None else max(0.0, st.now - cad.barrier_at) * 1000.0
+    cad.barrier_at = None
+    cad.last_sync_ms = exposed_ms
+    cad.exposed_s += exposed_ms / 1000.0
     cad.last_verdict = type(verdict).__name__
     out.append(
         Notice(
@@ -103,6 +113,7 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
                 "phase": str(el.phase),
                 "calibration": calibration.reason,
                 "sync_ms": report.sync_ms,
+                "round_ms": round_ms,
                 "overhead": overhead,
                 "k_used": sum(window),
                 "k_max": max(window, default=0),
@@ -116,7 +127,8 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
 
 
 def summary(cad: CadenceState) -> dict[str, Any]:
-    """``{anchor, anchor_rank, counts, phase, calibration_count, guard, last_verdict}``."""
+    """``{anchor, anchor_rank, counts, phase, calibration_count, guard, last_verdict,
+    exposed_sync_s}`` (the last: total time open rounds delayed the next window)."""
     el = cad.elche
     return {
         "anchor": el.anchor,
@@ -126,4 +138,5 @@ def summary(cad: CadenceState) -> dict[str, Any]:
         "calibration_count": el.calibration_count,
         "guard": getattr(cad.guard, "name", type(cad.guard).__name__),
         "last_verdict": cad.last_verdict,
+        "exposed_sync_s": cad.exposed_s,
     }

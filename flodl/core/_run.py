@@ -39,13 +39,15 @@ from typing import Any
 
 from flodl.wire import pb
 
-from . import _averaging, _coverage, _feedback, _membership
+from . import _averaging, _checkpointing, _coverage, _feedback, _membership
 from ._commands import Command, Notice, RunFinished
 from ._dispatch import Dispatcher, role_rank
 from ._errors import LocalViolation
+from ._max_failure import max_failure_limit
 from ._events import EvalDone, StopRequested
 from ._state import (
     ACTIVE,
+    DEAD,
     FINAL_EVAL,
     FINISHED,
     FORMING,
@@ -116,17 +118,30 @@ def _finish(st: CoordinatorState, out: list[Command], ok: bool, reason: str) -> 
 
 
 def fail(st: CoordinatorState, out: list[Command], reason: str, save_reason: int) -> None:
-    """End the run now: ``ShutdownWithSave`` to every addressable rank, then RunFinished."""
+    """End the run now: ``ShutdownWithSave`` to every addressable rank, then RunFinished.
+
+    With ``checkpoint_on_failure`` the role rank is first asked to save what it holds."""
+    name = pb.SaveReason.Name(save_reason)
+    _checkpointing.on_failure(st, out, name.lower().removeprefix("save_reason_"))
     targets = st.addressable_ranks()
     for r in targets:
         st.send(out, r, shutdown_with_save=pb.Control.ShutdownWithSave(reason=save_reason, detail=reason))
-    name = pb.SaveReason.Name(save_reason)
     out.append(Notice("shutdown_with_save", {"reason": name, "detail": reason, "ranks": targets}))
     _finish(st, out, False, reason)
 
 
 def check_lost(st: CoordinatorState, out: list[Command]) -> bool:
-    if st.run.phase not in (TRAINING, FINAL_EVAL) or st.alive_ranks():
+    """Fail the run when ``max_failure`` dead ranks are reached (checked first) or no
+    ACTIVE rank is left."""
+    if st.run.phase not in (TRAINING, FINAL_EVAL):
+        return False
+    limit = max_failure_limit(st.config.max_failure, st.config.world_size)
+    dead = sum(1 for rec in st.ranks if rec.phase is DEAD)
+    if limit is not None and dead > 0 and dead >= limit:
+        reason = f"max_failure exceeded: {dead} dead rank(s), limit {limit} ({st.config.max_failure})"
+        fail(st, out, reason, pb.SAVE_REASON_MAX_FAILURE_EXCEEDED)
+        return True
+    if st.alive_ranks():
         return False
     fail(st, out, "all ranks lost", pb.SAVE_REASON_ALL_RANKS_LOST)
     return True
@@ -201,6 +216,7 @@ def on_stop(st: CoordinatorState, ev: StopRequested, out: list[Command]) -> None
     if st.run.phase not in (FORMING, TRAINING, FINAL_EVAL):
         st.count_ignored("StopRequested while already ending")
         return
+    _checkpointing.on_failure(st, out, "graceful_shutdown")
     _transition(st, "stop")
     st.run.stop_reason = ev.reason
     st.run.deadline = ev.now + st.config.liveness_timeout_s
@@ -218,7 +234,7 @@ def summary(st: CoordinatorState) -> dict[str, Any]:
      epochs: [{epoch, avg_loss, epoch_ms, per_rank_throughput}]}
 
     Cadence adds ``elche: {anchor, anchor_rank, counts, phase, calibration_count, guard,
-    last_verdict}`` and, on each ``epochs`` row, ``averages``: the rounds finished while
+    last_verdict, exposed_sync_s}`` and, on each ``epochs`` row, ``averages``: the rounds finished while
     that epoch was being trained. The Sync shape is exactly the one above.
     """
     fe = st.run.final_eval

@@ -72,6 +72,7 @@ __all__ = [
     "FinalEval",
     "RunState",
     "CadenceState",
+    "CheckpointState",
     "CoordinatorState",
 ]
 
@@ -230,10 +231,13 @@ def _plain(x: Any) -> Any:
 class CadenceState:
     """Cadence policy: the ElChe engine and the progressive dispatch ledger.
 
-    ``fold_mark[r]`` is the rank's ``folded_step`` at the last finished round: steps
-    since then are its window (the reduce barrier counts them until the round that
-    folds them *finishes*, not merely until the rank acks). ``in_flight[r]`` is the
+    ``window_mark[r]`` is the rank's last reported step when the latest round opened
+    (its ``RequestParams``): steps since then are its current window -- the round
+    overlaps the next window, so the reduce barrier counts from the trigger, not from
+    the finish (folding still goes by the acked snapshot step). ``in_flight[r]`` is the
     chunk ``(epoch, offset, size)`` the rank is training (at most one).
+    ``barrier_at`` is when, during the open round, every rank had reached its window
+    end (the round then delays the next one); ``exposed_s`` sums those delays.
     """
 
     elche: Any  # _elche.ElChe
@@ -244,10 +248,12 @@ class CadenceState:
     pools: dict[int, Any] = field(default_factory=dict)  # epoch -> _chunk_pool.ChunkPool
     final_plan: Any = None  # _chunk_pool.FinalWindowPlan pinned for the current window
     in_flight: dict[int, tuple[int, int, int]] = field(default_factory=dict)
-    fold_mark: dict[int, int] = field(default_factory=dict)
+    window_mark: dict[int, int] = field(default_factory=dict)
     throttled: set[int] = field(default_factory=set)
     last_lr: dict[int, float] = field(default_factory=dict)  # rank -> latest BatchDone.lr > 0
-    last_sync_ms: float = 0.0  # duration of the last finished round (trigger -> finish)
+    last_sync_ms: float = 0.0  # what the last finished round delayed training (ms; see _feedback)
+    barrier_at: Optional[float] = None  # open round: when every rank reached its window end
+    exposed_s: float = 0.0  # total time rounds delayed the next window (summary)
     averages: dict[int, int] = field(default_factory=dict)  # epoch -> rounds finished in it
     last_verdict: str = ""
 
@@ -260,6 +266,24 @@ class CadenceState:
 
 
 @dataclass(slots=True)
+class CheckpointState:
+    """Consensus checkpoints in flight and the resume point (``_checkpointing``).
+
+    ``pending[version] = (cycle, tried)``: a save asked of ``tried[-1]`` not answered
+    yet (earlier entries refused it). ``resume_holes``: the uncovered ranges of the
+    resumed epoch ``resume_epoch``, dispatched instead of the whole epoch.
+    """
+
+    armed_epoch: Optional[int] = None  # last epoch whose end armed a regular checkpoint
+    role: Optional[int] = None  # the rank last asked to save
+    last_version: Optional[int] = None  # the latest version a save was decided for
+    pending: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    given_up: int = 0
+    resume_epoch: Optional[int] = None
+    resume_holes: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(slots=True)
 class CoordinatorState:
     config: CoreConfig
     ranks: list[RankRecord]
@@ -269,6 +293,7 @@ class CoordinatorState:
     metrics: MetricsState = field(default_factory=MetricsState)
     run: RunState = field(default_factory=RunState)
     cadence: Optional[CadenceState] = None  # set by the Cadence dispatcher's setup
+    checkpoints: CheckpointState = field(default_factory=CheckpointState)
     cohort_sig: Optional[bytes] = None
     cohort_len: Optional[int] = None
     last_beacon: Optional[float] = None

@@ -23,14 +23,24 @@ exactly when they are needed.
 3. ``RequestParams{cycle}``: deep-copy the parameters (the "pre" snapshot), n = steps
    since the last applied average, weight = n**gamma (0 when n <= 0: the idle guard),
    send ``round`` with params x weight (elided when the weight is 0).
-4. Consensus ``round{cycle}``: weight > 0 -> overwrite the parameters (EASGD blend under
-   the Async policy when easgd_alpha > 0), subtract the snapshot's n from the steps
-   since average (steps taken during the round keep their credit). Weight 0 -> keep
-   local parameters *and* the credit (my work was not folded in). Either way answer
-   ``timing.sync_ack{cycle, step_count at snapshot, divergence, pre_norm, post_norm}``.
+4. Consensus ``round{cycle}``: weight > 0 -> parameters <- consensus + (parameters -
+   snapshot): the round overlaps training (Cadence hands out the next window with the
+   ``RequestParams``), so the k steps taken since the snapshot are kept on top of the
+   consensus; k = 0 is the plain overwrite (EASGD blend under the Async policy when
+   easgd_alpha > 0). Subtract the snapshot's n from the steps since average (steps
+   taken during the round keep their credit). Weight 0 -> keep local parameters *and*
+   the credit (my work was not folded in). Either way answer ``timing.sync_ack{cycle,
+   step_count at snapshot, divergence (snapshot vs consensus), pre_norm, post_norm}``.
 5. ``Throttle`` stops training until ``Update`` (or Shutdown); everything else is still
    serviced, and an exhausted plan still reports its ``metrics`` while throttled.
-6. ``Shutdown``/``ShutdownWithSave`` -> ``timing.exiting{sha256 of the f32 params,
+6. ``Checkpoint{version, path, cycle}`` for this rank: save model + optimizer state to
+   ``path`` atomically (``flodl_worker.checkpoint``) and answer ``checkpoint_result{version,
+   sha256}``. ``cycle`` names the weights: 0 = what the rank holds now; c = the consensus
+   of cycle c -- saved right after applying it (armed when the command comes first), at
+   once if the rank applied it and has not stepped since, else an error answer (the
+   coordinator fails over). A ``RunSpec.resume_from`` is loaded right after the model and
+   optimizer are built, before the first step; a file that does not load exits 2.
+7. ``Shutdown``/``ShutdownWithSave`` -> ``timing.exiting{sha256 of the f32 params,
    steps}``, exit 0. ``Exiting`` is never sent on an error exit.
 
 Exit codes: 0 clean shutdown; 1 failure (the coordinator went silent or unreachable,
@@ -72,6 +82,7 @@ from flodl.wire import (
 )
 
 from ._env import EnvError, RankEnv
+from .checkpoint import CheckpointLoadError, load_model_file, save_model_file
 
 __all__ = [
     "run_rank",
@@ -259,6 +270,11 @@ class _Rank:
         self.current: _Chunk | None = None
         self.chunk_seq = 0
         self.snapshots: dict[int, _Snapshot] = {}
+        # Checkpoints: the last consensus applied, the step count right after it, and
+        # saves armed for a consensus still to come (cycle -> Checkpoint command).
+        self.applied_cycle = 0
+        self.applied_at_step = 0
+        self.armed: dict[int, pb.Control.Checkpoint] = {}
         self.perm: tuple[int, np.ndarray] | None = None  # (epoch, permutation) cache
         self.trace = None
         if cfg.trace_dir:
@@ -394,6 +410,13 @@ class _Rank:
         torch.manual_seed(self.spec.seed)
         self.model = self.model_fn()
         self.optimizer = self.optimizer_fn(self.model)
+        if self.spec.resume_from:
+            try:
+                info = load_model_file(self.spec.resume_from, self.model, self.optimizer)
+            except CheckpointLoadError as e:
+                raise _Refused(f"cannot resume: {e}") from None
+            self.global_step = int(info.get("global_step", 0))
+            log.info("resumed model and optimizer from %s (checkpoint v%s)", self.spec.resume_from, info.get("version"))
         self.params = list(self.model.parameters())
         self.model.train()
         # Identical weights everywhere, distinct random streams (dropout...) per rank.
@@ -435,12 +458,7 @@ class _Rank:
             self.global_step = c.set_global_step.global_step
         elif which == "checkpoint":
             if c.checkpoint.target_rank == self.cfg.rank:
-                # Answer, so the coordinator can fail over instead of waiting.
-                self._timing(
-                    checkpoint_result=pb.Timing.CheckpointResult(
-                        version=c.checkpoint.version, error="checkpointing is not implemented by this rank runtime"
-                    )
-                )
+                self._on_checkpoint(c.checkpoint)
         elif which in ("shutdown", "shutdown_with_save"):
             raise _Shutdown(which)
         elif which in (
@@ -509,19 +527,30 @@ class _Rank:
             self._drop("bad_tensor", f"consensus for cycle {header.cycle} does not match the model's schema")
             return
         del self.snapshots[header.cycle]
+        post = snap.pre  # weight 0: the consensus is our own snapshot (keep local)
         if header.weight > 0:
             alpha = self.spec.easgd_alpha
             blend = self.spec.policy == pb.POLICY_ASYNC and 0.0 < alpha < 1.0
+            # The round overlaps training: k steps may have run since the snapshot. Apply
+            # delta-preserving, theta <- consensus + (theta - snapshot), so they are kept
+            # (the next round folds them); k = 0 is the plain overwrite, bit for bit.
+            moved = self.local_step != snap.step_count
+            consensus = []
             with torch.no_grad():
-                for p, a in zip(self.params, arrays):
+                for p, a, pre in zip(self.params, arrays, snap.pre):
                     t = _as_tensor(a).to(device=p.device, dtype=p.dtype)
                     if blend:
                         p.lerp_(t, alpha)  # EASGD: p + alpha * (avg - p)
-                    else:
-                        p.copy_(t)
+                        continue
+                    delta = _f32(p) - pre if moved else None
+                    p.copy_(t)
+                    if delta is not None:
+                        p.add_(_as_tensor(delta).to(device=p.device, dtype=p.dtype))
+                    consensus.append(_f32(t))
+            # Divergence is snapshot vs consensus, as without overlap (not vs theta now).
+            post = [_f32(p) for p in self.params] if blend else consensus
             # Steps taken while the round was in flight keep their credit (hazard 13).
             self.steps_since_avg = max(0, self.steps_since_avg - snap.n)
-        post = [_f32(p) for p in self.params]
         post_norm = _norm(post)
         diff = _norm([b - a for a, b in zip(snap.pre, post)])
         self._timing(
@@ -531,6 +560,66 @@ class _Rank:
                 divergence=diff / post_norm if post_norm > 1e-10 else 0.0,
                 pre_norm=_norm(snap.pre),
                 post_norm=post_norm,
+            )
+        )
+        # Acked first (the round finishes without waiting for the disk), saved before the
+        # next step: the file holds exactly this consensus.
+        self.applied_cycle, self.applied_at_step = header.cycle, self.local_step
+        self._after_consensus(header.cycle)
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def _on_checkpoint(self, m: pb.Control.Checkpoint) -> None:
+        if not m.path:
+            self._checkpoint_failed(m, "no path in the Checkpoint command (the coordinator has no checkpoint_dir)")
+        elif m.cycle == 0:
+            self._save_checkpoint(m)
+        elif m.cycle > self.applied_cycle:
+            armed = pb.Control.Checkpoint()
+            armed.CopyFrom(m)
+            self.armed[m.cycle] = armed  # saved right after that consensus is applied
+        elif m.cycle == self.applied_cycle and self.local_step == self.applied_at_step:
+            self._save_checkpoint(m)
+        else:
+            moved = self.local_step - self.applied_at_step
+            self._checkpoint_failed(
+                m,
+                f"the consensus of cycle {m.cycle} is no longer held (last applied cycle "
+                f"{self.applied_cycle}, {moved} step(s) since)",
+            )
+
+    def _after_consensus(self, cycle: int) -> None:
+        for c in sorted(k for k in self.armed if k <= cycle):
+            m = self.armed.pop(c)
+            if c == cycle:
+                self._save_checkpoint(m)
+            else:
+                self._checkpoint_failed(m, f"the consensus of cycle {c} never reached this rank")
+
+    def _save_checkpoint(self, m: pb.Control.Checkpoint) -> None:
+        t0 = time.perf_counter()
+        try:
+            digest = save_model_file(
+                m.path, self.model, self.optimizer, version=m.version, cycle=m.cycle, rank=self.cfg.rank,
+                global_step=self.global_step, local_step=self.local_step,
+            )  # fmt: skip
+        except Exception as e:  # disk full, permissions, a user state_dict that raises
+            self._checkpoint_failed(m, f"{type(e).__name__}: {e}", t0)
+            return
+        elapsed = (time.perf_counter() - t0) * 1e3
+        log.info("checkpoint v%d saved to %s in %.0f ms", m.version, m.path, elapsed)
+        self._timing(
+            checkpoint_result=pb.Timing.CheckpointResult(
+                version=m.version, elapsed_ms=elapsed, sha256=digest, cycle=m.cycle
+            )
+        )
+
+    def _checkpoint_failed(self, m: pb.Control.Checkpoint, error: str, t0: float | None = None) -> None:
+        log.warning("checkpoint v%d not saved: %s", m.version, error)
+        elapsed = (time.perf_counter() - t0) * 1e3 if t0 is not None else 0.0
+        self._timing(
+            checkpoint_result=pb.Timing.CheckpointResult(
+                version=m.version, elapsed_ms=elapsed, error=error, cycle=m.cycle
             )
         )
 

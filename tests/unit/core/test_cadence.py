@@ -207,29 +207,154 @@ def test_progressive_cold_start_sends_one_window_each():
     assert c.state.cadence.in_flight == {0: (0, 0, 4), 1: (0, 50, 4)}
 
 
-def test_first_reduce_holds_ranks_then_folds_the_recalibrated_windows_into_update():
-    # Scenario 43: delivered feed [11, 21] ms (batch + data) -> counts [8, 4].
+def test_first_reduce_hands_out_the_next_windows_at_the_trigger_then_recalibrates():
+    # Scenario 43, overlapped: the next windows go out with the RequestParams (sized by the
+    # counts in force, [4, 4]); the delivered feed [11, 21] ms (batch + data) makes the
+    # counts [8, 4] at the finish, and rank 0 streams the rest of its longer window.
     c = _cold_start()
     _drain(c, 0, 1)
     for _ in range(4):
         c.train_one(0)
         c.train_one(1)
-    assert [s.kind for s in c.sends()][-2:] == ["request_params", "request_params"]
+    assert [(s.rank, s.kind) for s in c.sends()][-4:] == [
+        (0, "start_epoch"), (1, "start_epoch"), (0, "request_params"), (1, "request_params"),
+    ]  # fmt: skip
+    assert [_plan(s.control) for s in c.sends("start_epoch")] == [(0, 0, 4), (0, 50, 4), (0, 4, 4), (0, 54, 4)]
     assert c.sends("throttle") == []  # progressive: no hard barrier
-    assert len(c.sends("start_epoch")) == 2  # both HELD at 4 >= budget 4
     assert c.state.rounds.phase is PENDING
+    assert c.state.cadence.in_flight == {0: (0, 4, 4), 1: (0, 54, 4)}
     _drain(c, 0, 1)
     c.send_ack(0)
     cmds = c.feed(SyncAcked(now=c.now, rank=1, cycle=1, step_count=4, divergence=0.01))
     c.ranks[1].ack_due = None
     assert c.state.cadence.elche.batch_counts == [8, 4]
     upd = controls(cmds, "update")
-    assert [(r, u.update.version, _plan(u)) for r, u in upd] == [(0, 1, (0, 4, 8)), (1, 1, (0, 54, 4))]
+    assert [(r, u.update.version, u.update.HasField("next_plan")) for r, u in upd] == [(0, 1, False), (1, 1, False)]
     assert [(r, g.set_global_step.global_step) for r, g in controls(cmds, "set_global_step")] == [(0, 8), (1, 8)]
     kinds = [x.kind for x in cmds if isinstance(x, Send)]
     assert kinds == ["update", "update", "set_global_step", "set_global_step"]
     window = [x for x in cmds if isinstance(x, Notice) and x.kind == "window"]
     assert len(window) == 1 and window[0].data["counts"] == [8, 4] and window[0].data["verdict"] == "Stable"
+    _drain(c, 0, 1)
+    for _ in range(4):
+        c.train_one(0)
+    assert _plan(c.sends("start_epoch")[-1].control) == (0, 8, 4)  # 8 - 4 already run
+    assert window_steps(c.state, 0) == 4 and c.state.cadence.in_flight[0] == (0, 8, 4)
+
+
+def _until_trigger(c, order):
+    """Deliver, report and train round-robin (acks deferred) until a round opens."""
+    cycle = c.state.rounds.cycle
+    while c.state.rounds.cycle == cycle:
+        for r in order:
+            while c.deliver_one(r):
+                pass
+            c.send_ack(r)
+            c.send_chunk(r)
+            c.train_one(r)
+            if c.state.rounds.cycle != cycle:
+                return
+
+
+def test_steps_after_the_snapshot_are_the_next_window_and_the_next_round_folds_them():
+    c = _cluster(world_size=2, total=100, batch_size=1, epochs=1, anchor=4, guard="none", speeds=[10, 10],
+                 defer_acks=True)  # fmt: skip
+    c.join_all()
+    _until_trigger(c, [0, 1])
+    st = c.state
+    assert st.rounds.cycle == 1 and st.ranks[0].last_step == 4
+    _drain(c, 0, 1)  # StartEpoch, then RequestParams: the snapshot is taken at step 4
+    assert c.ranks[0].ack_due == (1, 4) and c.ranks[0].work
+    for _ in range(4):  # rank 0 runs its whole next window while the round is open
+        c.train_one(0)
+    assert window_steps(st, 0) == 4 and 0 not in st.cadence.in_flight
+    assert st.rounds.gate_reason == "round 1 pending"
+    n_plans = len(c.sends("start_epoch"))
+    c.send_ack(0)
+    c.send_ack(1)
+    assert st.rounds.phase is IDLE and st.ranks[0].folded_step == 4
+    # The reduce barrier holds rank 0 through the finish: no next_plan, no StartEpoch.
+    assert not any(u.control.update.HasField("next_plan") for u in c.sends("update"))
+    assert len(c.sends("start_epoch")) == n_plans and 0 not in st.cadence.in_flight
+    ec = st.coverage.epochs[0]
+    trained_after = [(off, n) for _e, off, n, step in c.ranks[0].trained if step > 4]
+    assert len(trained_after) == 4
+    assert all(ec.committed[off] == 0 for off, _ in trained_after)  # not folded by round 1
+    for _ in range(4):
+        c.train_one(1)
+    assert st.rounds.cycle == 2  # rank 1 ran its window: round 2 folds rank 0's steps 5-8
+    _drain(c, 0, 1)
+    c.send_ack(0)
+    c.send_ack(1)
+    assert st.ranks[0].folded_step == 8
+    assert all(ec.committed[off] == 1 for off, _ in trained_after)
+    res = c.run()
+    assert res.ok and [{k: e[k] for k in EXACT} for e in res.summary["coverage"]] == [EXACT]
+
+
+def test_a_batch_between_the_trigger_and_the_snapshot_is_paced_next_and_folded_now():
+    # The StartEpoch wakes an idle rank before it reads its RequestParams: it may train a
+    # batch first. That batch is folded by this round (step <= the ack) but counts in the
+    # next window, so the window handed out at the trigger still ends it, exactly.
+    c = _cluster(world_size=2, total=100, batch_size=1, epochs=1, anchor=4, guard="none", speeds=[10, 10],
+                 defer_acks=True)  # fmt: skip
+    c.join_all()
+    _until_trigger(c, [0, 1])
+    st = c.state
+    assert c.ranks[0].inbox[0].WhichOneof("cmd") == "start_epoch"
+    c.deliver_one(0)  # the plan only
+    c.train_one(0)
+    _drain(c, 0, 1)  # now the RequestParams: snapshot at step 5
+    assert c.ranks[0].ack_due == (1, 5) and window_steps(st, 0) == 1
+    c.send_ack(0)
+    c.send_ack(1)
+    assert st.ranks[0].folded_step == 5 and st.coverage.epochs[0].committed[4] == 1
+    plans = len(c.sends("start_epoch"))
+    for _ in range(3):
+        c.train_one(0)
+    assert window_steps(st, 0) == 4 and 0 not in st.cadence.in_flight
+    assert len(c.sends("start_epoch")) == plans  # at the reduce barrier: no 1-batch top-up
+
+
+@pytest.mark.parametrize("acked", [False, True])
+def test_death_with_a_chunk_from_the_trigger_in_flight_exact_coverage(acked):
+    c = CheckedCluster(world_size=3, total=100, batch_size=2, epochs=2, policy="cadence", anchor=2,
+                       speeds=[10, 20, 40], defer_acks=True)  # fmt: skip
+    c.join_all()
+    st = c.state
+    for _ in range(3):  # calibrated by then
+        _until_trigger(c, [0, 1, 2])
+        if st.rounds.cycle < 3:
+            for r in range(3):
+                while c.deliver_one(r):
+                    pass
+                c.send_ack(r)
+    assert st.rounds.phase is PENDING and st.rounds.cycle == 3 and st.cadence.elche.batch_counts == [7, 4, 2]
+    assert [c.ranks[r].inbox[0].WhichOneof("cmd") for r in range(3)] == ["start_epoch"] * 3
+    while c.deliver_one(2):
+        pass
+    snap = c.ranks[2].ack_due[1]
+    chunk = st.cadence.in_flight[2]  # handed out with this round's RequestParams
+    if acked:
+        c.send_ack(2)
+    c.train_one(2)
+    assert c.ranks[2].trained[-1][3] == snap + 1 and c.ranks[2].trained[-1][1] == chunk[1]
+    pending = sum(n for _e, _o, n, step in c.ranks[2].trained if step > st.ranks[2].folded_step)
+    assert pending > 0
+    c.kill(2)
+    res = c.run()
+    assert res.ok
+    cov = res.summary["coverage"]
+    assert [(e["expected"], e["trained"], e["duplicates"], e["missing"]) for e in cov] == [(100, 100, 0, 0)] * 2
+    assert res.summary["discarded_samples"] == pending
+    trained = {}
+    for r in c.ranks[:2]:
+        for e, off, n, _ in r.trained:
+            for p in range(off, off + n):
+                trained[(e, p)] = trained.get((e, p), 0) + 1
+    assert all(v == 1 for v in trained.values())  # survivors never repeat a position
+    record = []
+    assert replay(c.config, c.journal, record=record) == c.state and record == c.commands
 
 
 def test_send_failure_at_kickoff_returns_the_chunk_to_the_pool():
@@ -336,8 +461,21 @@ def test_three_unequal_ranks_exact_coverage_and_elche_summary():
     assert all(e["averages"] >= 1 for e in s["epochs"])
     windows = [x for x in c.of_type(Notice) if x.kind == "window"]
     assert len(windows) == s["averages"] and all(w.data["reason"] for w in windows)
-    # Atomic dispatch: after the first window, chunks ride in the Update.
-    assert any(s.control.update.HasField("next_plan") for s in c.sends("update"))
+    # Overlap: at each trigger every idle rank gets its next window *before* its
+    # RequestParams (the rounds that close an epoch have none to give).
+    overlapped = 0
+    for _ev, cmds in c.trace:
+        opens = [x for x in cmds if isinstance(x, OpenRound)]
+        if not opens:
+            continue
+        sends = [(x.rank, x.kind) for x in cmds if isinstance(x, Send)]
+        for r in opens[0].ranks:
+            kinds = [k for rr, k in sends if rr == r]
+            assert "request_params" in kinds
+            if "start_epoch" in kinds:
+                overlapped += 1
+                assert kinds.index("start_epoch") < kinds.index("request_params")
+    assert overlapped >= 3 * (s["averages"] - 2 * 3)
 
 
 def test_epoch_barrier_nothing_of_the_next_epoch_before_this_one_aggregated():
@@ -427,7 +565,10 @@ def test_trigger_opens_the_round_without_throttle():
     cmds = c.feed(BatchDone(now=0.0, rank=1, batch_ms=20, data_ms=1, step_count=4, loss=1.0, samples=1,
                             epoch=0, offset=53))  # fmt: skip
     assert cmds[0] == OpenRound(1, (0, 1))
-    assert [(x.rank, x.kind) for x in cmds[1:]] == [(0, "request_params"), (1, "request_params")]
+    assert [(x.rank, x.kind) for x in cmds[1:]] == [
+        (0, "start_epoch"), (1, "start_epoch"), (0, "request_params"), (1, "request_params"),
+    ]  # fmt: skip
+    assert c.state.cadence.window_mark == {0: 4, 1: 4} and window_steps(c.state, 0) == 0
 
 
 # -- feedback at finish ------------------------------------------------------------------------
@@ -449,14 +590,45 @@ def _window(st, per_rank_ms, *, lr=None, divergence=None, opened=0.0, now=0.0):
     return out[0].data
 
 
-def test_feedback_sync_ms_is_the_previous_round_and_the_first_is_zero():
+def test_feedback_sync_ms_is_the_previous_rounds_exposed_cost_and_the_first_is_zero():
     st = _state(2, 4)
     first = _window(st, [10.0, 20.0], opened=1.0, now=1.25)
     assert first["sync_ms"] == 0.0 and first["counts"] == [8, 4] and first["anchor_rank"] == 1
+    assert first["round_ms"] == pytest.approx(250.0)
+    # That round overlapped the next window entirely (no rank reached its window end
+    # before it finished): it cost nothing, however long it was open.
     second = _window(st, [10.0, 20.0], opened=2.0, now=2.01)
-    assert second["sync_ms"] == pytest.approx(250.0)
-    assert second["overhead"] == pytest.approx(250.0 / (4 * 20.0 + 250.0))
+    assert second["sync_ms"] == 0.0 and second["round_ms"] == pytest.approx(10.0)
+    st.cadence.barrier_at = 3.05  # every rank ran its window 50 ms before this one finished
+    _window(st, [10.0, 20.0], opened=3.0, now=3.1)
+    assert st.cadence.barrier_at is None and st.cadence.exposed_s == pytest.approx(0.05)
+    fourth = _window(st, [10.0, 20.0], opened=4.0, now=4.01)
+    assert fourth["sync_ms"] == pytest.approx(50.0)
+    assert fourth["overhead"] == pytest.approx(50.0 / (4 * 20.0 + 50.0))
     assert st.cadence.ledger.steps == [0, 0]  # the ledger restarts every window
+    assert _feedback.summary(st.cadence)["exposed_sync_s"] == pytest.approx(0.05)
+
+
+def test_barrier_at_marks_when_an_open_round_starts_delaying_the_next():
+    c = _cluster(world_size=2, total=100, batch_size=1, epochs=1, anchor=4, guard="none", speeds=[10, 10],
+                 defer_acks=True)  # fmt: skip
+    c.join_all()
+    _until_trigger(c, [0, 1])
+    _drain(c, 0, 1)
+    for _ in range(4):
+        c.train_one(0)
+    assert c.state.cadence.barrier_at is None  # rank 1 is still running its window
+    c.advance(0.5)
+    for _ in range(4):
+        c.train_one(1)
+    assert c.state.cadence.barrier_at == pytest.approx(c.now)
+    c.advance(0.25)
+    c.send_ack(0)
+    cmds = c.feed(SyncAcked(now=c.now, rank=1, cycle=1, step_count=4, divergence=0.01))
+    c.ranks[1].ack_due = None
+    assert c.state.cadence.exposed_s == pytest.approx(0.25)
+    assert OpenRound(2, (0, 1)) in cmds and c.state.rounds.cycle == 2  # the delayed round fires at once
+    assert c.state.cadence.barrier_at is None
 
 
 def test_feedback_guard_verdict_lands_and_explains_itself():

@@ -171,6 +171,47 @@ def test_rank_throttle_extend_and_zero_mass_round(coordinator, procs, py, tmp_pa
 
 
 @pytest.mark.integration
+def test_rank_trains_through_an_open_round_and_keeps_those_steps(coordinator, procs, py, tmp_path):
+    # Cadence overlap: the rank trains its next window (k = 2 steps) while its round is
+    # open; the consensus then lands as theta <- consensus + (theta_now - snapshot), bit
+    # for bit, and the ack still reports the snapshot's step and the snapshot-vs-consensus
+    # divergence.
+    proc = start_rank(procs, py, coordinator, tmp_path)
+    route, _ = admit(coordinator, spec(policy=pb.POLICY_CADENCE))
+    start_epoch(coordinator, route, 0, 32)
+    expect_batches(coordinator, [(0, 16), (16, 16)])
+    coordinator.expect("metrics")
+    coordinator.control(route, request_params=pb.Control.RequestParams(cycle=1))
+    _, d = coordinator.expect("round")
+    assert d.envelope.round.weight == 2.0
+    pre = [a / np.float32(2.0) for a in unpack_round(d.envelope.round, d.blobs)]
+    start_epoch(coordinator, route, 32, 32)  # trained while the round is open
+    expect_batches(coordinator, [(32, 16), (48, 16)], first_step=3)
+    coordinator.expect("metrics")
+    # Read theta now (after 4 steps) through a second snapshot, weight = steps since average.
+    coordinator.control(route, request_params=pb.Control.RequestParams(cycle=2))
+    _, d = coordinator.expect("round")
+    assert d.envelope.round.weight == 4.0
+    now = [a / np.float32(4.0) for a in unpack_round(d.envelope.round, d.blobs)]
+    rng = np.random.default_rng(1)
+    consensus = [rng.standard_normal(a.shape).astype(np.float32) for a in pre]
+    header, blobs = pack_round(consensus, cycle=1, weight=2.0)
+    coordinator.send(route, "round", header, blobs)
+    _, d = coordinator.expect("timing", "sync_ack")
+    ack = d.envelope.timing.sync_ack
+    assert (ack.cycle, ack.step_count) == (1, 2)  # the snapshot's step
+    assert ack.post_norm == pytest.approx(norm(consensus), rel=1e-5)
+    assert ack.divergence == pytest.approx(norm([c - p for c, p in zip(consensus, pre)]) / norm(consensus), rel=1e-4)
+    coordinator.control(route, shutdown=pb.Control.Shutdown(reason="done"))
+    _, d = coordinator.expect("timing", "exiting")
+    want = [c + (n - p) for c, n, p in zip(consensus, now, pre)]
+    digest = hashlib.sha256(b"".join(w.astype("<f4").tobytes() for w in want)).digest()
+    assert (d.envelope.timing.exiting.param_digest, d.envelope.timing.exiting.steps) == (digest, 4)
+    code, err = wait_exit(proc)
+    assert code == 0, err
+
+
+@pytest.mark.integration
 def test_rank_refused_hello_exits_2_with_reason(coordinator, procs, py, tmp_path):
     proc = start_rank(procs, py, coordinator, tmp_path)
     route, _ = coordinator.expect("hello", timeout=STARTUP_S)
