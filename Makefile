@@ -9,7 +9,6 @@ STAMP := $(VENV)/.flodl-installed
 
 $(STAMP): pyproject.toml coordinator/pyproject.toml worker/pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -r requirements-dev.txt
