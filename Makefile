@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.flodl-installed
 
-.PHONY: setup demo test test-fast bench proto proto-check clean
+.PHONY: setup demo test test-fast bench proto clean
 
 $(STAMP): pyproject.toml coordinator/pyproject.toml worker/pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,7 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python bench/control_rtt.py
+	$(BIN)/python bench/hetero.py
 
 proto: setup
 	mkdir -p build/proto
