@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-every", type=int, default=0, help="a checkpoint every N epochs (0 = only on failure)")
     r.add_argument("--resume", help="resume from a checkpoint dir (or the --checkpoint-dir of a previous run)")
     r.add_argument("--trace-dir", help="ranks write the sample ids they train here (coverage audit)")
+    r.add_argument("--max-failure", help="end the run once this many ranks died: N, or P%% of --ranks")
     r.add_argument("--liveness-timeout", type=float, default=10.0, help="seconds of silence = dead rank")
     r.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     r.add_argument("--quiet", action="store_true", help="only print the summary")
@@ -132,6 +133,8 @@ def _run_local(args) -> int:
         coord_cmd += ["--resume", os.path.abspath(args.resume)]
     if args.anchor:
         coord_cmd += ["--anchor", str(args.anchor)]
+    if args.max_failure:
+        coord_cmd += ["--max-failure", args.max_failure]
     t0 = time.monotonic()
     coord = subprocess.Popen(coord_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     procs = [coord]

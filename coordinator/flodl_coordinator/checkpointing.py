@@ -5,7 +5,7 @@ Theory of operation
 The core decides *when* to checkpoint and *who* saves (a ``Checkpoint{version,
 target_rank, cycle}`` command) and *what* the coordinator remembers (a
 ``Notice("checkpoint_meta", {"version", "meta"})`` built by
-``flodl.core._checkpoint.checkpoint_meta``). Paths are not the core's business: this
+``flodl.core.checkpoint_meta``). Paths are not the core's business: this
 shell stamps them onto the outgoing frames.
 
 * ``stamp(control)``: a ``Checkpoint`` gets ``path`` = a fresh staging path from the
@@ -50,7 +50,7 @@ class Checkpointing:
         self.settings = settings
         self.store: Optional[CheckpointStore] = None
         self.resumed: Optional[Checkpoint] = None
-        self.point = None  # flodl.core._checkpoint.ResumePoint of a resumed run
+        self.point = None  # flodl.core.ResumePoint of a resumed run
         self._linger_until: Optional[float] = None
         if settings.checkpoint_dir:
             try:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from flodl.core import CoreConfig
-from flodl.core._checkpoint import ResumePoint, resume_plan, validate_meta
+from flodl.core import ResumePoint, resume_plan, validate_meta
 
 __all__ = [
     "META_FILE",

@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint-every", type=int, help="a consensus checkpoint every N epochs (0 = off)")
     s.add_argument("--checkpoint-keep", type=int, help="keep only the newest N checkpoints (0 = all)")
     s.add_argument("--resume", help="resume from this checkpoint (its dir, meta.json, or a root with 'latest')")
+    s.add_argument("--max-failure", help="end the run once this many ranks died: N, or P%% of the world size")
     for name, (typ, help_) in _RUN_FLAGS.items():
         s.add_argument("--" + name.replace("_", "-"), type=typ, help=help_)
     s.add_argument("--bf16-wire", action="store_const", const=True, help="bf16 tensors on the bus")
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     service_keys = ["bind", "session", "journal", "summary", "http"]
-    checkpoint_keys = ["checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume"]
+    checkpoint_keys = ["checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume", "max_failure"]
     flags = {k: getattr(args, k) for k in list(_RUN_FLAGS) + service_keys + checkpoint_keys}
     flags["bf16_wire"] = args.bf16_wire
     flags["final_eval"] = args.final_eval
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _replay(path: str) -> int:
-    from flodl.core import from_record, initial_state, step
+    from flodl.core import from_record, initial_state, resume_plan, step
 
     try:
         with open(path, encoding="utf-8") as fh:
@@ -102,7 +103,13 @@ def _replay(path: str) -> int:
         print(f"flodl-coordinator: {path} does not start with a _start record", file=sys.stderr)
         return 2
     settings = Settings(**lines[0]["settings"])
-    state = initial_state(settings.core_config())
+    resume_meta = lines[0].get("resume_meta")
+    try:
+        point = resume_plan(resume_meta) if resume_meta is not None else None
+    except ValueError as e:
+        print(f"flodl-coordinator: the journal's resume_meta is unreadable: {e}", file=sys.stderr)
+        return 2
+    state = initial_state(settings.core_config(), point)
     finished = None
     for rec in lines[1:]:
         state, cmds = step(state, from_record(rec))

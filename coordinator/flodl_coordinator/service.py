@@ -96,7 +96,7 @@ class CoordinatorService:
         self.clock = clock
         self._ready = ready or (lambda ep: print(f"COORDINATOR_READY {ep}", flush=True))
         self.config = settings.core_config()
-        self.state = initial_state(self.config)
+        self.state = initial_state(self.config, self.checkpointing.point)
         self.endpoint = Endpoint(settings.session, pb.Sender.KIND_COORDINATOR, host=socket.gethostname())
         self.reducer = BusReducer(bf16_wire=settings.bf16_wire)
         self.seq = SeqTracker()

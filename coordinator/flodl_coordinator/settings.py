@@ -62,6 +62,7 @@ class Settings:
     checkpoint_every: int = 0  # epochs between consensus checkpoints; 0 = off
     checkpoint_keep: int = 0  # keep the newest N checkpoints; 0 = all
     resume: str = ""  # checkpoint dir (or its root / latest / meta.json) to resume from
+    max_failure: str = ""  # dead ranks that end the run: "N" or "P%" of world_size; "" = never
 
     def core_config(self) -> CoreConfig:
         try:
@@ -87,6 +88,9 @@ class Settings:
                 max_batch_diff=self.max_batch_diff or None,
                 guard=self.guard,
                 meta_controller=self.meta_controller,
+                checkpoint_every=self.checkpoint_every,
+                checkpoint_on_failure=bool(self.checkpoint_dir),
+                max_failure=self.max_failure,
             )
         except ValueError as e:
             raise SettingsError(f"config error: {e}") from None

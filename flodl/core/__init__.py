@@ -34,6 +34,7 @@ from ._events import (
     to_record,
 )
 from ._averaging import should_average
+from ._checkpoint import ResumePoint, checkpoint_meta, resume_plan, validate_meta
 from ._run import FINAL_SCHEDULE_ID
 from ._state import CoordinatorState
 from ._step import initial_state, replay, step
@@ -47,6 +48,11 @@ __all__ = [
     "CoreConfig",
     "CoordinatorState",
     "FINAL_SCHEDULE_ID",
+    # checkpoints and resume
+    "checkpoint_meta",
+    "validate_meta",
+    "resume_plan",
+    "ResumePoint",
     # events
     "Event",
     "Tick",

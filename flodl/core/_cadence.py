@@ -16,7 +16,8 @@ normally exactly one window.
   ``StartEpoch``.
 * **Streaming** (``_dispatch_next``, §8.5): when a rank's chunk is done it gets its next
   one unless held -- one chunk in flight; the *reduce barrier* (its steps since the last
-  *trigger* reached ``reduce_step_budget``: it waits for the next round's trigger);
+  *trigger* reached ``reduce_step_budget`` and are not all folded yet: it waits for the
+  next round's trigger);
   throttled (waits for the ``Update``); the *epoch barrier* (its epoch's pool is drained:
   epoch e+1 opens only once e is aggregated, by ``_run.advance``; we never stream
   across). The pool is credited per ``BatchDone`` (positions trained, in order), so a
@@ -291,7 +292,9 @@ def _held(st: CoordinatorState, rank: int) -> Optional[str]:
     if rank in cad.throttled:
         return "throttled until the Update"
     budget = _budget(st, rank)
-    if budget > 0 and window_steps(st, rank) >= budget:
+    # A window whose steps were all folded already (stepped between the trigger and its
+    # snapshot) has nothing for the next reduce: holding it would wait for no round.
+    if budget > 0 and window_steps(st, rank) >= budget and st.unfolded(rank) > 0:
         return "reduce barrier"
     return None
 

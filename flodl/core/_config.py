@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ._max_failure import max_failure_limit
+
 __all__ = ["CoreConfig", "POLICIES", "PLANES", "GUARDS"]
 
 POLICIES = ("sync", "cadence", "async")
@@ -58,6 +60,13 @@ class CoreConfig:
     guard: str = "level"
     # LR-aware meta-controller above ElChe (LR cliffs, sustained divergence).
     meta_controller: bool = True
+    # -- checkpoints and failure policy (``_checkpointing``) ----------------------------
+    # A consensus checkpoint after every N aggregated epochs (0: none).
+    checkpoint_every: int = 0
+    # Whether the run's end by failure or operator stop asks the role rank to save.
+    checkpoint_on_failure: bool = False
+    # Dead ranks that end the run: "N" (absolute) or "P%" (of world_size); "" = never.
+    max_failure: str = ""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -76,6 +85,9 @@ class CoreConfig:
             raise ValueError(f"total_samples must be >= 0, got {self.total_samples}")
         if self.heartbeat_interval_s <= 0 or self.liveness_timeout_s <= 0:
             raise ValueError("heartbeat_interval_s and liveness_timeout_s must be > 0")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        max_failure_limit(self.max_failure, self.world_size)
         self._check_cadence()
 
     def _check_cadence(self) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 from flodl.wire import pb
 
-from . import _coverage
+from . import _checkpointing, _coverage
 from ._commands import Command, Notice
 from ._errors import RankViolation
 from ._events import ChunkDone
@@ -169,4 +169,5 @@ def aggregate_ready(st: CoordinatorState, out: list[Command]) -> bool:
             },
         )
     )
+    _checkpointing.on_epoch_aggregated(st, epoch, out)  # before the next epoch's dispatch
     return True

@@ -26,9 +26,13 @@ and says whether it did:
 * STOPPING: once no rank is addressable, or ``liveness_timeout_s`` after the stop,
   ``RunFinished(ok=False, "stopped: ...")``.
 
-``check_lost``: in TRAINING or FINAL_EVAL with no ACTIVE rank left, the run fails with
-``ShutdownWithSave(ALL_RANKS_LOST)`` (to whoever is still addressable: nobody) and
-``RunFinished(ok=False)``. ``fail`` is also how a reduce stall ends the run.
+``check_lost``: in TRAINING or FINAL_EVAL, once the DEAD ranks reach ``max_failure``
+(``_max_failure``; checked first) the run fails with ``ShutdownWithSave(
+MAX_FAILURE_EXCEEDED)`` to the survivors; with no ACTIVE rank left, with
+``ShutdownWithSave(ALL_RANKS_LOST)`` (to whoever is still addressable: nobody). Both end
+in ``RunFinished(ok=False)``. ``fail`` is also how a reduce stall ends the run. With
+``checkpoint_on_failure``, ``fail`` and ``on_stop`` first ask the role rank to save what
+it holds (``_checkpointing.on_failure``).
 
 The summary (``summary``) is JSON-safe; its shape is documented on the function.
 """

@@ -18,6 +18,9 @@ record             module               what it knows
                    ``_feedback``        meta, chunk pools, per-rank chunk in flight
 =================  ===================  ==============================================
 
+``CheckpointState`` (``_checkpointing``): saves asked and not yet answered, and the
+resumed epoch's uncovered ranges.
+
 ``CadenceState`` holds the pure engines (``ElChe``, ``WindowLedger``, ``ChunkPool``, the
 guard, the meta-controller), which are plain objects without ``__eq__``; its own
 ``__eq__`` compares their attribute trees (``_plain``), so a replayed state still

@@ -52,9 +52,10 @@ from typing import Callable, Iterable, Optional
 
 from flodl.wire import pb
 
-from . import _averaging, _coverage, _dispatch, _membership, _metrics, _run
+from . import _averaging, _checkpointing, _coverage, _dispatch, _membership, _metrics, _run
 from . import _cadence  # noqa: F401  (registers the Cadence dispatcher and gate)
 from ._commands import Command, ForgetRank, Notice
+from ._checkpoint import ResumePoint
 from ._config import CoreConfig
 from ._errors import LocalViolation, RankViolation
 from ._events import (
@@ -82,14 +83,19 @@ __all__ = ["initial_state", "step", "replay", "forget_rank"]
 _MAX_SETTLE_PASSES = 256
 
 
-def initial_state(config: CoreConfig) -> CoordinatorState:
-    """A fresh coordinator for ``config`` (raises LocalViolation if it cannot run it)."""
+def initial_state(config: CoreConfig, resume: Optional[ResumePoint] = None) -> CoordinatorState:
+    """A fresh coordinator for ``config`` (raises LocalViolation if it cannot run it).
+
+    With ``resume`` (``resume_plan`` of a validated checkpoint meta) the run continues
+    from it: done epochs stay done, the resumed epoch trains only its uncovered ranges."""
     if config.plane != "bus":
         raise LocalViolation(f"plane {config.plane!r} is not implemented by the core yet")
     st = CoordinatorState(config=config, ranks=[RankRecord(r) for r in range(config.world_size)])
     dispatcher = _dispatch.dispatcher_for(st)
     _averaging.gate_for(st)
     dispatcher.setup(st)
+    if resume is not None:
+        _checkpointing.apply_resume(st, resume)
     return st
 
 
@@ -125,10 +131,14 @@ def step(state: CoordinatorState, event: Event) -> tuple[CoordinatorState, list[
 
 
 def replay(
-    config: CoreConfig, events: Iterable[Event], *, record: Optional[list[Command]] = None
+    config: CoreConfig,
+    events: Iterable[Event],
+    *,
+    record: Optional[list[Command]] = None,
+    resume: Optional[ResumePoint] = None,
 ) -> CoordinatorState:
     """Rebuild the state from a journal; commands are appended to ``record`` if given."""
-    st = initial_state(config)
+    st = initial_state(config, resume)
     for ev in events:
         try:
             _, cmds = step(st, ev)
@@ -153,6 +163,8 @@ def forget_rank(st: CoordinatorState, rank: int, trigger: str, reason: str, out:
     _dispatch.dispatcher_for(st).reassign(st, rank, out)
     kind = "rank_lost" if trigger == "lost" else "rank_left"
     out.append(Notice(kind, {"rank": rank, "reason": reason, "discarded_samples": discarded}))
+    if trigger == "lost":
+        _checkpointing.on_rank_gone(st, rank, out)
 
 
 def _settle(st: CoordinatorState, out: list[Command]) -> None:
@@ -255,6 +267,11 @@ def _on_eval(st: CoordinatorState, ev: EvalDone, out: list[Command]) -> None:
         _run.on_eval_done(st, ev, out)
 
 
+def _on_checkpoint_done(st: CoordinatorState, ev: CheckpointDone, out: list[Command]) -> None:
+    if _from_rank(st, ev):
+        _checkpointing.on_done(st, ev, out)
+
+
 def _on_unsupported(st: CoordinatorState, ev: Event, out: list[Command]) -> None:
     if _from_rank(st, ev):
         st.count_ignored(f"{type(ev).__name__} (not handled by the sync core)")
@@ -288,7 +305,7 @@ _HANDLERS: dict[type, Callable[[CoordinatorState, Event, list[Command]], None]] 
     RankExiting: _on_exiting,
     HeartbeatSeen: _on_liveness_only,
     EvalDone: _on_eval,
-    CheckpointDone: _on_unsupported,
+    CheckpointDone: _on_checkpoint_done,
     IntentRaised: _on_unsupported,
     RankExitReported: _on_exit_report,
     SendFailed: _on_send_failed,

@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from flodl.core._checkpoint import resume_plan
+from flodl.core import resume_plan
 from flodl.shuffle import epoch_permutation
 from flodl_coordinator.checkpoints import load_checkpoint
 from runlocal import ROOT, run_local, traced_counts
@@ -27,14 +27,14 @@ EPOCHS = 8
 SAMPLES = 256
 SEED = 11
 ARGS = (
-    "--ranks", "2", "--task", "synthetic", "--policy", "sync", "--epochs", str(EPOCHS),
+    "--ranks", "2", "--task", "synthetic", "--epochs", str(EPOCHS),
     "--batch-size", "16", "--seed", str(SEED), "--base-ms", "20", "--quiet",
 )  # fmt: skip
 TASK = ("--", "--samples", str(SAMPLES), "--test-samples", "64", "--features", "8", "--hidden", "16")
 
 
-def _stop_after_first_checkpoint(ck_dir, tmp_path) -> None:
-    cmd = [sys.executable, "-m", "flodl", "run", "--local", *ARGS, "--checkpoint-dir", str(ck_dir),
+def _stop_after_first_checkpoint(ck_dir, tmp_path, policy) -> None:
+    cmd = [sys.executable, "-m", "flodl", "run", "--local", *ARGS, "--policy", policy, "--checkpoint-dir", str(ck_dir),
            "--checkpoint-every", "1", "--summary", str(tmp_path / "s1.json"), *TASK]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -51,21 +51,17 @@ def _stop_after_first_checkpoint(ck_dir, tmp_path) -> None:
             proc.wait(10)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the core wiring: Checkpoint + checkpoint_meta emission, resume from a ResumePoint "
-    "(flodl/core/_checkpoint.py); remove this mark once wired",
-)
-def test_checkpoint_stop_resume_trains_exactly_the_uncovered_samples(tmp_path):
+@pytest.mark.parametrize("policy", ["sync", "cadence"])
+def test_checkpoint_stop_resume_trains_exactly_the_uncovered_samples(tmp_path, policy):
     ck_dir = tmp_path / "ck"
-    _stop_after_first_checkpoint(ck_dir, tmp_path)
+    _stop_after_first_checkpoint(ck_dir, tmp_path, policy)
     ck = load_checkpoint(str(ck_dir))  # complete and verified, whatever moment it was stopped
     point = resume_plan(ck.meta)
     assert point.epoch < EPOCHS
 
     run2 = tmp_path / "run2"
     run2.mkdir()
-    proc, summary, trace = run_local(run2, *ARGS, "--resume", str(ck_dir), *TASK)
+    proc, summary, trace = run_local(run2, *ARGS, "--policy", policy, "--resume", str(ck_dir), *TASK)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert summary["ok"] is True and summary["checkpoints"]["resumed_from"] == ck.path
 

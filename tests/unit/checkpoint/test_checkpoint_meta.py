@@ -10,16 +10,9 @@ import json
 
 import pytest
 
-from flodl.core import CoreConfig, LocalViolation, initial_state
+from flodl.core import CoreConfig, LocalViolation, checkpoint_meta, initial_state, resume_plan, validate_meta
 from flodl.core import _coverage
-from flodl.core._checkpoint import (
-    SCHEMA_VERSION,
-    checkpoint_meta,
-    complement,
-    covered_ranges,
-    resume_plan,
-    validate_meta,
-)
+from flodl.core._checkpoint import SCHEMA_VERSION, complement, covered_ranges
 
 
 def config(**over) -> CoreConfig:

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from flodl.core import CoreConfig, initial_state
-from flodl.core._checkpoint import checkpoint_meta
+from flodl.core import checkpoint_meta
 from flodl.wire import Endpoint, decode, pb, split_routing
 from flodl_coordinator.checkpoints import MODEL_FILE, CheckpointStore
 from flodl_coordinator.service import CoordinatorService

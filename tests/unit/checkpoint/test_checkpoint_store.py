@@ -14,7 +14,7 @@ import pytest
 
 from flodl.core import CoreConfig, Notice, initial_state
 from flodl.core import _coverage
-from flodl.core._checkpoint import checkpoint_meta
+from flodl.core import checkpoint_meta
 from flodl.wire import pb
 from flodl_coordinator.checkpointing import META_NOTICE, Checkpointing
 from flodl_coordinator.checkpoints import (

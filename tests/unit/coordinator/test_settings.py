@@ -46,3 +46,25 @@ def test_missing_or_invalid_file(tmp_path):
     bad.write_text("world_size = = 2")
     with pytest.raises(SettingsError, match="not valid TOML"):
         load_settings(config_path=str(bad), env={})
+
+
+def test_max_failure_reaches_the_core_and_is_checked_there():
+    s = load_settings(env={"FLODL_MAX_FAILURE": "25%"}, flags={"world_size": 4})
+    assert s.core_config().max_failure == "25%"
+    assert load_settings(env={}, flags={"world_size": 4, "max_failure": "2"}).core_config().max_failure == "2"
+    with pytest.raises(SettingsError, match="max_failure must be 'N' or 'P%'"):
+        load_settings(env={}, flags={"world_size": 4, "max_failure": "lots"})
+
+
+def test_checkpoint_settings_reach_the_core(tmp_path):
+    s = load_settings(env={}, flags={"world_size": 2, "checkpoint_dir": str(tmp_path), "checkpoint_every": 2})
+    cfg = s.core_config()
+    assert (cfg.checkpoint_every, cfg.checkpoint_on_failure) == (2, True)
+    assert load_settings(env={}, flags={"world_size": 2}).core_config().checkpoint_on_failure is False
+
+
+def test_the_cli_has_a_max_failure_flag():
+    from flodl_coordinator.cli import _parser
+
+    args = _parser().parse_args(["serve", "--max-failure", "30%"])
+    assert args.max_failure == "30%"

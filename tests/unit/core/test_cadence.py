@@ -680,3 +680,20 @@ def test_sync_summary_has_no_cadence_block():
     s = c.run().summary
     assert "elche" not in s and all("averages" not in e for e in s["epochs"])
     assert c.state.cadence is None
+
+
+@pytest.mark.parametrize("killed,silent", [((0, 1), 2), ((0, 2), 1), ((1, 2), 3)])
+def test_a_window_folded_whole_before_its_snapshot_does_not_hold_the_reduce_barrier(killed, silent):
+    # Found by the stateful property test: the survivor stepped between the trigger and
+    # its snapshot, so the round folded its whole window; holding it at the reduce
+    # barrier then waited for a round the gate would never open (nothing to fold).
+    c = _cluster(world_size=4, total=5, batch_size=1, epochs=1, liveness_timeout_s=5.0, reduce_stall_s=1e9,
+                 defer_chunks=True, defer_acks=True, race_throttle=True, anchor=2)  # fmt: skip
+    c.join_all()
+    c.pump_once()
+    for r in killed:
+        c.kill(r, code=-9)
+    c.silence(silent)
+    c.advance(1.0)
+    fin = c.run()
+    assert [row["missing"] for row in fin.summary["coverage"]] == [0]

@@ -1,0 +1,169 @@
+"""Checkpoint decisions: when to save, who saves, failover, and resuming a run.
+
+Theory of operation
+-------------------
+The core decides; the shell does the I/O (``flodl_coordinator.checkpointing``). A save is
+two commands emitted together: ``Checkpoint{version, target_rank, cycle}`` to the role
+rank (lowest alive) and ``Notice("checkpoint_meta", {"version", "meta"})`` with
+``_checkpoint.checkpoint_meta`` of that instant. The record is ``CheckpointState``.
+
+* ``on_epoch_aggregated`` (regular, ``checkpoint_every = N > 0``): right after epoch
+  ``e`` aggregated, when ``(e + 1) % N == 0``. Every rank then holds the last consensus
+  and has not stepped since: the epoch's coverage is complete, so every batch was folded,
+  and the next epoch is dispatched only after this (same step, later commands: FIFO).
+  The cycle named is the last *finished* round's (``cycle - 1`` while a round is open);
+  a rank that no longer holds it answers an error and the failover below applies.
+* ``on_done`` (``CheckpointDone``): success clears the pending save; an error resends
+  the same ``{version, cycle}`` to the lowest alive rank not yet tried, and gives up
+  (``Notice("checkpoint_abandoned")``) when none is left. ``on_rank_gone`` does the
+  same when the asked rank is lost before answering. Failover happens while the run
+  trains (or runs its final eval); once it is ending, an unanswered save is given up.
+* ``on_failure`` (``checkpoint_on_failure``): before ``ShutdownWithSave`` (failure) or
+  the operator stop's ``Shutdown``, ``Checkpoint{cycle=0}`` -- the weights the rank holds
+  -- with the meta's ``reason``.
+* ``apply_resume(state, point)``: a fresh state continues from a ``ResumePoint``:
+  counters, history, done epochs' coverage rows, Cadence averages / ElChe / guard, and
+  the resumed epoch's coverage opened with its covered positions pre-committed. The
+  dispatchers then hand out only ``resume_holes`` for that epoch (``resume_ranges``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from flodl.wire import pb
+
+from . import _coverage
+from ._checkpoint import ResumePoint, checkpoint_meta
+from ._commands import Command, Notice
+from ._events import CheckpointDone
+from ._guards import make_guard
+from ._state import FINAL_EVAL, IDLE, TRAINING, CoordinatorState, EpochCoverage
+
+__all__ = [
+    "META_NOTICE",
+    "on_epoch_aggregated",
+    "on_done",
+    "on_rank_gone",
+    "on_failure",
+    "apply_resume",
+    "resume_ranges",
+]
+
+META_NOTICE = "checkpoint_meta"
+
+
+def _role(st: CoordinatorState, exclude: tuple[int, ...] = ()) -> Optional[int]:
+    return next((r for r in st.alive_ranks() if r not in exclude), None)
+
+
+def _save(st: CoordinatorState, out: list[Command], rank: int, version: int, cycle: int, reason: str) -> None:
+    ck = st.checkpoints
+    ck.role, ck.last_version = rank, version
+    ck.pending[version] = (cycle, (rank,))
+    st.send(out, rank, checkpoint=pb.Control.Checkpoint(version=version, target_rank=rank, cycle=cycle))
+    meta = checkpoint_meta(st, version, reason=reason, cycle=cycle)
+    out.append(Notice(META_NOTICE, {"version": version, "meta": meta}))
+
+
+def on_epoch_aggregated(st: CoordinatorState, epoch: int, out: list[Command]) -> bool:
+    """A regular checkpoint after ``epoch`` if it is due; True if one was asked."""
+    every, ck, rs = st.config.checkpoint_every, st.checkpoints, st.rounds
+    if every <= 0 or (epoch + 1) % every != 0 or ck.armed_epoch == epoch:
+        return False
+    ck.armed_epoch = epoch
+    role = _role(st)
+    if role is None or rs.version == ck.last_version or rs.version in ck.pending:
+        return False  # nothing new since the last save (or nobody to save it)
+    cycle = rs.cycle if rs.phase is IDLE else rs.cycle - 1  # the last finished round
+    _save(st, out, role, rs.version, cycle, "checkpoint")
+    return True
+
+
+def _failover(st: CoordinatorState, version: int, out: list[Command], why: str) -> None:
+    cycle, tried = st.checkpoints.pending[version]
+    nxt = _role(st, tried) if st.run.phase in (TRAINING, FINAL_EVAL) else None
+    if nxt is None:
+        del st.checkpoints.pending[version]
+        st.checkpoints.given_up += 1
+        out.append(Notice("checkpoint_abandoned", {"version": version, "tried": list(tried), "detail": why}))
+        return
+    st.checkpoints.pending[version] = (cycle, tried + (nxt,))
+    st.checkpoints.role = nxt
+    st.send(out, nxt, checkpoint=pb.Control.Checkpoint(version=version, target_rank=nxt, cycle=cycle))
+    out.append(Notice("checkpoint_retry", {"version": version, "rank": nxt, "detail": why}))
+
+
+def on_done(st: CoordinatorState, ev: CheckpointDone, out: list[Command]) -> None:
+    rec = st.checkpoints.pending.get(ev.version)
+    if rec is None or rec[1][-1] != ev.rank:
+        st.count_ignored("CheckpointDone not awaited")
+        return
+    if ev.error is None:
+        del st.checkpoints.pending[ev.version]
+        return
+    _failover(st, ev.version, out, f"rank {ev.rank}: {ev.error}")
+
+
+def on_rank_gone(st: CoordinatorState, rank: int, out: list[Command]) -> None:
+    """The rank asked to save was lost before answering: ask the next one. (A rank
+    that leaves cleanly answered first: its result precedes its exit on the wire.)"""
+    for version, (_, tried) in sorted(st.checkpoints.pending.items()):
+        if tried[-1] == rank:
+            _failover(st, version, out, f"rank {rank} lost before saving")
+
+
+def on_failure(st: CoordinatorState, out: list[Command], reason: str) -> None:
+    """The run ends early (``reason`` in ``SAVE_REASONS``): save what the role rank holds."""
+    if not st.config.checkpoint_on_failure or st.run.formed_at is None:
+        return
+    role = _role(st)
+    version = st.rounds.version
+    if role is None or version == st.checkpoints.last_version:
+        return
+    _save(st, out, role, version, 0, reason)
+
+
+# -- resume ------------------------------------------------------------------------------
+
+
+def apply_resume(st: CoordinatorState, point: ResumePoint) -> None:
+    """Make the fresh ``st`` continue from ``point`` (see the module docstring)."""
+    st.metrics.last_aggregated = point.last_aggregated_epoch
+    st.rounds.version = point.version
+    st.rounds.global_step = point.global_step
+    hist = point.history if isinstance(point.history, dict) else {}
+    st.metrics.history = [dict(row) for row in hist.get("epochs", [])]
+    for row in hist.get("coverage", []):
+        ec = EpochCoverage(int(row["epoch"]), int(row["expected"]), bytearray())
+        ec.trained, ec.duplicates, ec.discarded = int(row["trained"]), int(row["duplicates"]), int(row["discarded"])
+        ec.unique = ec.expected - int(row["missing"])
+        ec.frozen = True
+        st.coverage.epochs[ec.epoch] = ec
+    ck = st.checkpoints
+    ck.last_version = point.version
+    expected = dict(point.expected)
+    if point.epoch in expected:
+        _coverage.open_epoch(st.coverage, point.epoch, expected[point.epoch])
+        ec = st.coverage.epochs[point.epoch]
+        for off, size in point.covered_in(point.epoch):
+            ec.committed[off : off + size] = b"\x01" * size
+            ec.unique += size
+            ec.trained += size
+        ck.resume_epoch = point.epoch
+        ck.resume_holes = tuple(point.uncovered(point.epoch))
+    cad = st.cadence
+    if cad is not None:
+        cad.averages = {e: n for e, n in point.averages_per_epoch}
+        el_state = (point.policy_state or {}).get("elche")
+        if el_state:
+            cad.elche.restore_from_state(el_state)
+            cad.guard = make_guard(st.config.guard, history=el_state.get("trend_history") or ())
+
+
+def resume_ranges(st: CoordinatorState, epoch: int) -> Optional[tuple[tuple[int, int], ...]]:
+    """The ranges to dispatch for ``epoch`` when it is the resumed one, else None."""
+    ck = st.checkpoints
+    if ck.resume_epoch != epoch:
+        return None
+    return ck.resume_holes
