@@ -67,7 +67,7 @@ def _commands(res):
     return record
 
 
-@pytest.mark.timeout(5)
+@pytest.mark.timeout(60)  # a hang guard, not a speed assertion (speed lives in bench/)
 def test_64_ranks_spread_1_to_10x_exact_over_several_epochs():
     rng = random.Random(7)
     ms = tuple(rng.uniform(5.0, 50.0) for _ in range(64))
