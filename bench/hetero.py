@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--policies", default="sync,cadence")
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--accuracy-epochs", type=int, default=12, help="digits epochs for the accuracy comparison")
     args = ap.parse_args()
     args.slow = [float(s) for s in args.slowdown.split(",")]
     res: dict = {"bench": "hetero", "rig": {"slowdown": args.slowdown, "base_ms": args.base_ms,
@@ -125,11 +126,12 @@ def main() -> None:
     res["speedup_vs_ddp"] = {k: round(v["samples_per_s"] / ddp_sps, 2) for k, v in modes.items()
                              if v.get("samples_per_s") and ddp_sps}  # fmt: skip
     if not args.skip_accuracy:
+        args.epochs = args.accuracy_epochs
         acc = {}
         for policy in args.policies.split(","):
             acc[f"flodl_{policy}"] = flodl_run("digits", policy, args).get("accuracy")
         acc["torch_ddp_gloo"] = ddp_run("digits", args)["accuracy"]
-        res["digits_accuracy_equal_samples"] = {"epochs": args.epochs, **acc}
+        res["digits_accuracy_equal_samples"] = {"epochs": args.epochs, "samples": args.epochs * 1437, **acc}
     print(json.dumps(res, indent=2))
 
 

@@ -388,7 +388,9 @@ class CoordinatorService:
     def _notice(self, cmd: Notice) -> None:
         decisions.debug(json.dumps({"kind": cmd.kind, **cmd.data}, sort_keys=True, default=str))
         self.status.notice(cmd)
-        log.info("%s", _human(cmd, self.config.num_epochs))
+        # Per-window decisions are frequent: the operator log gets them at DEBUG.
+        level = logging.DEBUG if cmd.kind == "window" else logging.INFO
+        log.log(level, "%s", _human(cmd, self.config.num_epochs))
 
     def _journal_write(self, record: dict) -> None:
         if self._journal is not None:
