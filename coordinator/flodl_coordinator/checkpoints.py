@@ -33,7 +33,6 @@ checks of ``validate_meta`` (seed, world, dataset size, batch size, policy, epoc
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -43,6 +42,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from flodl.fsutil import fsync_dir
+from flodl.fsutil import sha256_file as _sha256_file
 from flodl.core import CoreConfig
 from flodl.core import ResumePoint, resume_plan, validate_meta
 
@@ -104,18 +105,6 @@ class Failed:
 # -- atomic files --------------------------------------------------------------------------
 
 
-def fsync_dir(path: str) -> None:
-    """Make a rename/creation inside ``path`` durable (no-op where dirs can't be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def write_text_atomic(path: str, text: str) -> None:
@@ -142,11 +131,7 @@ def write_json_atomic(path: str, obj: Any) -> None:
 
 
 def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return _sha256_file(path).hexdigest()
 
 
 # -- loading -------------------------------------------------------------------------------

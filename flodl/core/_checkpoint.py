@@ -45,6 +45,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from ._config import CoreConfig
 from ._errors import LocalViolation
+from . import _coverage
 from ._state import CoordinatorState
 
 __all__ = [
@@ -223,15 +224,7 @@ def checkpoint_meta(
 
 
 def _summary_row(state: CoordinatorState, epoch: int) -> dict[str, int]:
-    ec = state.coverage.epochs[epoch]
-    return {
-        "epoch": ec.epoch,
-        "expected": ec.expected,
-        "trained": ec.trained,
-        "duplicates": ec.duplicates,
-        "missing": ec.expected - ec.unique,
-        "discarded": ec.discarded,
-    }
+    return _coverage.epoch_summary(state.coverage.epochs[epoch])
 
 
 # -- reading -----------------------------------------------------------------------------

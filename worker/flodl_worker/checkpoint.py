@@ -20,11 +20,12 @@ without sockets.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Any
 
 import torch
+
+from flodl.fsutil import fsync_dir, sha256_file
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointLoadError", "save_model_file", "load_model_file"]
 
@@ -34,27 +35,6 @@ FORMAT_VERSION = 1
 
 class CheckpointLoadError(Exception):
     """``model.pt`` cannot be loaded into this model; ``str(e)`` is one line."""
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: str) -> bytes:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.digest()
 
 
 def save_model_file(path: str, model: torch.nn.Module, optimizer: Any, **info: Any) -> bytes:
@@ -74,7 +54,7 @@ def save_model_file(path: str, model: torch.nn.Module, optimizer: Any, **info: A
             torch.save(payload, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        digest = _sha256(tmp)
+        digest = sha256_file(tmp).digest()
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -82,7 +62,7 @@ def save_model_file(path: str, model: torch.nn.Module, optimizer: Any, **info: A
         except OSError:
             pass
         raise
-    _fsync_dir(d)
+    fsync_dir(d)
     return digest
 
 
