@@ -8,8 +8,10 @@ batch size and step function everywhere). Measured in one invocation:
 * flodl sync and flodl cadence: ``flodl run --local`` (real coordinator, relay, ranks);
 * torch DDP (gloo) on the same emulation (``bench/ddp_peer.py``).
 
-Efficiency = throughput / Σ solo throughputs. Averaging overhead = the share of the
-run's wall time during which an averaging round was open. Then the digits task at an
+Efficiency = throughput / Σ solo throughputs. ``round_open_share`` = the share of the
+run's wall time during which an averaging round was open (under cadence rounds overlap
+the next window, so this is not idle time); ``exposed_averaging_share`` = the share during
+which every rank had finished its window and waited for the round (ElChe's measure). Then the digits task at an
 equal sample budget (same epochs) for accuracy: flodl cadence vs DDP.
 
 Prints one JSON object. Noisy machine: ``--repeats`` runs each mode and reports the
@@ -71,7 +73,10 @@ def flodl_run(task: str, policy: str, args) -> dict:
         "wall_s": wall,
         "averages": s.get("averages"),
         "averages_per_epoch": round(s.get("averages", 0) / max(1, s.get("epochs_completed", 1)), 2),
-        "averaging_overhead": round(avg_s / wall, 4) if (avg_s is not None and wall) else None,
+        "round_open_share": round(avg_s / wall, 4) if (avg_s is not None and wall) else None,
+        "exposed_averaging_share": (
+            round((s.get("elche") or {}).get("exposed_sync_s", 0.0) / wall, 4) if (s.get("elche") and wall) else None
+        ),
         "accuracy": s.get("accuracy"),
         "exact_coverage": all(c["duplicates"] == 0 and c["missing"] == 0 for c in s.get("coverage", [])),
         "elche": s.get("elche"),
