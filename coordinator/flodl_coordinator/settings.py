@@ -57,6 +57,7 @@ class Settings:
     max_batch_diff: int = 0  # 0: no cap on how far counts move per window
     guard: str = "level"
     meta_controller: bool = True
+    probe_batches: int = 1  # first (uncalibrated) window, batches per rank; 0 = the anchor
     # checkpoints (flodl_coordinator.checkpoints): where, how often, how many, resume
     checkpoint_dir: str = ""  # root of ckpt-<version>/ dirs; empty = no checkpoints
     checkpoint_every: int = 0  # epochs between consensus checkpoints; 0 = off
@@ -88,6 +89,7 @@ class Settings:
                 max_batch_diff=self.max_batch_diff or None,
                 guard=self.guard,
                 meta_controller=self.meta_controller,
+                probe_batches=self.probe_batches or None,
                 checkpoint_every=self.checkpoint_every,
                 checkpoint_on_failure=bool(self.checkpoint_dir),
                 max_failure=self.max_failure,

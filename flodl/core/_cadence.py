@@ -121,7 +121,9 @@ def new_state(cfg: CoreConfig) -> CadenceState:
         min_anchor=cfg.min_anchor,
         max_batch_diff=cfg.batch_diff_cap,
     )
-    el.batch_counts = [el.anchor] * cfg.world_size  # a min_anchor above anchor lifts both
+    # A min_anchor above anchor lifts both; the first window may be a shorter probe.
+    first = min(cfg.probe_batches, el.anchor) if cfg.probe_batches else el.anchor
+    el.batch_counts = [first] * cfg.world_size
     return CadenceState(
         elche=el,
         ledger=WindowLedger(cfg.world_size),

@@ -60,6 +60,10 @@ class CoreConfig:
     guard: str = "level"
     # LR-aware meta-controller above ElChe (LR cliffs, sustained divergence).
     meta_controller: bool = True
+    # Batches per rank in the first, uncalibrated window (None: the anchor). Before any
+    # measurement every rank gets the same count, so the fastest idles while the slowest
+    # finishes it: a short probe window bounds that cost. Ours, not the reference's.
+    probe_batches: Optional[int] = None
     # -- checkpoints and failure policy (``_checkpointing``) ----------------------------
     # A consensus checkpoint after every N aggregated epochs (0: none).
     checkpoint_every: int = 0
@@ -97,6 +101,8 @@ class CoreConfig:
             raise ValueError(f"min_anchor must be >= 1, got {self.min_anchor}")
         if self.max_anchor < 1:
             raise ValueError(f"max_anchor must be >= 1, got {self.max_anchor}")
+        if self.probe_batches is not None and self.probe_batches < 1:
+            raise ValueError(f"probe_batches must be >= 1, got {self.probe_batches}")
         if not 0.0 < self.overhead_target < 1.0:
             raise ValueError(f"overhead_target must be in (0, 1), got {self.overhead_target}")
         if self.max_batch_diff is not None and self.max_batch_diff < 0:

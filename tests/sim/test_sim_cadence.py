@@ -100,3 +100,20 @@ def test_same_seed_same_run_and_the_event_list_replays():
     assert a.events == b.events and a.summary == b.summary
     st = replay(a.state.config, a.events)
     assert st == a.state
+
+
+def test_a_one_batch_probe_window_calibrates_at_less_cost():
+    # Before any measurement every rank gets the same count; with a 1-batch probe the
+    # fast ranks wait for one slow batch, not for `anchor` of them.
+    cfg = dict(RIG, total_samples=2000, epochs=1, policy="cadence", seed=3)
+    plain = simulate(SimConfig(**cfg))
+    probed = simulate(SimConfig(**cfg, core_overrides={"probe_batches": 1}))
+    assert plain.finished.ok and probed.finished.ok
+    _exact(probed, 2000)
+    first = {}
+    for c in _commands(probed):
+        if type(c).__name__ == "Send" and c.kind == "start_epoch":
+            first.setdefault(c.rank, c.control.start_epoch.plan.partition_size)
+    assert first == {0: 16, 1: 16, 2: 16}  # one batch each
+    assert probed.summary["elche"]["counts"] == plain.summary["elche"]["counts"] == [16, 8, 4]
+    assert probed.efficiency > plain.efficiency, (probed.efficiency, plain.efficiency)
