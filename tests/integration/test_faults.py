@@ -60,11 +60,11 @@ def _check(summary, trace, victim):
     assert len(survivors) == 1
 
 
-@pytest.mark.parametrize("seed", [3, 17])
-def test_kill9_a_rank_mid_epoch(tmp_path, seed):
+@pytest.mark.parametrize("seed, policy", [(3, "sync"), (17, "cadence"), (5, "cadence")])
+def test_kill9_a_rank_mid_epoch(tmp_path, seed, policy):
     rng = random.Random(seed)
     victim, at = rng.randrange(4), rng.randrange(40, 300)
-    proc, summary, trace = _launch(tmp_path, ["--policy", "sync"])
+    proc, summary, trace = _launch(tmp_path, ["--policy", policy])
     struck = strike_after(trace, victim, at, signal.SIGKILL)
     data, out = _finish(proc, summary)
     _check(data, trace, victim)
