@@ -3,8 +3,9 @@
 Theory of operation
 -------------------
 The core decides; the shell does the I/O (``flodl_coordinator.checkpointing``). A save is
-two commands emitted together: ``Checkpoint{version, target_rank, cycle}`` to the role
-rank (lowest alive) and ``Notice("checkpoint_meta", {"version", "meta"})`` with
+two commands emitted together: ``Checkpoint{version, target_rank, cycle}`` to the
+checkpoint role (``st.roles.checkpoint_role``, elected by ``_roles``; the lowest alive
+rank if it is gone) and ``Notice("checkpoint_meta", {"version", "meta"})`` with
 ``_checkpoint.checkpoint_meta`` of that instant. The record is ``CheckpointState``.
 
 * ``on_epoch_aggregated`` (regular, ``checkpoint_every = N > 0``): right after epoch
@@ -13,9 +14,14 @@ rank (lowest alive) and ``Notice("checkpoint_meta", {"version", "meta"})`` with
   and the next epoch is dispatched only after this (same step, later commands: FIFO).
   The cycle named is the last *finished* round's (``cycle - 1`` while a round is open);
   a rank that no longer holds it answers an error and the failover below applies.
-* ``on_done`` (``CheckpointDone``): success clears the pending save; an error resends
+  A pending checkpoint intent (``IntentRaised("checkpoint")``) makes the next
+  aggregation save too, when checkpoints are configured (``configured``); otherwise it
+  is dropped with ``Notice("intent_dropped")``.
+* ``on_done`` (``CheckpointDone``): success clears the pending save, smooths its cost
+  and makes the saver the checkpoint role; an error resends
   the same ``{version, cycle}`` to the lowest alive rank not yet tried, and gives up
-  (``Notice("checkpoint_abandoned")``) when none is left. ``on_rank_gone`` does the
+  (``Notice("checkpoint_abandoned")``) when none is left; the rank asked becomes the
+  checkpoint role. ``on_rank_gone`` does the
   same when the asked rank is lost before answering. Failover happens while the run
   trains (or runs its final eval); once it is ending, an unanswered save is given up.
 * ``on_failure`` (``checkpoint_on_failure``): before ``ShutdownWithSave`` (failure) or
@@ -33,12 +39,12 @@ from typing import Optional
 
 from flodl.wire import pb
 
-from . import _coverage
+from . import _coverage, _roles
 from ._checkpoint import ResumePoint, checkpoint_meta
 from ._commands import Command, Notice
 from ._events import CheckpointDone
 from ._guards import make_guard
-from ._state import FINAL_EVAL, IDLE, TRAINING, CoordinatorState, EpochCoverage
+from ._state import ACTIVE, FINAL_EVAL, IDLE, TRAINING, CoordinatorState, EpochCoverage
 
 __all__ = [
     "META_NOTICE",
@@ -53,8 +59,12 @@ __all__ = [
 META_NOTICE = "checkpoint_meta"
 
 
-def _role(st: CoordinatorState, exclude: tuple[int, ...] = ()) -> Optional[int]:
-    return next((r for r in st.alive_ranks() if r not in exclude), None)
+def _role(st: CoordinatorState) -> Optional[int]:
+    """The checkpoint role (``_roles``) if it is alive, else the lowest alive rank."""
+    role = st.roles.checkpoint_role
+    if role is not None and st.ranks[role].phase is ACTIVE:
+        return role
+    return _roles.lowest_alive_except(st, ())
 
 
 def _save(st: CoordinatorState, out: list[Command], rank: int, version: int, cycle: int, reason: str) -> None:
@@ -66,12 +76,27 @@ def _save(st: CoordinatorState, out: list[Command], rank: int, version: int, cyc
     out.append(Notice(META_NOTICE, {"version": version, "meta": meta}))
 
 
+def configured(st: CoordinatorState) -> bool:
+    """Whether this run saves checkpoints at all (a cadence, or saves on failure)."""
+    return st.config.checkpoint_every > 0 or st.config.checkpoint_on_failure
+
+
 def on_epoch_aggregated(st: CoordinatorState, epoch: int, out: list[Command]) -> bool:
-    """A regular checkpoint after ``epoch`` if it is due; True if one was asked."""
-    every, ck, rs = st.config.checkpoint_every, st.checkpoints, st.rounds
-    if every <= 0 or (epoch + 1) % every != 0 or ck.armed_epoch == epoch:
+    """A checkpoint after ``epoch`` if one is due (regular, or a pending checkpoint
+    intent); True if one was asked. An intent in a run without checkpoints is dropped
+    with ``Notice("intent_dropped")``."""
+    every, ck, rs, ro = st.config.checkpoint_every, st.checkpoints, st.rounds, st.roles
+    intent = ro.pending_checkpoint_intent
+    if intent:
+        ro.pending_checkpoint_intent = False
+        if not configured(st):
+            out.append(Notice("intent_dropped", {"kind": "checkpoint", "epoch": epoch, "detail": "checkpoints are not configured"}))
+            intent = False
+    regular = every > 0 and (epoch + 1) % every == 0 and ck.armed_epoch != epoch
+    if not (regular or intent):
         return False
-    ck.armed_epoch = epoch
+    if regular:
+        ck.armed_epoch = epoch
     role = _role(st)
     if role is None or rs.version == ck.last_version or rs.version in ck.pending:
         return False  # nothing new since the last save (or nobody to save it)
@@ -82,7 +107,7 @@ def on_epoch_aggregated(st: CoordinatorState, epoch: int, out: list[Command]) ->
 
 def _failover(st: CoordinatorState, version: int, out: list[Command], why: str) -> None:
     cycle, tried = st.checkpoints.pending[version]
-    nxt = _role(st, tried) if st.run.phase in (TRAINING, FINAL_EVAL) else None
+    nxt = _roles.lowest_alive_except(st, tried) if st.run.phase in (TRAINING, FINAL_EVAL) else None
     if nxt is None:
         del st.checkpoints.pending[version]
         st.checkpoints.given_up += 1
@@ -90,6 +115,7 @@ def _failover(st: CoordinatorState, version: int, out: list[Command], why: str) 
         return
     st.checkpoints.pending[version] = (cycle, tried + (nxt,))
     st.checkpoints.role = nxt
+    _roles.set_checkpoint_role(st, nxt)
     st.send(out, nxt, checkpoint=pb.Control.Checkpoint(version=version, target_rank=nxt, cycle=cycle))
     out.append(Notice("checkpoint_retry", {"version": version, "rank": nxt, "detail": why}))
 
@@ -101,6 +127,8 @@ def on_done(st: CoordinatorState, ev: CheckpointDone, out: list[Command]) -> Non
         return
     if ev.error is None:
         del st.checkpoints.pending[ev.version]
+        _roles.absorb_cost(st, "checkpoint", ev.elapsed_ms)
+        _roles.set_checkpoint_role(st, ev.rank)
         return
     _failover(st, ev.version, out, f"rank {ev.rank}: {ev.error}")
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ._max_failure import max_failure_limit
+from ._roles import parse_policy
 
 __all__ = ["CoreConfig", "POLICIES", "PLANES", "GUARDS"]
 
@@ -71,6 +72,10 @@ class CoreConfig:
     checkpoint_on_failure: bool = False
     # Dead ranks that end the run: "N" (absolute) or "P%" (of world_size); "" = never.
     max_failure: str = ""
+    # -- callback roles (``_roles``) ----------------------------------------------------
+    # Who runs evals, saves and the epoch callback: "fastest" (the fastest alive rank by
+    # ElChe pace; lowest alive without one) or "rank:N" (rank N, clamped to world_size-1).
+    epoch_callback_policy: str = "fastest"
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -92,6 +97,7 @@ class CoreConfig:
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         max_failure_limit(self.max_failure, self.world_size)
+        parse_policy(self.epoch_callback_policy)
         self._check_cadence()
 
     def _check_cadence(self) -> None:

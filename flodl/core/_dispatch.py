@@ -23,9 +23,9 @@ the coordinator never shuffles, it hands out *position ranges* (§8.1-8.3).
   equally among the survivors in rank order, as ``ExtendPartition{epoch, offset,
   size}`` -- one command per contiguous range slice. The lost rank's assignment is
   emptied, so a position always belongs to at most one live rank.
-* Roles: the eval/epoch-callback role is the lowest alive rank;
-  ``SetEpochCallbackRole`` is broadcast at a dispatch whenever it differs from the one
-  last announced (so once, unless the holder dies).
+* Roles: the epoch-callback role is ``st.roles.epoch_role`` (elected by ``_roles``);
+  ``SetEpochCallbackRole`` is broadcast at a dispatch whenever it is dirty (changed
+  since last announced: once, unless its holder dies or calibration elects another).
 
 The ``Dispatcher`` protocol is the seam a policy engine replaces: it owns
 ``dispatch_epoch``, ``reassign`` and ``idle``, plus the hooks the step calls on every
@@ -48,7 +48,7 @@ from . import _coverage
 from ._commands import Command
 from ._errors import LocalViolation, RankViolation
 from ._events import BatchDone
-from ._state import CoordinatorState
+from ._state import ACTIVE, CoordinatorState
 
 __all__ = [
     "Dispatcher",
@@ -111,19 +111,21 @@ def split_ranges(ranges: list[tuple[int, int]], n: int) -> list[list[tuple[int, 
 
 
 def role_rank(st: CoordinatorState) -> Optional[int]:
-    """The eval / epoch-callback role: the lowest alive rank (None if none)."""
-    alive = st.alive_ranks()
-    return alive[0] if alive else None
+    """The epoch-callback role (``_roles``), None if nobody alive holds it."""
+    role = st.roles.epoch_role
+    return role if role is not None and st.ranks[role].phase is ACTIVE else None
 
 
 def announce_role(st: CoordinatorState, out: list[Command]) -> None:
-    """``SetEpochCallbackRole`` to every alive rank when the role changed since last told."""
-    d = st.dispatch
-    role = role_rank(st)
-    if role is not None and role != d.announced_role:
+    """``SetEpochCallbackRole`` to every alive rank when the epoch role is dirty (it
+    changed since last told)."""
+    d, ro = st.dispatch, st.roles
+    role = ro.epoch_role
+    if role is not None and (ro.dirty or role != d.announced_role):
         for r in st.alive_ranks():
             st.send(out, r, set_epoch_callback_role=pb.Control.SetEpochCallbackRole(rank=role))
         d.announced_role = role
+        ro.dirty = False
 
 
 def check_batch(st: CoordinatorState, ev: BatchDone) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from . import _roles
 from ._commands import Command, Notice
 from ._guards import DivergenceReport, NudgeDown, Verdict
 from ._state import ACTIVE, CadenceState, CoordinatorState
@@ -84,6 +85,8 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
         sync_ms=cad.last_sync_ms,
     )
     calibration = el.report_window(report)
+    if el.calibrated:
+        _roles.on_calibration(st)  # once: the Fastest roles go to the fastest rank
     overhead = overhead_estimate(before, el.slow_ms(), el.anchor_rank, report)
     window = [rs.window.get(r, 0) for r in range(ws)]
     evidence = DivergenceReport(deltas=tuple(rs.divergence.get(r, 0.0) for r in range(ws)))

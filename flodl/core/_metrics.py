@@ -32,7 +32,7 @@ from typing import Any
 
 from flodl.wire import pb
 
-from . import _checkpointing, _coverage
+from . import _checkpointing, _coverage, _run
 from ._commands import Command, Notice
 from ._errors import RankViolation
 from ._events import ChunkDone
@@ -170,4 +170,5 @@ def aggregate_ready(st: CoordinatorState, out: list[Command]) -> bool:
         )
     )
     _checkpointing.on_epoch_aggregated(st, epoch, out)  # before the next epoch's dispatch
+    _run.serve_eval_intent(st, epoch, out)
     return True

@@ -18,10 +18,13 @@ and says whether it did:
   aggregated (epoch 0 right after forming). After the last epoch: if an ACTIVE rank
   still has unfolded steps, open a final round first (even with one rank left, so the
   tail is committed); then, if ``final_eval``, send ``ExecuteEval{schedule_id=2**64-1,
-  epoch=num_epochs, final=True}`` to the eval role (lowest alive rank) only; else
-  ``Shutdown`` to every ACTIVE rank.
-* FINAL_EVAL: once the target answered (an error skips the accuracy) or is gone,
-  ``Shutdown`` to every ACTIVE rank.
+  epoch=num_epochs, final=True}`` to the eval role (``st.roles.eval_role``; the lowest
+  alive rank if it is gone) only; else ``Shutdown`` to every ACTIVE rank.
+* FINAL_EVAL: an error answer, or the target's death (``on_rank_gone``), resends the
+  final eval to the eval role / the next alive rank not yet tried
+  (``Notice("final_eval_retry")``). Once the target answered (an error with nobody left
+  to try skips the accuracy) or is gone with nobody left, ``Shutdown`` to every ACTIVE
+  rank.
 * SHUTTING_DOWN: once no rank is addressable, ``RunFinished(ok=True, "completed")``.
 * STOPPING: once no rank is addressable, or ``liveness_timeout_s`` after the stop,
   ``RunFinished(ok=False, "stopped: ...")``.
@@ -34,21 +37,25 @@ in ``RunFinished(ok=False)``. ``fail`` is also how a reduce stall ends the run. 
 ``checkpoint_on_failure``, ``fail`` and ``on_stop`` first ask the role rank to save what
 it holds (``_checkpointing.on_failure``).
 
+Intents (``on_intent``) set flags served at the next aggregation: a checkpoint intent
+by ``_checkpointing``, an eval intent by ``serve_eval_intent`` (a non-final
+``ExecuteEval{schedule_id=epoch}`` to the eval role; its answer lands in ``evals``).
+
 The summary (``summary``) is JSON-safe; its shape is documented on the function.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from flodl.wire import pb
 
-from . import _averaging, _checkpointing, _coverage, _feedback, _membership
+from . import _averaging, _checkpointing, _coverage, _feedback, _membership, _roles
 from ._commands import Command, Notice, RunFinished
-from ._dispatch import Dispatcher, role_rank
+from ._dispatch import Dispatcher
 from ._errors import LocalViolation
 from ._max_failure import max_failure_limit
-from ._events import EvalDone, StopRequested
+from ._events import EvalDone, IntentRaised, StopRequested
 from ._state import (
     ACTIVE,
     DEAD,
@@ -71,6 +78,9 @@ __all__ = [
     "check_lost",
     "fail",
     "on_eval_done",
+    "on_intent",
+    "on_rank_gone",
+    "serve_eval_intent",
     "on_stop",
     "summary",
 ]
@@ -164,16 +174,41 @@ def _advance_training(st: CoordinatorState, out: list[Command], dispatcher: Disp
     if any(st.unfolded(r) > 0 for r in st.alive_ranks()):
         _averaging.trigger(st, out)  # the final tail: commit it before anything ends
         return True
-    target = role_rank(st)
+    target = _eval_target(st, ())
     if st.config.final_eval and target is not None:
         _transition(st, "final_eval")
         st.run.final_eval = FinalEval(target=target, sent_at=st.now)
-        ev = pb.Control.ExecuteEval(
-            schedule_id=FINAL_SCHEDULE_ID, epoch=st.config.num_epochs, target_rank=target, final=True
-        )
-        st.send(out, target, execute_eval=ev)
+        _send_final_eval(st, out, target)
         return True
     _begin_shutdown(st, out)
+    return True
+
+
+def _eval_target(st: CoordinatorState, tried: tuple[int, ...]) -> Optional[int]:
+    """The eval role if it is alive and untried, else the lowest alive untried rank."""
+    role = st.roles.eval_role
+    if role is not None and st.ranks[role].phase is ACTIVE and role not in tried:
+        return role
+    return _roles.lowest_alive_except(st, tried)
+
+
+def _send_final_eval(st: CoordinatorState, out: list[Command], target: int) -> None:
+    fe = st.run.final_eval
+    fe.target, fe.tried = target, fe.tried + (target,)
+    ev = pb.Control.ExecuteEval(
+        schedule_id=FINAL_SCHEDULE_ID, epoch=st.config.num_epochs, target_rank=target, final=True
+    )
+    st.send(out, target, execute_eval=ev)
+
+
+def _retry_final_eval(st: CoordinatorState, out: list[Command], why: str) -> bool:
+    """Resend the final eval to the next candidate; False (nothing sent) if none is left."""
+    fe = st.run.final_eval
+    nxt = _eval_target(st, fe.tried)
+    if nxt is None:
+        return False
+    out.append(Notice("final_eval_retry", {"rank": nxt, "tried": list(fe.tried), "detail": why}))
+    _send_final_eval(st, out, nxt)
     return True
 
 
@@ -207,13 +242,68 @@ def advance(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) ->
 def on_eval_done(st: CoordinatorState, ev: EvalDone, out: list[Command]) -> None:
     fe = st.run.final_eval
     is_final = ev.final or ev.schedule_id == FINAL_SCHEDULE_ID
+    pend = st.roles.pending_evals.get(ev.schedule_id)
+    if not is_final and pend is not None and pend[1] == ev.rank:
+        _on_intent_eval_done(st, ev, out)
+        return
     if st.run.phase is not FINAL_EVAL or fe is None or not is_final or ev.rank != fe.target or fe.answered:
         st.count_ignored("EvalDone not awaited")
+        return
+    _roles.absorb_cost(st, "eval", ev.elapsed_ms)
+    if ev.error and _retry_final_eval(st, out, f"rank {ev.rank}: {ev.error}"):
         return
     fe.answered = True
     fe.error = ev.error
     fe.accuracy = None if ev.error else ev.metric
     out.append(Notice("final_eval", {"rank": ev.rank, "accuracy": fe.accuracy, "error": ev.error}))
+
+
+def _on_intent_eval_done(st: CoordinatorState, ev: EvalDone, out: list[Command]) -> None:
+    ro = st.roles
+    epoch, target = ro.pending_evals.pop(ev.schedule_id)
+    _roles.absorb_cost(st, "eval", ev.elapsed_ms)
+    if ev.error:
+        out.append(Notice("eval_failed", {"rank": ev.rank, "epoch": epoch, "error": ev.error}))
+        return
+    ro.evals.append({"epoch": epoch, "metric": ev.metric})
+    out.append(Notice("eval", {"rank": ev.rank, "epoch": epoch, "metric": ev.metric}))
+
+
+def on_rank_gone(st: CoordinatorState, rank: int, out: list[Command]) -> None:
+    """A rank left or was lost: if it owed the final eval, resend it to the (new) eval
+    role; with nobody left to ask, ``advance`` shuts the run down without accuracy.
+    A non-final eval it owed is forgotten."""
+    ro = st.roles
+    for sid in [s for s, (_, r) in ro.pending_evals.items() if r == rank]:
+        del ro.pending_evals[sid]
+    fe = st.run.final_eval
+    if st.run.phase is FINAL_EVAL and fe is not None and not fe.answered and fe.target == rank:
+        _retry_final_eval(st, out, f"rank {rank} gone before answering")
+
+
+def on_intent(st: CoordinatorState, ev: IntentRaised, out: list[Command]) -> None:
+    """``IntentRaised``: "eval" / "checkpoint" are served at the next aggregation."""
+    ro = st.roles
+    if ev.kind == "eval":
+        ro.pending_eval_intent = True
+    elif ev.kind == "checkpoint":
+        ro.pending_checkpoint_intent = True
+    else:
+        st.count_ignored(f"IntentRaised of unknown kind {ev.kind!r}")
+
+
+def serve_eval_intent(st: CoordinatorState, epoch: int, out: list[Command]) -> None:
+    """After ``epoch`` aggregated: a pending eval intent becomes a non-final
+    ``ExecuteEval{schedule_id=epoch, epoch, target=eval role}``."""
+    ro = st.roles
+    if not ro.pending_eval_intent:
+        return
+    ro.pending_eval_intent = False
+    target = _eval_target(st, ())
+    if target is None:
+        return
+    ro.pending_evals[epoch] = (epoch, target)
+    st.send(out, target, execute_eval=pb.Control.ExecuteEval(schedule_id=epoch, epoch=epoch, target_rank=target))
 
 
 def on_stop(st: CoordinatorState, ev: StopRequested, out: list[Command]) -> None:
@@ -235,7 +325,8 @@ def summary(st: CoordinatorState) -> dict[str, Any]:
      accuracy: float|None, wall_s, discarded_samples,
      ranks: [{rank, host, phase, reason, samples, batches, steps, param_digest}],
      coverage: [{epoch, expected, trained, duplicates, missing, discarded}],
-     epochs: [{epoch, avg_loss, epoch_ms, per_rank_throughput}]}
+     epochs: [{epoch, avg_loss, epoch_ms, per_rank_throughput}],
+     evals: [{epoch, metric}]}   (non-final evals asked by an eval intent)
 
     Cadence adds ``elche: {anchor, anchor_rank, counts, phase, calibration_count, guard,
     last_verdict, exposed_sync_s}`` and, on each ``epochs`` row, ``averages``: the rounds finished while
@@ -270,6 +361,7 @@ def summary(st: CoordinatorState) -> dict[str, Any]:
         "ranks": ranks,
         "coverage": cov,
         "epochs": [dict(row) for row in st.metrics.history],
+        "evals": [dict(row) for row in st.roles.evals],
     }
     cad = st.cadence
     if cad is not None:

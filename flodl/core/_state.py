@@ -18,6 +18,9 @@ record             module               what it knows
                    ``_feedback``        meta, chunk pools, per-rank chunk in flight
 =================  ===================  ==============================================
 
+``RoleState`` (``_roles``): the checkpoint / eval / epoch-callback roles, callback
+costs and pending intents.
+
 ``CheckpointState`` (``_checkpointing``): saves asked and not yet answered, and the
 resumed epoch's uncovered ranges.
 
@@ -50,6 +53,7 @@ from flodl.wire import pb
 from ._commands import Command, Send
 from ._config import CoreConfig
 from ._errors import LocalViolation
+from ._roles import RoleState
 
 __all__ = [
     "Sentinel",
@@ -145,7 +149,7 @@ class DispatchState:
     rank_epoch: dict[int, int] = field(default_factory=dict)
     last_dispatched: Optional[int] = None
     dispatched_at: dict[int, float] = field(default_factory=dict)
-    announced_role: Optional[int] = None  # last SetEpochCallbackRole broadcast
+    announced_role: Optional[int] = None  # last SetEpochCallbackRole broadcast (st.roles.epoch_role)
     extensions: int = 0  # ExtendPartition commands sent (diagnostics)
 
 
@@ -200,6 +204,7 @@ class FinalEval:
     answered: bool = False
     accuracy: Optional[float] = None
     error: Optional[str] = None
+    tried: tuple[int, ...] = ()  # ranks asked, in order (the last is ``target``)
 
 
 @dataclass(slots=True)
@@ -278,7 +283,7 @@ class CheckpointState:
     """
 
     armed_epoch: Optional[int] = None  # last epoch whose end armed a regular checkpoint
-    role: Optional[int] = None  # the rank last asked to save
+    role: Optional[int] = None  # the rank last asked to save (the role itself: st.roles)
     last_version: Optional[int] = None  # the latest version a save was decided for
     pending: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     given_up: int = 0
@@ -297,6 +302,7 @@ class CoordinatorState:
     run: RunState = field(default_factory=RunState)
     cadence: Optional[CadenceState] = None  # set by the Cadence dispatcher's setup
     checkpoints: CheckpointState = field(default_factory=CheckpointState)
+    roles: RoleState = field(default_factory=RoleState)  # set from the config by initial_state
     cohort_sig: Optional[bytes] = None
     cohort_len: Optional[int] = None
     last_beacon: Optional[float] = None

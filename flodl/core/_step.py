@@ -35,7 +35,9 @@ Theory of operation
 route, the reducer drops the rank from an open round) -> the rank's uncommitted
 batches are discarded -> the dispatcher's ``reassign`` hands what it never committed
 to survivors (Sync: ``ExtendPartition``; Cadence: back into the chunk pool, survivors
-woken).
+woken) -> the callback roles it held move (``_roles.on_death``, while training or
+in the final eval) -> a save it owed
+fails over (lost only) -> a final eval it owed is resent (``_run.on_rank_gone``).
 
 A ``BatchDone`` also reaches the dispatcher (``on_batch``): Cadence feeds its window
 ledger and streams the rank's next chunk when this batch finished the current one.
@@ -52,7 +54,7 @@ from typing import Callable, Iterable, Optional
 
 from flodl.wire import pb
 
-from . import _averaging, _checkpointing, _coverage, _dispatch, _membership, _metrics, _run
+from . import _averaging, _checkpointing, _coverage, _dispatch, _membership, _metrics, _roles, _run
 from . import _cadence  # noqa: F401  (registers the Cadence dispatcher and gate)
 from ._commands import Command, ForgetRank, Notice
 from ._checkpoint import ResumePoint
@@ -91,6 +93,7 @@ def initial_state(config: CoreConfig, resume: Optional[ResumePoint] = None) -> C
     if config.plane != "bus":
         raise LocalViolation(f"plane {config.plane!r} is not implemented by the core yet")
     st = CoordinatorState(config=config, ranks=[RankRecord(r) for r in range(config.world_size)])
+    st.roles = _roles.initial_roles(config)
     dispatcher = _dispatch.dispatcher_for(st)
     _averaging.gate_for(st)
     dispatcher.setup(st)
@@ -163,8 +166,11 @@ def forget_rank(st: CoordinatorState, rank: int, trigger: str, reason: str, out:
     _dispatch.dispatcher_for(st).reassign(st, rank, out)
     kind = "rank_lost" if trigger == "lost" else "rank_left"
     out.append(Notice(kind, {"rank": rank, "reason": reason, "discarded_samples": discarded}))
+    if st.run.phase is TRAINING or st.run.phase is FINAL_EVAL:  # roles matter no more once ending
+        _roles.on_death(st, rank)
     if trigger == "lost":
         _checkpointing.on_rank_gone(st, rank, out)
+    _run.on_rank_gone(st, rank, out)
 
 
 def _settle(st: CoordinatorState, out: list[Command]) -> None:
@@ -272,9 +278,9 @@ def _on_checkpoint_done(st: CoordinatorState, ev: CheckpointDone, out: list[Comm
         _checkpointing.on_done(st, ev, out)
 
 
-def _on_unsupported(st: CoordinatorState, ev: Event, out: list[Command]) -> None:
+def _on_intent(st: CoordinatorState, ev: IntentRaised, out: list[Command]) -> None:
     if _from_rank(st, ev):
-        st.count_ignored(f"{type(ev).__name__} (not handled by the sync core)")
+        _run.on_intent(st, ev, out)
 
 
 def _on_exit_report(st: CoordinatorState, ev: RankExitReported, out: list[Command]) -> None:
@@ -306,7 +312,7 @@ _HANDLERS: dict[type, Callable[[CoordinatorState, Event, list[Command]], None]] 
     HeartbeatSeen: _on_liveness_only,
     EvalDone: _on_eval,
     CheckpointDone: _on_checkpoint_done,
-    IntentRaised: _on_unsupported,
+    IntentRaised: _on_intent,
     RankExitReported: _on_exit_report,
     SendFailed: _on_send_failed,
     StopRequested: _on_stop,

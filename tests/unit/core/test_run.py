@@ -78,13 +78,34 @@ def test_final_eval_error_skips_accuracy():
     assert c.out(1)[-1] == "shutdown"
 
 
-def test_final_eval_rank_death_skips_accuracy_and_shuts_down():
+def test_final_eval_rank_death_resends_to_the_new_eval_role():
+    # Roles: the death of the eval target while the final eval is pending resends it
+    # to the re-resolved eval role (was: skip the accuracy and shut down).
     c = Cluster(policy="sync", world_size=2, total=8, batch_size=4, epochs=1)
     c.join_all()
     c.run_until(lambda: c.state.run.phase is FINAL_EVAL)
     c.kill(0)
+    assert c.state.run.phase is FINAL_EVAL
+    assert c.state.roles.eval_role == 1
+    (x,) = controls(c.commands, "execute_eval")[1:]
+    assert x[0] == 1 and x[1].execute_eval.final and x[1].execute_eval.target_rank == 1
+    res = c.run()
+    assert res.ok and res.summary["accuracy"] == 0.875
+
+
+def test_final_eval_target_death_with_nobody_untried_skips_accuracy_and_shuts_down():
+    c = Cluster(policy="sync", world_size=3, total=12, batch_size=4, epochs=1)
+    for r in c.ranks:
+        r.deaf.add("execute_eval")
+    c.join_all()
+    c.run_until(lambda: c.state.run.phase is FINAL_EVAL)
+    final = dict(schedule_id=FINAL_SCHEDULE_ID, epoch=1, metric=0.0, final=True, error="boom")
+    c.feed(EvalDone(now=c.now, rank=0, **final))
+    c.feed(EvalDone(now=c.now, rank=1, **final))
+    assert c.state.run.final_eval.tried == (0, 1, 2)
+    c.kill(2)
     assert c.state.run.phase is SHUTTING_DOWN
-    assert c.out(1)[-1] == "shutdown"
+    assert c.out(0)[-1] == "shutdown" and c.out(1)[-1] == "shutdown"
     res = c.run()
     assert res.ok and res.summary["accuracy"] is None
 
@@ -192,8 +213,9 @@ def test_run_finished_summary_shape_is_json_safe():
     s = json.loads(json.dumps(res.summary))
     assert set(s) == {
         "world_size", "policy", "total_samples", "epochs_completed", "averages", "averaging_s", "global_step",
-        "accuracy", "wall_s", "discarded_samples", "ranks", "coverage", "epochs",
+        "accuracy", "wall_s", "discarded_samples", "ranks", "coverage", "epochs", "evals",
     }
+    assert s["evals"] == []  # no eval intent was raised
     assert set(s["ranks"][0]) == {"rank", "host", "phase", "reason", "samples", "batches", "steps", "param_digest"}
     assert set(s["epochs"][0]) == {"epoch", "avg_loss", "epoch_ms", "per_rank_throughput"}
     assert s["ranks"][1]["param_digest"] == "digest-1" and s["ranks"][1]["phase"] == "LEFT"

@@ -90,9 +90,9 @@ def test_unsupported_events_refresh_liveness_only():
     c = Cluster(policy="sync", world_size=1, total=4, batch_size=4)
     c.join_all()
     c.feed(CheckpointDone(now=3.0, rank=0, version=1))
-    c.feed(IntentRaised(now=4.0, rank=0, kind="eval"))
+    c.feed(IntentRaised(now=4.0, rank=0, kind="bogus"))
     assert c.state.ranks[0].last_seen == 4.0
-    assert c.state.ignored["IntentRaised (not handled by the sync core)"] == 1
+    assert c.state.ignored["IntentRaised of unknown kind 'bogus'"] == 1
 
 
 def test_send_refuses_a_rank_that_is_gone():
