@@ -33,6 +33,7 @@ _RUN_FLAGS = {
     "overhead_target": (float, "cadence: grow windows while averaging costs more than this share (0.05)"),
     "max_batch_diff": (int, "cadence: cap on per-window count moves; 0 = none"),
     "guard": (str, "cadence convergence guard: level | growth | none (default level)"),
+    "epoch_callback_policy": (str, "who checkpoints and evaluates: fastest (default) or rank:N"),
     "probe_batches": (int, "cadence: batches per rank in the first, uncalibrated window (1; 0 = anchor)"),
 }
 

@@ -58,6 +58,7 @@ class Settings:
     guard: str = "level"
     meta_controller: bool = True
     probe_batches: int = 1  # first (uncalibrated) window, batches per rank; 0 = the anchor
+    epoch_callback_policy: str = "fastest"  # who checkpoints / evaluates: "fastest" or "rank:N"
     # checkpoints (flodl_coordinator.checkpoints): where, how often, how many, resume
     checkpoint_dir: str = ""  # root of ckpt-<version>/ dirs; empty = no checkpoints
     checkpoint_every: int = 0  # epochs between consensus checkpoints; 0 = off
@@ -90,6 +91,7 @@ class Settings:
                 guard=self.guard,
                 meta_controller=self.meta_controller,
                 probe_batches=self.probe_batches or None,
+                epoch_callback_policy=self.epoch_callback_policy,
                 checkpoint_every=self.checkpoint_every,
                 checkpoint_on_failure=bool(self.checkpoint_dir),
                 max_failure=self.max_failure,
