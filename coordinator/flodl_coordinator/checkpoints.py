@@ -42,7 +42,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from flodl.fsutil import fsync_dir
+from flodl.fsutil import atomic_write, fsync_dir
 from flodl.fsutil import sha256_file as _sha256_file
 from flodl.core import CoreConfig
 from flodl.core import ResumePoint, resume_plan, validate_meta
@@ -109,21 +109,7 @@ class Failed:
 
 def write_text_atomic(path: str, text: str) -> None:
     """Write ``text`` to ``path`` so readers see the old file or the new one, never half."""
-    d = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(3)}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(d)
+    atomic_write(path, lambda fh: fh.write(text), binary=False)
 
 
 def write_json_atomic(path: str, obj: Any) -> None:

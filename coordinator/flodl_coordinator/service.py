@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections import Counter, deque
 from typing import Callable
@@ -122,6 +123,25 @@ class CoordinatorService:
             self._wake_w.send(b"x")
         except OSError:
             pass
+
+    def start_thread(self, *, ready_timeout_s: float = 10.0):
+        """Run the loop in a daemon thread (no signal handlers); return (endpoint, thread).
+
+        For embedding and tests: the thread owns the sockets; stop it with ``request_stop``.
+        """
+        ready = threading.Event()
+        box: dict = {}
+
+        def on_ready(ep: str) -> None:
+            box["ep"] = ep
+            ready.set()
+
+        self._ready = on_ready
+        t = threading.Thread(target=lambda: self.run(install_signals=False), name="flodl-coordinator", daemon=True)
+        t.start()
+        if not ready.wait(ready_timeout_s):
+            raise RuntimeError(f"coordinator did not bind within {ready_timeout_s:g}s")
+        return box["ep"], t
 
     def run(self, *, install_signals: bool = True) -> int:
         ctx = zmq.Context()

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flodl.fsutil import fsync_dir, sha256_file
+from flodl.fsutil import atomic_write, sha256_file
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointLoadError", "save_model_file", "load_model_file"]
 
@@ -41,7 +41,6 @@ def save_model_file(path: str, model: torch.nn.Module, optimizer: Any, **info: A
     """Write model + optimizer state to ``path`` atomically; return the file's sha256."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
     payload = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -49,21 +48,8 @@ def save_model_file(path: str, model: torch.nn.Module, optimizer: Any, **info: A
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         **info,
     }
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        digest = sha256_file(tmp).digest()
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(d)
-    return digest
+    atomic_write(path, lambda fh: torch.save(payload, fh))
+    return sha256_file(path).digest()
 
 
 def _first_line(e: BaseException) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 
 import pytest
 import zmq
@@ -43,19 +42,10 @@ def resumed_service(checkpoint, tmp_path):
         "batch_size": 4, "policy": "sync", "liveness_timeout_s": 30.0, "resume": checkpoint,
         "journal": str(tmp_path / "journal"),
     })  # fmt: skip
-    ready = threading.Event()
-    box = {}
-
-    def on_ready(ep):
-        box["ep"] = ep
-        ready.set()
-
-    svc = CoordinatorService(settings, ready=on_ready)
-    t = threading.Thread(target=lambda: box.setdefault("rc", svc.run(install_signals=False)), daemon=True)
-    t.start()
-    assert ready.wait(10)
+    svc = CoordinatorService(settings)
+    ep, t = svc.start_thread()
     ctx = zmq.Context()
-    yield svc, box["ep"], ctx
+    yield svc, ep, ctx
     svc.request_stop()
     t.join(15)
     ctx.destroy(0)

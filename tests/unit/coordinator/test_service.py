@@ -4,7 +4,6 @@ The service runs in a thread (its loop owns its socket); the test plays ranks wi
 DEALER sockets and reads what comes back, with poll deadlines instead of sleeps.
 """
 
-import threading
 
 import pytest
 import zmq
@@ -22,19 +21,10 @@ def service():
         "world_size": 2, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 1,
         "batch_size": 4, "liveness_timeout_s": 30.0,
     })  # fmt: skip
-    ready = threading.Event()
-    box = {}
-
-    def on_ready(ep):
-        box["ep"] = ep
-        ready.set()
-
-    svc = CoordinatorService(settings, ready=on_ready)
-    t = threading.Thread(target=lambda: box.setdefault("rc", svc.run(install_signals=False)), daemon=True)
-    t.start()
-    assert ready.wait(10)
+    svc = CoordinatorService(settings)
+    ep, t = svc.start_thread()
     ctx = zmq.Context()
-    yield svc, box["ep"], ctx
+    yield svc, ep, ctx
     svc.request_stop()
     t.join(15)
     ctx.destroy(0)
