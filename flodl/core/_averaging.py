@@ -50,7 +50,7 @@ from flodl.wire import pb
 from . import _coverage
 from ._commands import Command, OpenRound
 from ._dispatch import dispatcher_for
-from ._errors import LocalViolation
+from ._errors import LocalViolation, next_phase
 from ._events import SyncAcked
 from ._state import ACTIVE, IDLE, PENDING, TRAINING, CoordinatorState, RoundState
 
@@ -73,10 +73,7 @@ TRANSITIONS: dict[tuple[Any, str], Any] = {
 
 
 def _transition(rs: RoundState, trigger_name: str) -> None:
-    new = TRANSITIONS.get((rs.phase, trigger_name))
-    if new is None:
-        raise LocalViolation(f"round {rs.cycle}: no transition from {rs.phase!r} on {trigger_name!r}")
-    rs.phase = new
+    rs.phase = next_phase(TRANSITIONS, rs.phase, trigger_name, f"round {rs.cycle}")
 
 
 def should_average(st: CoordinatorState) -> tuple[bool, str]:

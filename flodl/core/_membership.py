@@ -44,7 +44,7 @@ from typing import Any, Optional
 from flodl.wire import pb
 
 from ._commands import Command, Reply
-from ._errors import LocalViolation
+from ._errors import next_phase
 from ._events import RankHello
 from ._state import (
     ACTIVE,
@@ -86,10 +86,7 @@ _PLANE = {"bus": pb.PLANE_BUS, "collective": pb.PLANE_COLLECTIVE}
 
 
 def transition(rec: RankRecord, trigger: str) -> None:
-    new = TRANSITIONS.get((rec.phase, trigger))
-    if new is None:
-        raise LocalViolation(f"rank {rec.rank}: no transition from {rec.phase!r} on {trigger!r}")
-    rec.phase = new
+    rec.phase = next_phase(TRANSITIONS, rec.phase, trigger, f"rank {rec.rank}")
 
 
 def _sig(b: bytes) -> str:

@@ -53,7 +53,7 @@ from flodl.wire import pb
 from . import _averaging, _checkpointing, _coverage, _feedback, _membership, _roles
 from ._commands import Command, Notice, RunFinished
 from ._dispatch import Dispatcher
-from ._errors import LocalViolation
+from ._errors import next_phase
 from ._max_failure import max_failure_limit
 from ._events import EvalDone, IntentRaised, StopRequested
 from ._state import (
@@ -103,10 +103,7 @@ TRANSITIONS: dict[tuple[Any, str], Any] = {
 
 
 def _transition(st: CoordinatorState, trigger: str) -> None:
-    new = TRANSITIONS.get((st.run.phase, trigger))
-    if new is None:
-        raise LocalViolation(f"run: no transition from {st.run.phase!r} on {trigger!r}")
-    st.run.phase = new
+    st.run.phase = next_phase(TRANSITIONS, st.run.phase, trigger, "run")
 
 
 def _form(st: CoordinatorState, out: list[Command]) -> None:
