@@ -69,7 +69,7 @@ def _role(st: CoordinatorState) -> Optional[int]:
 
 def _save(st: CoordinatorState, out: list[Command], rank: int, version: int, cycle: int, reason: str) -> None:
     ck = st.checkpoints
-    ck.role, ck.last_version = rank, version
+    ck.last_version = version
     ck.pending[version] = (cycle, (rank,))
     st.send(out, rank, checkpoint=pb.Control.Checkpoint(version=version, target_rank=rank, cycle=cycle))
     meta = checkpoint_meta(st, version, reason=reason, cycle=cycle)
@@ -114,7 +114,6 @@ def _failover(st: CoordinatorState, version: int, out: list[Command], why: str) 
         out.append(Notice("checkpoint_abandoned", {"version": version, "tried": list(tried), "detail": why}))
         return
     st.checkpoints.pending[version] = (cycle, tried + (nxt,))
-    st.checkpoints.role = nxt
     _roles.set_checkpoint_role(st, nxt)
     st.send(out, nxt, checkpoint=pb.Control.Checkpoint(version=version, target_rank=nxt, cycle=cycle))
     out.append(Notice("checkpoint_retry", {"version": version, "rank": nxt, "detail": why}))

@@ -283,7 +283,6 @@ class CheckpointState:
     """
 
     armed_epoch: Optional[int] = None  # last epoch whose end armed a regular checkpoint
-    role: Optional[int] = None  # the rank last asked to save (the role itself: st.roles)
     last_version: Optional[int] = None  # the latest version a save was decided for
     pending: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     given_up: int = 0
