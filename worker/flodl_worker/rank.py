@@ -15,31 +15,16 @@ exactly when they are needed.
    probe for the signature (then dropped), and again under ``manual_seed(spec.seed)``
    after admission, so every rank starts bit-identical. Afterwards the torch RNG is
    re-seeded per rank (``seed + 1 + rank``) so that dropout & co. differ across ranks.
-2. A plan (``StartEpoch`` or ``Update.next_plan``) is a range of positions of the epoch
-   permutation ``flodl.shuffle.epoch_permutation(seed, epoch, total_samples)``. Plans are
-   queued FIFO. ``ExtendPartition`` appends a segment to the plan in training (same
-   epoch) or queues a new one. Batches never straddle two segments, so each
-   ``timing.batch`` covers exactly ``[offset, offset + samples)``.
-3. ``RequestParams{cycle}``: deep-copy the parameters (the "pre" snapshot), n = steps
-   since the last applied average, weight = n**gamma (0 when n <= 0: the idle guard),
-   send ``round`` with params x weight (elided when the weight is 0).
-4. Consensus ``round{cycle}``: weight > 0 -> parameters <- consensus + (parameters -
-   snapshot): the round overlaps training (Cadence hands out the next window with the
-   ``RequestParams``), so the k steps taken since the snapshot are kept on top of the
-   consensus; k = 0 is the plain overwrite (EASGD blend under the Async policy when
-   easgd_alpha > 0). Subtract the snapshot's n from the steps since average (steps
-   taken during the round keep their credit). Weight 0 -> keep local parameters *and*
-   the credit (my work was not folded in). Either way answer ``timing.sync_ack{cycle,
-   step_count at snapshot, divergence (snapshot vs consensus), pre_norm, post_norm}``.
-5. ``Throttle`` stops training until ``Update`` (or Shutdown); everything else is still
+2. Plans (``flodl_worker.plans``): ``StartEpoch``/``Update.next_plan`` queue a range of
+   positions of the epoch permutation, FIFO; ``ExtendPartition`` appends a segment.
+3. Averaging (``flodl_worker.averaging``): ``RequestParams{cycle}`` snapshots and sends
+   the weighted parameters; the consensus ``round{cycle}`` is applied and acked.
+4. ``Throttle`` stops training until ``Update`` (or Shutdown); everything else is still
    serviced, and an exhausted plan still reports its ``metrics`` while throttled.
-6. ``Checkpoint{version, path, cycle}`` for this rank: save model + optimizer state to
-   ``path`` atomically (``flodl_worker.checkpoint``) and answer ``checkpoint_result{version,
-   sha256}``. ``cycle`` names the weights: 0 = what the rank holds now; c = the consensus
-   of cycle c -- saved right after applying it (armed when the command comes first), at
-   once if the rank applied it and has not stepped since, else an error answer (the
-   coordinator fails over). A ``RunSpec.resume_from`` is loaded right after the model and
-   optimizer are built, before the first step; a file that does not load exits 2.
+5. ``Checkpoint`` for this rank (``flodl_worker.checkpoint_duty``). A
+   ``RunSpec.resume_from`` is loaded right after the model and optimizer are built,
+   before the first step; a file that does not load exits 2.
+6. ``ExecuteEval`` for this rank runs ``eval_fn`` and answers ``eval_result``.
 7. ``Shutdown``/``ShutdownWithSave`` -> ``timing.exiting{sha256 of the f32 params,
    steps}``, exit 0. ``Exiting`` is never sent on an error exit.
 
@@ -52,16 +37,13 @@ per reason; it never crashes the rank.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import secrets
 import sys
 import time
 import traceback
-import warnings
 from collections import Counter, deque
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NoReturn
 
 import numpy as np
@@ -75,14 +57,16 @@ from flodl.wire import (
     SeqTracker,
     WireError,
     decode,
-    pack_round,
     pb,
     split_routing,
-    unpack_round,
 )
 
 from ._env import EnvError, RankEnv
-from .checkpoint import CheckpointLoadError, load_model_file, save_model_file
+from .averaging import BusAverager
+from .checkpoint import CheckpointLoadError, load_model_file
+from .checkpoint_duty import CheckpointDuty
+from .params import gamma_mass, model_signature, param_digest
+from .plans import Chunk
 
 __all__ = [
     "run_rank",
@@ -131,99 +115,6 @@ class _Abort(Exception):
 
 
 # ---------------------------------------------------------------------------------------
-# Helpers with no state (public: tests and other tools compute the same values)
-# ---------------------------------------------------------------------------------------
-
-
-def model_signature(model: torch.nn.Module) -> bytes:
-    """sha256 over ``name shape dtype`` of every parameter, in ``named_parameters`` order."""
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
-    return h.digest()
-
-
-def _f32(p: torch.Tensor) -> np.ndarray:
-    """A detached little-endian f32 view/copy of ``p`` on the CPU (may share memory)."""
-    return p.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().astype("<f4", copy=False)
-
-
-def param_digest(params) -> bytes:
-    """sha256 of the concatenated little-endian f32 bytes of ``params``, in order."""
-    h = hashlib.sha256()
-    for p in params:
-        h.update(_f32(p).tobytes())
-    return h.digest()
-
-
-def gamma_mass(n: int, gamma: float) -> float:
-    """Contribution mass n**gamma with the idle guard: 0 when n <= 0 (never 0**0 = 1)."""
-    if n <= 0:
-        return 0.0
-    return float(n) if gamma == 1.0 else float(n) ** gamma
-
-
-def _norm(arrays) -> float:
-    total = 0.0
-    for a in arrays:
-        v = a.ravel().astype(np.float64)
-        total += float(np.dot(v, v))
-    return float(np.sqrt(total))
-
-
-def _as_tensor(a: np.ndarray) -> torch.Tensor:
-    # Consensus arrays view read-only ZeroMQ frames; torch warns on wrapping them even
-    # though we only ever read (copy_ into the parameter).
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a)
-
-
-# ---------------------------------------------------------------------------------------
-# Plans
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Chunk:
-    """One plan: an epoch and the position segments still to train, plus its metrics."""
-
-    epoch: int
-    seq: int
-    segments: deque = field(default_factory=deque)  # [offset, size] lists, in order
-    started: float = 0.0
-    batches: int = 0
-    samples: int = 0
-    loss_sum: float = 0.0
-    compute_ms: float = 0.0
-    data_ms: float = 0.0
-
-    def exhausted(self) -> bool:
-        while self.segments and self.segments[0][1] == 0:
-            self.segments.popleft()
-        return not self.segments
-
-    def take(self, batch_size: int) -> tuple[int, int] | None:
-        """Next batch as (offset, count) inside one segment, or None when exhausted."""
-        if self.exhausted():
-            return None
-        seg = self.segments[0]
-        count = min(batch_size, seg[1])
-        offset = seg[0]
-        seg[0] += count
-        seg[1] -= count
-        return offset, count
-
-
-@dataclass(frozen=True, slots=True)
-class _Snapshot:
-    n: int  # steps since the last applied average, at the snapshot
-    step_count: int  # local step counter at the snapshot
-    pre: list  # deep-copied f32 parameters (for the divergence triple)
-    weight: float
-
-
-# ---------------------------------------------------------------------------------------
 # The runtime
 # ---------------------------------------------------------------------------------------
 
@@ -266,15 +157,11 @@ class _Rank:
         self.steps_since_avg = 0
         self.global_step = 0
         self.throttled = False
-        self.plans: deque[_Chunk] = deque()
-        self.current: _Chunk | None = None
+        self.plans: deque[Chunk] = deque()
+        self.current: Chunk | None = None
         self.chunk_seq = 0
-        self.snapshots: dict[int, _Snapshot] = {}
-        # Checkpoints: the last consensus applied, the step count right after it, and
-        # saves armed for a consensus still to come (cycle -> Checkpoint command).
-        self.applied_cycle = 0
-        self.applied_at_step = 0
-        self.armed: dict[int, pb.Control.Checkpoint] = {}
+        self.averager = BusAverager(self)
+        self.checkpoints = CheckpointDuty(self)
         self.perm: tuple[int, np.ndarray] | None = None  # (epoch, permutation) cache
         self.trace = None
         if cfg.trace_dir:
@@ -433,14 +320,18 @@ class _Rank:
         elif kind == "control":
             self._on_control(env.control)
         elif kind == "round":
-            self._on_consensus(env.round, blobs)
+            cycle = self.averager.on_consensus(env.round, blobs)
+            if cycle is not None:
+                # Acked first (the round finishes without waiting for the disk), saved
+                # before the next step: the file holds exactly this consensus.
+                self.checkpoints.after_consensus(cycle)
         else:
             self._drop("unexpected_body", f"a {kind} body is not for a rank")
 
     def _on_control(self, c: pb.Control) -> None:
         which = c.WhichOneof("cmd")
         if which == "request_params":
-            self._on_request_params(c.request_params.cycle)
+            self.averager.on_request(c.request_params.cycle)
         elif which == "start_epoch":
             self._queue_plan(c.start_epoch.plan, "StartEpoch")
         elif which == "update":
@@ -458,7 +349,7 @@ class _Rank:
             self.global_step = c.set_global_step.global_step
         elif which == "checkpoint":
             if c.checkpoint.target_rank == self.cfg.rank:
-                self._on_checkpoint(c.checkpoint)
+                self.checkpoints.on_command(c.checkpoint)
         elif which in ("shutdown", "shutdown_with_save"):
             raise _Shutdown(which)
         elif which in (
@@ -484,7 +375,7 @@ class _Rank:
             # Keep both (dropping one would strand its samples), but say so.
             log.warning("%s arrived while another plan is still queued; keeping both (FIFO)", source)
         self.chunk_seq += 1
-        self.plans.append(_Chunk(epoch=int(epoch), seq=self.chunk_seq, segments=deque([[int(offset), int(size)]])))
+        self.plans.append(Chunk(epoch=int(epoch), seq=self.chunk_seq, segments=deque([[int(offset), int(size)]])))
 
     def _extend(self, m) -> None:
         cur = self.current
@@ -496,132 +387,6 @@ class _Rank:
         else:
             # No plan in training (or another epoch): the extension is a chunk of its own.
             self._add_chunk(m.epoch, m.partition_offset, m.partition_size, "ExtendPartition")
-
-    # -- averaging ----------------------------------------------------------------------
-
-    def _on_request_params(self, cycle: int) -> None:
-        n = self.steps_since_avg
-        w = gamma_mass(n, self.spec.gamma)
-        pre = [_f32(p).copy() for p in self.params]  # deep copy: never a torn/aliased view
-        scaled = [a * np.float32(w) for a in pre] if w > 0 else pre
-        header, blobs = pack_round(scaled, cycle=cycle, weight=w, bf16=self.spec.bf16_wire)
-        self.snapshots[cycle] = _Snapshot(n=n, step_count=self.local_step, pre=pre, weight=w)
-        self._send("round", header, blobs)
-
-    def _on_consensus(self, header: pb.RoundHeader, blobs: list) -> None:
-        snap = self.snapshots.get(header.cycle)
-        if snap is None:
-            self._drop("unknown_cycle", f"consensus for cycle {header.cycle}, which this rank never snapshotted")
-            return
-        if header.phase != pb.ROUND_PHASE_PARAMS or header.kind != pb.ROUND_KIND_MODEL:
-            self._drop("unsupported_round", f"round phase {header.phase} kind {header.kind}")
-            return
-        try:
-            arrays = unpack_round(header, blobs)
-        except WireError as e:
-            self._drop(e.reason, e.detail)
-            return
-        if len(arrays) != len(self.params) or any(
-            tuple(a.shape) != tuple(p.shape) for a, p in zip(arrays, self.params)
-        ):
-            self._drop("bad_tensor", f"consensus for cycle {header.cycle} does not match the model's schema")
-            return
-        del self.snapshots[header.cycle]
-        post = snap.pre  # weight 0: the consensus is our own snapshot (keep local)
-        if header.weight > 0:
-            alpha = self.spec.easgd_alpha
-            blend = self.spec.policy == pb.POLICY_ASYNC and 0.0 < alpha < 1.0
-            # The round overlaps training: k steps may have run since the snapshot. Apply
-            # delta-preserving, theta <- consensus + (theta - snapshot), so they are kept
-            # (the next round folds them); k = 0 is the plain overwrite, bit for bit.
-            moved = self.local_step != snap.step_count
-            consensus = []
-            with torch.no_grad():
-                for p, a, pre in zip(self.params, arrays, snap.pre):
-                    t = _as_tensor(a).to(device=p.device, dtype=p.dtype)
-                    if blend:
-                        p.lerp_(t, alpha)  # EASGD: p + alpha * (avg - p)
-                        continue
-                    delta = _f32(p) - pre if moved else None
-                    p.copy_(t)
-                    if delta is not None:
-                        p.add_(_as_tensor(delta).to(device=p.device, dtype=p.dtype))
-                    consensus.append(_f32(t))
-            # Divergence is snapshot vs consensus, as without overlap (not vs theta now).
-            post = [_f32(p) for p in self.params] if blend else consensus
-            # Steps taken while the round was in flight keep their credit (hazard 13).
-            self.steps_since_avg = max(0, self.steps_since_avg - snap.n)
-        post_norm = _norm(post)
-        diff = _norm([b - a for a, b in zip(snap.pre, post)])
-        self._timing(
-            sync_ack=pb.Timing.SyncAck(
-                cycle=header.cycle,
-                step_count=snap.step_count,
-                divergence=diff / post_norm if post_norm > 1e-10 else 0.0,
-                pre_norm=_norm(snap.pre),
-                post_norm=post_norm,
-            )
-        )
-        # Acked first (the round finishes without waiting for the disk), saved before the
-        # next step: the file holds exactly this consensus.
-        self.applied_cycle, self.applied_at_step = header.cycle, self.local_step
-        self._after_consensus(header.cycle)
-
-    # -- checkpoints --------------------------------------------------------------------
-
-    def _on_checkpoint(self, m: pb.Control.Checkpoint) -> None:
-        if not m.path:
-            self._checkpoint_failed(m, "no path in the Checkpoint command (the coordinator has no checkpoint_dir)")
-        elif m.cycle == 0:
-            self._save_checkpoint(m)
-        elif m.cycle > self.applied_cycle:
-            armed = pb.Control.Checkpoint()
-            armed.CopyFrom(m)
-            self.armed[m.cycle] = armed  # saved right after that consensus is applied
-        elif m.cycle == self.applied_cycle and self.local_step == self.applied_at_step:
-            self._save_checkpoint(m)
-        else:
-            moved = self.local_step - self.applied_at_step
-            self._checkpoint_failed(
-                m,
-                f"the consensus of cycle {m.cycle} is no longer held (last applied cycle "
-                f"{self.applied_cycle}, {moved} step(s) since)",
-            )
-
-    def _after_consensus(self, cycle: int) -> None:
-        for c in sorted(k for k in self.armed if k <= cycle):
-            m = self.armed.pop(c)
-            if c == cycle:
-                self._save_checkpoint(m)
-            else:
-                self._checkpoint_failed(m, f"the consensus of cycle {c} never reached this rank")
-
-    def _save_checkpoint(self, m: pb.Control.Checkpoint) -> None:
-        t0 = time.perf_counter()
-        try:
-            digest = save_model_file(
-                m.path, self.model, self.optimizer, version=m.version, cycle=m.cycle, rank=self.cfg.rank,
-                global_step=self.global_step, local_step=self.local_step,
-            )  # fmt: skip
-        except Exception as e:  # disk full, permissions, a user state_dict that raises
-            self._checkpoint_failed(m, f"{type(e).__name__}: {e}", t0)
-            return
-        elapsed = (time.perf_counter() - t0) * 1e3
-        log.info("checkpoint v%d saved to %s in %.0f ms", m.version, m.path, elapsed)
-        self._timing(
-            checkpoint_result=pb.Timing.CheckpointResult(
-                version=m.version, elapsed_ms=elapsed, sha256=digest, cycle=m.cycle
-            )
-        )
-
-    def _checkpoint_failed(self, m: pb.Control.Checkpoint, error: str, t0: float | None = None) -> None:
-        log.warning("checkpoint v%d not saved: %s", m.version, error)
-        elapsed = (time.perf_counter() - t0) * 1e3 if t0 is not None else 0.0
-        self._timing(
-            checkpoint_result=pb.Timing.CheckpointResult(
-                version=m.version, elapsed_ms=elapsed, error=error, cycle=m.cycle
-            )
-        )
 
     # -- eval ---------------------------------------------------------------------------
 
@@ -674,7 +439,7 @@ class _Rank:
         except (TypeError, ValueError):
             return 0.0
 
-    def train_chunk(self, chunk: _Chunk) -> None:
+    def train_chunk(self, chunk: Chunk) -> None:
         bs = self.spec.batch_size
         chunk.started = time.perf_counter()
         while True:
@@ -719,7 +484,7 @@ class _Rank:
                 )
             )
 
-    def send_metrics(self, chunk: _Chunk) -> None:
+    def send_metrics(self, chunk: Chunk) -> None:
         elapsed = (time.perf_counter() - chunk.started) * 1e3
         self._send(
             "metrics",
