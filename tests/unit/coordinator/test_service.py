@@ -5,6 +5,8 @@ DEALER sockets and reads what comes back, with poll deadlines instead of sleeps.
 """
 
 
+import time
+
 import pytest
 import zmq
 
@@ -80,3 +82,20 @@ def test_frames_claiming_a_rank_the_route_does_not_own_are_dropped(service):
         r0.sock.poll(100)
         deadline -= 1
     assert svc.dropped["route_mismatch"] == 2, dict(svc.dropped)
+
+
+def test_an_illegal_batch_report_is_refused_and_the_service_goes_on(service):
+    svc, ep, ctx = service
+    r0, r1 = Peer(ctx, ep, 0, 1), Peer(ctx, ep, 1, 2)
+    assert r0.hello(0).accepted and r1.hello(1).accepted
+    # The core raises RankViolation for a batch of an epoch that was never dispatched; the
+    # service must count it and keep serving (it used to let the exception end the loop).
+    r0.send("timing", pb.Timing(rank=0, batch=pb.Timing.Batch(step_count=1, samples=4, epoch=7, offset=0)))
+    deadline = time.monotonic() + 10
+    while not svc.dropped.get("rank_violation") and time.monotonic() < deadline:
+        time.sleep(0.02)  # polling a condition the service thread sets, with a deadline
+    assert svc.dropped["rank_violation"] == 1, dict(svc.dropped)
+    # Still alive: a heartbeat from rank 1 is answered by the beacon / plan traffic.
+    r1.send("timing", pb.Timing(rank=1, heartbeat=pb.Timing.Heartbeat(step_count=0)))
+    assert r1.recv(5000).kind == "control"
+    assert svc.finished is None
