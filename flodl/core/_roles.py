@@ -24,8 +24,10 @@ Roles are sticky: they do not follow pace drift. They move only
 ``announce_role`` then broadcasts ``SetEpochCallbackRole`` at the next dispatch and
 clears it (it starts True so the first dispatch announces).
 
-The callback costs (``CheckpointDone`` / ``EvalDone`` ``elapsed_ms``) are smoothed per
-kind with an EWMA (alpha 0.3, the first sample seeds it): ``absorb_cost``.
+The callback costs (``CheckpointDone`` / ``EvalDone`` / ``EpochFnElapsed`` ``elapsed_ms``)
+are smoothed per kind with an EWMA (alpha 0.3, the first sample seeds it): ``absorb_cost``
+(a non-finite or negative epoch-fn time is ignored and counted). ``_slack`` turns them
+into a shorter window for the rank that pays them.
 
 Intents (``IntentRaised``) only set flags here; they are served at the next epoch
 aggregation (``_metrics`` -> ``_checkpointing`` / ``_run``). Non-final evals asked by an
@@ -37,6 +39,7 @@ Everything here is pure: functions of the state, no commands.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -51,6 +54,7 @@ __all__ = [
     "on_calibration",
     "set_checkpoint_role",
     "absorb_cost",
+    "on_epoch_fn_elapsed",
     "lowest_alive_except",
 ]
 
@@ -171,3 +175,12 @@ def absorb_cost(st, kind: str, elapsed_ms: float) -> None:
     ro = st.roles
     attr = f"{kind}_ewma_ms"
     setattr(ro, attr, _ewma(getattr(ro, attr), float(elapsed_ms)))
+
+
+def on_epoch_fn_elapsed(st, ev) -> None:
+    """``EpochFnElapsed``: smooth the epoch function's cost (spec §10.5)."""
+    ms = float(ev.elapsed_ms)
+    if not (math.isfinite(ms) and ms >= 0.0):
+        st.count_ignored("EpochFnElapsed with a non-finite or negative elapsed_ms")
+        return
+    absorb_cost(st, "epoch_fn", ms)
