@@ -1,0 +1,342 @@
+"""Fault bench: how fast a real local run notices a dead rank, and what the fault costs.
+
+Each run is a real cluster on this machine -- coordinator, relay, ranks (torch, the
+digits task, emulated speeds) -- with one fault struck at the victim rank once it has
+trained ``--strike-samples`` samples (its own trace file; progress, not a clock). Kinds:
+
+* ``kill9_agent``: SIGKILL; the host agent sees the child end and reports it at once
+  (``RankExitReported``, reason "killed by signal 9").
+* ``kill9_no_agent``: SIGKILL of a rank started *without* an agent (coordinator, relay
+  and ranks started by this script, as a user without ``flodl-worker agent`` would):
+  nobody reports the exit and the relay hides the broken connection, so only heartbeat
+  staleness (``--liveness-timeout``) can tell.
+* ``sigstop``: SIGSTOP under the agent: the process is alive but silent (a hang), so again
+  only the heartbeat. The stopped process is SIGKILLed once the coordinator forgot it.
+
+Measured per run, all on CLOCK_MONOTONIC (``time.monotonic`` is system-wide on Linux, and
+the coordinator's journal stamps every event's ``now`` with it):
+
+* ``detection_s``: the fault -> the event whose step made the core forget the victim
+  (found by replaying the coordinator's journal through ``flodl.core``);
+* ``resume_s``: the fault -> the first ``BatchDone`` of a survivor after that decision;
+* ``survivor_stall_s``: the longest gap in the survivors' merged batch stream between
+  the fault and that resume (what the fault cost the survivors; ``baseline_gap_s`` is the
+  median gap of that stream in the seconds before the fault, for scale);
+* ``survivor_batches_before_decision``: batches survivors trained after the fault and
+  before the decision (Cadence windows keep them busy for a while);
+* ``missing`` / ``duplicates``: committed coverage from the run summary (must be 0/0);
+  ``discarded_samples``: trained by the victim in windows never folded, handed back.
+
+Prints one JSON object: per kind the median over ``--reps`` runs and every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from flodl.core import BatchDone, ForgetRank, RankViolation, from_record, initial_state, step
+from flodl_coordinator.settings import Settings
+from flodl_worker.agent import AgentConfig, rank_env
+
+KINDS = ("kill9_agent", "kill9_no_agent", "sigstop")
+TASK = "flodl_worker.examples.digits"
+PY = sys.executable
+
+
+class Run:
+    """One cluster: the processes, their logs, and when the coordinator forgot the victim."""
+
+    def __init__(self, args, kind: str, workdir: Path) -> None:
+        self.args, self.kind, self.dir = args, kind, workdir
+        self.session = "bench-" + secrets.token_hex(4)
+        self.trace = workdir / "trace"
+        self.trace.mkdir()
+        self.journal = workdir / "journal.jsonl"
+        self.summary = workdir / "summary.json"
+        self.procs: list[subprocess.Popen] = []
+        self.ranks: list[subprocess.Popen] = []
+        self.relay = self.agent = None
+        self.forgotten = threading.Event()
+        self.log = open(workdir / "processes.log", "w")
+
+    # -- processes ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        a = self.args
+        cmd = [
+            PY, "-m", "flodl_coordinator", "serve", "--bind", "tcp://127.0.0.1:0", "--session", self.session,
+            "--world-size", str(a.ranks), "--epochs", str(a.epochs), "--batch-size", str(a.batch_size),
+            "--policy", a.policy, "--liveness-timeout-s", str(a.liveness_timeout),
+            "--summary", str(self.summary), "--journal", str(self.journal),
+        ]  # fmt: skip
+        coord = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.procs.append(coord)
+        self.coord = coord
+        endpoint = self._ready(coord.stdout, "COORDINATOR_READY")
+        threading.Thread(target=self._watch_coordinator, daemon=True).start()
+        threading.Thread(target=self._copy, args=(coord.stdout,), daemon=True).start()
+        if self.kind == "kill9_no_agent":
+            self._start_bare(endpoint)
+        else:
+            self._start_agent(endpoint)
+
+    def _ready(self, stream, token: str) -> str:
+        for line in iter(stream.readline, ""):
+            if line.startswith(token):
+                return line.split()[1]
+            self.log.write(line)
+        raise RuntimeError(f"no {token} line; see {self.log.name}")
+
+    def _copy(self, stream) -> None:
+        for line in iter(stream.readline, ""):
+            self.log.write(line)
+
+    def _watch_coordinator(self) -> None:
+        mark = f"rank {self.args.victim} forgotten"
+        for line in iter(self.coord.stderr.readline, ""):
+            self.log.write("[coordinator] " + line)
+            if mark in line:
+                self.forgotten.set()
+
+    def _agent_config(self, endpoint: str) -> AgentConfig:
+        a = self.args
+        return AgentConfig(
+            coordinator=endpoint, ranks=a.ranks, command=(PY, "-m", TASK), world_size=a.ranks,
+            session=self.session, slowdown=tuple(a.slow), base_ms=a.base_ms, trace_dir=str(self.trace),
+        )  # fmt: skip
+
+    def _start_agent(self, endpoint: str) -> None:
+        a = self.args
+        cmd = [
+            PY, "-m", "flodl_worker", "agent", "--coordinator", endpoint, "--ranks", str(a.ranks),
+            "--world-size", str(a.ranks), "--session", self.session, "--slowdown", a.slowdown,
+            "--base-ms", str(a.base_ms), "--trace-dir", str(self.trace), "--", PY, "-m", TASK,
+        ]  # fmt: skip
+        self.agent = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.procs.append(self.agent)
+
+    def _start_bare(self, endpoint: str) -> None:
+        bind = f"ipc://{self.dir}/relay.sock"
+        cmd = [PY, "-m", "flodl_worker", "relay", "--coordinator", endpoint, "--bind", bind]
+        self.relay = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
+        self.procs.append(self.relay)
+        front = self._ready(self.relay.stdout, "RELAY_READY")
+        threading.Thread(target=self._copy, args=(self.relay.stdout,), daemon=True).start()
+        cfg = self._agent_config(endpoint)
+        for local in range(self.args.ranks):
+            env = rank_env(cfg, local, front, dict(os.environ))
+            p = subprocess.Popen([PY, "-m", TASK], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            self.ranks.append(p)
+            self.procs.append(p)
+
+    def victim_pid(self) -> int | None:
+        if self.ranks:
+            return self.ranks[self.args.victim].pid
+        want = {f"FLODL_TRACE_DIR={self.trace}".encode(), f"FLODL_RANK={self.args.victim}".encode()}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                env = set(Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"))
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if want <= env and TASK.encode() in cmdline:
+                return int(entry)
+        return None
+
+    # -- the fault ------------------------------------------------------------------------
+
+    def strike(self) -> tuple[float, int]:
+        """Wait for the victim's progress, then strike; returns (monotonic time, pid)."""
+        path = self.trace / f"rank{self.args.victim}.trace"
+        deadline = time.monotonic() + self.args.deadline
+        while time.monotonic() < deadline:
+            if _lines(path) >= self.args.strike_samples:
+                pid = self.victim_pid()
+                if pid is not None:
+                    sig = signal.SIGSTOP if self.kind == "sigstop" else signal.SIGKILL
+                    t = time.monotonic()
+                    os.kill(pid, sig)
+                    return t, pid
+            if self.coord.poll() is not None:
+                raise RuntimeError(f"the run ended before the strike; see {self.log.name}")
+            time.sleep(0.005)  # polling another process's progress: nothing to wait on
+        raise RuntimeError(f"rank {self.args.victim} never traced {self.args.strike_samples} samples")
+
+    def finish(self, pid: int) -> int:
+        a = self.args
+        if self.kind == "sigstop":  # reap the hung process once the coordinator let it go
+            self.forgotten.wait(a.liveness_timeout + 60)
+            _signal(pid, signal.SIGKILL)
+        return self.coord.wait(timeout=a.deadline)  # its summary and journal say it all
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.log.close()
+
+
+def _lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as fh:
+            return sum(1 for _ in fh)
+    except OSError:
+        return 0
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+# -- analysis -------------------------------------------------------------------------------
+
+
+def analyse(journal: Path, summary: dict, victim: int, t_fault: float) -> dict:
+    """Replay the journal through the core: when was the victim forgotten, and what did
+    the survivors' batch stream do around it."""
+    records = [json.loads(line) for line in journal.read_text().splitlines() if line.strip()]
+    known = {f.name for f in fields(Settings)}
+    settings = Settings(**{k: v for k, v in records[0]["settings"].items() if k in known})
+    state = initial_state(settings.core_config())
+    decided_at, reason = None, None
+    survivor = []
+    for rec in records[1:]:
+        if str(rec.get("type", "")).startswith("_"):
+            continue  # a service record (restart, ...), not an event
+        ev = from_record(rec)
+        if isinstance(ev, BatchDone) and ev.rank != victim:
+            survivor.append(ev.now)
+        if decided_at is not None:
+            continue
+        try:
+            state, cmds = step(state, ev)
+        except RankViolation:
+            continue
+        for c in cmds:
+            if isinstance(c, ForgetRank) and c.rank == victim:
+                decided_at, reason = ev.now, c.reason
+    survivor.sort()
+    out: dict = {"decision_reason": reason}
+    if decided_at is not None:
+        out["detection_s"] = decided_at - t_fault
+        after = [t for t in survivor if t > decided_at]
+        before = [t for t in survivor if t <= t_fault]
+        if after:
+            resume = after[0]
+            out["resume_s"] = resume - t_fault
+            seq = before[-1:] + [t for t in survivor if t_fault < t <= resume]
+            out["survivor_stall_s"] = max((b - a for a, b in zip(seq, seq[1:])), default=0.0)
+        recent = [t for t in before if t >= t_fault - 2.0]
+        gaps = [b - a for a, b in zip(recent, recent[1:])]
+        out["baseline_gap_s"] = statistics.median(gaps) if gaps else None
+        out["survivor_batches_before_decision"] = sum(1 for t in survivor if t_fault < t <= decided_at)
+    cov = summary.get("coverage", [])
+    out["missing"] = sum(c["missing"] for c in cov)
+    out["duplicates"] = sum(c["duplicates"] for c in cov)
+    out["discarded_samples"] = summary.get("discarded_samples")
+    out["run_ok"] = summary.get("ok")
+    dead = [r for r in summary.get("ranks", []) if r["rank"] == victim]
+    out["victim_phase"] = dead[0]["phase"] if dead else None
+    out["epochs_completed"] = summary.get("epochs_completed")
+    return out
+
+
+def one_run(args, kind: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"flodl-fault-{kind}-") as d:
+        run = Run(args, kind, Path(d))
+        try:
+            run.start()
+            t_fault, pid = run.strike()
+            rc = run.finish(pid)
+        except Exception as e:  # a bench reports a broken run instead of dying on it
+            run.stop()
+            tail = (Path(d) / "processes.log").read_text()[-1500:]
+            return {"error": f"{type(e).__name__}: {e}", "log_tail": tail}
+        run.stop()
+        if not run.summary.exists():
+            return {"error": f"no summary (coordinator exit {rc})"}
+        summary = json.loads(run.summary.read_text())
+        try:
+            res = analyse(run.journal, summary, args.victim, t_fault)
+        except Exception as e:
+            return {"error": f"journal analysis failed: {type(e).__name__}: {e}"}
+        res["coordinator_exit"] = rc
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}
+
+
+def _median(runs: list[dict], key: str):
+    vals = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+    return round(statistics.median(vals), 4) if vals else None
+
+
+NUMERIC = ("detection_s", "resume_s", "survivor_stall_s", "baseline_gap_s", "survivor_batches_before_decision",
+           "discarded_samples")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
+    p.add_argument("--reps", type=int, default=2, help="runs per kind (median reported; default 2)")
+    p.add_argument("--ranks", type=int, default=3)
+    p.add_argument("--victim", type=int, default=1, help="the rank struck (default 1)")
+    p.add_argument("--policy", default="cadence", choices=("cadence", "sync"))
+    p.add_argument("--slowdown", default="1,1,2")
+    p.add_argument("--base-ms", type=float, default=10.0)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--liveness-timeout", type=float, default=3.0, help="seconds of silence = dead (default 3)")
+    p.add_argument("--strike-samples", type=int, default=200, help="victim's trained samples before the strike")
+    p.add_argument("--deadline", type=float, default=300.0, help="give up on one run after this many seconds")
+    args = p.parse_args(argv)
+    args.slow = [float(x) for x in args.slowdown.split(",")]
+    kinds = [k for k in args.kinds.split(",") if k]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        p.error(f"unknown kinds {bad}; choose from {KINDS}")
+    t0 = time.monotonic()
+    result: dict = {
+        "bench": "faults",
+        "config": {k: getattr(args, k) for k in ("reps", "ranks", "victim", "policy", "slowdown", "base_ms",
+                                                 "epochs", "batch_size", "liveness_timeout", "strike_samples")},
+        "kinds": {},
+    }  # fmt: skip
+    result["config"]["heartbeat_interval_s"] = Settings().heartbeat_interval_s
+    for kind in kinds:
+        runs = [one_run(args, kind) for _ in range(args.reps)]
+        ok = [r for r in runs if "error" not in r]
+        result["kinds"][kind] = {
+            "median": {k: _median(ok, k) for k in NUMERIC},
+            "max_missing": max((r["missing"] for r in ok), default=None),
+            "max_duplicates": max((r["duplicates"] for r in ok), default=None),
+            "decision_reasons": sorted({r.get("decision_reason") or "none" for r in ok}),
+            "runs": runs,
+        }
+    result["bench_wall_s"] = round(time.monotonic() - t0, 1)
+    print(json.dumps(result, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
