@@ -15,6 +15,9 @@ shell stamps them onto the outgoing frames.
   building its model and optimizer.
 * ``on_notice`` consumes ``checkpoint_meta``; ``on_result`` a rank's
   ``CheckpointResult``. The store joins the two per version and commits atomically.
+* ``outer``: the bus outer optimizer (``outer``). ``on_notice`` hands the store its state
+  right after the checkpoint's cycle as the ``outer.npz`` sidecar (written before
+  ``meta.json``, sha256 in it); a resume restores it, and refuses a torn or foreign one.
 * ``lingering(now)``: a ``ShutdownWithSave`` ends the core's run in the same step that
   asks the role rank to save, so the service keeps its loop alive -- at most
   ``liveness_timeout_s`` -- until the save is answered and committed.
@@ -29,6 +32,7 @@ dataset size is refused at hello by the core's own rule.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -36,13 +40,15 @@ from flodl.core import Notice
 from flodl.wire import pb
 
 from .checkpoints import Checkpoint, CheckpointError, CheckpointStore, Committed, resolve_resume
+from .outer import OuterError, OuterOptimizer, load_state, save_state
 from .settings import Settings, SettingsError
 
-__all__ = ["Checkpointing", "META_NOTICE"]
+__all__ = ["Checkpointing", "META_NOTICE", "OUTER_FILE"]
 
 log = logging.getLogger("flodl.checkpoint")
 
 META_NOTICE = "checkpoint_meta"  # Notice kind the core emits with {"version", "meta"}
+OUTER_FILE = "outer.npz"  # the outer optimizer's state, a sidecar of the checkpoint
 
 
 class Checkpointing:
@@ -52,6 +58,13 @@ class Checkpointing:
         self.resumed: Optional[Checkpoint] = None
         self.point = None  # flodl.core.ResumePoint of a resumed run
         self._linger_until: Optional[float] = None
+        # The bus reducer's outer optimizer lives here: its state is saved with every
+        # checkpoint (``outer.npz``) and restored on resume, before the reducer exists.
+        self.outer = OuterOptimizer(
+            getattr(settings, "outer_optimizer", "none"),
+            lr=getattr(settings, "outer_lr", 1.0),
+            momentum=getattr(settings, "outer_momentum", 0.0),
+        )
         if settings.checkpoint_dir:
             try:
                 self.store = CheckpointStore(settings.checkpoint_dir, keep=settings.checkpoint_keep)
@@ -66,6 +79,20 @@ class Checkpointing:
                 "resuming from %s: epoch %d, %d samples of it left, global step %d",
                 self.resumed.path, self.point.epoch, self.point.remaining(self.point.epoch), self.point.global_step,
             )
+            self._resume_outer(self.resumed)
+
+    def _resume_outer(self, ck: Checkpoint) -> None:
+        """Restore the outer optimizer's state (``outer.npz``, sha256-checked on load)."""
+        if not self.outer.enabled:
+            return
+        if OUTER_FILE not in ck.meta.get("sidecars", {}):
+            log.warning("%s holds no %s: the %s outer optimizer starts afresh (anchor = the first consensus)",
+                        ck.path, OUTER_FILE, self.outer.kind)
+            return
+        try:
+            self.outer.restore(load_state(os.path.join(ck.path, OUTER_FILE)))
+        except OuterError as e:
+            raise SettingsError(f"resume refused: {e}") from None
 
     def pinned(self, settings: Settings) -> Settings:
         """``settings`` with the epoch size fixed to the checkpoint's on a resumed run."""
@@ -104,8 +131,21 @@ class Checkpointing:
         if self.store is None:
             log.warning("checkpoint v%d decided but no checkpoint_dir is set: ignored", version)
             return True
-        self._report(self.store.stage_meta(version, cmd.data["meta"]))
+        meta = cmd.data["meta"]
+        self._report(self.store.stage_meta(version, meta, sidecars=self._outer_sidecar(version, meta)))
         return True
+
+    def _outer_sidecar(self, version: int, meta: dict) -> dict:
+        """``outer.npz`` of the state right after the checkpoint's cycle (0: the latest)."""
+        if not self.outer.enabled:
+            return {}
+        state = self.outer.state_at(int(meta.get("cycle", 0)))
+        if state is None:
+            if self.outer.latest is not None:
+                log.warning("checkpoint v%d: the outer state of cycle %s is gone; saved without it",
+                            version, meta.get("cycle"))
+            return {}
+        return {OUTER_FILE: lambda fh: save_state(state, fh)}
 
     def on_result(self, rank: int, res: pb.Timing.CheckpointResult) -> None:
         if self.store is None:

@@ -7,7 +7,10 @@ two processes (``flodl.core._checkpoint`` explains what they mean):
 
 * ``model.pt`` -- the role rank's ``torch.save({"model", "optimizer", ...})``;
 * ``meta.json`` -- the coordinator's trajectory, plus ``model: {file, sha256, rank,
-  bytes}``: the *commit marker*, written last.
+  bytes}``: the *commit marker*, written last;
+* optional coordinator-side *sidecars* (``outer.npz``: the outer optimizer's anchor and
+  momentum, ``flodl_coordinator.outer``), written atomically into the staging dir
+  before ``meta.json``, which records each one's sha256 under ``sidecars``.
 
 Commit protocol (nothing half-written is ever visible under a ``ckpt-*`` name):
 
@@ -27,7 +30,7 @@ Commit protocol (nothing half-written is ever visible under a ``ckpt-*`` name):
 ``load_checkpoint(path)`` accepts a checkpoint directory, its ``meta.json`` or
 ``model.pt``, a ``latest`` file, or the root (it follows ``latest``). It refuses --
 ``CheckpointError`` with one line -- a missing commit marker, unreadable JSON, a
-missing ``model.pt`` or a sha256 mismatch (torn). ``resolve_resume`` adds the run
+missing ``model.pt`` or sidecar, or a sha256 mismatch (torn). ``resolve_resume`` adds the run
 checks of ``validate_meta`` (seed, world, dataset size, batch size, policy, epochs).
 """
 
@@ -40,7 +43,7 @@ import re
 import secrets
 import shutil
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import IO, Any, Callable, Optional
 
 from flodl.fsutil import atomic_write, fsync_dir
 from flodl.fsutil import sha256_file as _sha256_file
@@ -180,7 +183,27 @@ def load_checkpoint(path: str) -> Checkpoint:
         raise CheckpointError(
             f"torn checkpoint {d}: {name} sha256 {got[:16]}… differs from the recorded {model['sha256'][:16]}…"
         )
+    _verify_sidecars(d, meta)
     return Checkpoint(path=d, meta=meta, model_path=model_path)
+
+
+def _verify_sidecars(d: str, meta: dict) -> None:
+    """Every sidecar ``meta.json`` lists (e.g. the outer optimizer's ``outer.npz``) is
+    present and has the recorded sha256: a checkpoint is whole or refused."""
+    sidecars = meta.get("sidecars", {})
+    if not isinstance(sidecars, dict):
+        raise CheckpointError(f"checkpoint {d}: {META_FILE} has a malformed sidecars record")
+    for name, rec in sidecars.items():
+        if not isinstance(name, str) or "/" in name or name.startswith(".") or not isinstance(rec, dict):
+            raise CheckpointError(f"checkpoint {d}: {META_FILE} names an invalid sidecar {name!r}")
+        path = os.path.join(d, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"torn checkpoint {d}: {name} is missing")
+        got = sha256_file(path)
+        if got != rec.get("sha256"):
+            raise CheckpointError(
+                f"torn checkpoint {d}: {name} sha256 {got[:16]}… differs from the recorded {str(rec.get('sha256'))[:16]}…"
+            )
 
 
 def resolve_resume(
@@ -211,6 +234,7 @@ class CheckpointStore:
         self.keep = keep  # keep the newest ``keep`` checkpoints; 0 = all
         self._requests: dict[tuple[int, int], _Request] = {}
         self._metas: dict[int, dict] = {}
+        self._sidecars: dict[int, dict[str, Callable[[IO], None]]] = {}  # version -> name -> writer
         self.committed: list[Committed] = []
         self.failed: list[Failed] = []
         try:
@@ -231,9 +255,15 @@ class CheckpointStore:
         self._bound()
         return os.path.join(staging, MODEL_FILE)
 
-    def stage_meta(self, version: int, meta: dict) -> list[Committed | Failed]:
-        """The core's meta for ``version``; commits at once if a rank already saved it."""
+    def stage_meta(
+        self, version: int, meta: dict, *, sidecars: Optional[dict[str, Callable[[IO], None]]] = None
+    ) -> list[Committed | Failed]:
+        """The core's meta for ``version``; commits at once if a rank already saved it.
+
+        ``sidecars``: coordinator-side files of this checkpoint (name -> ``write(fh)``),
+        written atomically into it before ``meta.json``, which records their sha256."""
         self._metas[version] = meta
+        self._sidecars[version] = dict(sidecars or {})
         self._bound()
         return self._try_commit(version)
 
@@ -259,6 +289,7 @@ class CheckpointStore:
             shutil.rmtree(req.staging, ignore_errors=True)
         self._requests.clear()
         self._metas.clear()
+        self._sidecars.clear()
 
     # -- internals ---------------------------------------------------------------------
 
@@ -296,6 +327,13 @@ class CheckpointStore:
                 )
             size = os.path.getsize(model)
             full = dict(meta, model={"file": MODEL_FILE, "sha256": digest, "rank": rank, "bytes": size})
+            written = {}
+            for name, write in self._sidecars.get(version, {}).items():  # before the commit marker
+                path = os.path.join(req.staging, name)
+                atomic_write(path, write)
+                written[name] = {"sha256": sha256_file(path), "bytes": os.path.getsize(path)}
+            if written:
+                full["sidecars"] = written
             write_json_atomic(os.path.join(req.staging, META_FILE), full)
             fsync_dir(req.staging)
             final = self._final_name(version, str(meta.get("reason", "checkpoint")))
@@ -306,6 +344,7 @@ class CheckpointStore:
             shutil.rmtree(req.staging, ignore_errors=True)
             return self._fail(version, rank, str(e) if isinstance(e, CheckpointError) else f"commit failed: {e}")
         self._metas.pop(version, None)
+        self._sidecars.pop(version, None)
         for key in [k for k in self._requests if k[0] == version]:  # superseded saves
             shutil.rmtree(self._requests.pop(key).staging, ignore_errors=True)
         c = Committed(version, rank, os.path.join(self.root, final))
@@ -336,5 +375,6 @@ class CheckpointStore:
         versions = sorted({v for v, _ in self._requests} | set(self._metas))
         for old in versions[:-MAX_PENDING_VERSIONS]:
             self._metas.pop(old, None)
+            self._sidecars.pop(old, None)
             for key in [k for k in self._requests if k[0] == old]:
                 shutil.rmtree(self._requests.pop(key).staging, ignore_errors=True)

@@ -13,19 +13,39 @@ contribution it had already sent is dropped too: it will never acknowledge the
 consensus, so its samples are not committed and go back to the pool; keeping its
 tensors in the sum would train those samples twice.
 
+Folded contributions. A relay may fold its host's ranks (``flodl_worker.fold``): one
+frame whose tensors are the sum of theirs, whose weight is the sum of their weights and
+whose ``contributing_ranks`` names them. Which relay folds whom in the open round is the
+``FoldPlan`` (``folding``); a folded frame is accepted when its relay folds every rank
+it names, each of them is expected, and none is counted yet — it then credits every one
+of them. The sum cannot be un-mixed, so when one of its ranks dies before the round is
+done (or had died before the frame arrived: the race a ``FoldDrop`` could not win) the
+whole frame leaves the round, mass and tensors, and its other ranks are *excluded*:
+no longer waited for, not in the consensus's ``contributing_ranks``, but still sent the
+consensus, so that they acknowledge the round and keep their local weights and credit.
+
+After the division the outer optimizer (``outer``: SlowMo / Nesterov, identity by
+default) turns the consensus into the global the ranks receive.
+
 A round whose accepted mass is 0 answers ``weight = 0`` with elided tensors: every
 receiver keeps its local parameters (nothing was realized).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from flodl.wire import BadTensor, pack_round, pb, unpack_round
+from flodl.wire import BadTensor, bf16_to_f32, f32_to_bf16, pack_round, pb, unpack_round
+
+from .folding import FoldPlan
+from .outer import OuterError, OuterOptimizer
 
 __all__ = ["BusReducer", "RoundResult", "RoundRefused"]
+
+log = logging.getLogger("flodl.reducer")
 
 
 class RoundRefused(Exception):
@@ -46,24 +66,42 @@ class RoundResult:
     blobs: list
     total_weight: float
     contributors: tuple[int, ...]
+    excluded: tuple[int, ...] = ()  # sent the consensus, but their work is not in it
+
+
+@dataclass
+class _Part:
+    ranks: tuple[int, ...]  # one rank, or the ranks a relay folded
+    weight: float
+    arrays: list[np.ndarray] | None  # None when the weight is 0 (nothing to add)
 
 
 @dataclass
 class _Open:
     cycle: int
     expected: set[int]
-    got: dict[int, float] = field(default_factory=dict)  # rank -> weight
-    parts: dict[int, list[np.ndarray]] = field(default_factory=dict)  # rank -> weighted tensors
+    parts: dict[tuple[int, ...], _Part] = field(default_factory=dict)
+    counted: dict[int, tuple[int, ...]] = field(default_factory=dict)  # rank -> key of its part
+    gone: set[int] = field(default_factory=set)  # dropped (dead) during this round
+    excluded: set[int] = field(default_factory=set)  # alive, but their folded frame left
     shapes: tuple[tuple[int, ...], ...] | None = None
 
 
+def _bf16_round(a: np.ndarray) -> np.ndarray:
+    return bf16_to_f32(f32_to_bf16(a))
+
+
 class BusReducer:
-    def __init__(self, *, bf16_wire: bool = False) -> None:
+    def __init__(self, *, bf16_wire: bool = False, outer: OuterOptimizer | None = None) -> None:
         self.bf16_wire = bf16_wire
+        self.outer = outer or OuterOptimizer()
+        self.folds = FoldPlan()
         self._open: _Open | None = None
         self.rounds_completed = 0
         self.bytes_in = 0
         self.bytes_out = 0
+        self.folded_in = 0  # folded frames accepted
+        self.folds_discarded = 0  # folded frames dropped because one of their ranks died
 
     @property
     def open_cycle(self) -> int | None:
@@ -75,27 +113,44 @@ class BusReducer:
         return self._maybe_finish()
 
     def contribute(self, rank: int, header: pb.RoundHeader, blobs) -> RoundResult | None:
-        o = self._open
-        if o is None or header.cycle != o.cycle:
-            raise RoundRefused(f"rank {rank} sent cycle {header.cycle}, open cycle is {self.open_cycle}")
+        """One rank's own (unfolded) contribution."""
+        o = self._check_cycle(f"rank {rank}", header)
+        if rank in o.excluded:
+            raise RoundRefused(f"rank {rank} is excluded from cycle {o.cycle} (its relay's folded frame left the round)")
         if rank not in o.expected:
             raise RoundRefused(f"rank {rank} is not expected in cycle {o.cycle}")
-        if rank in o.got:
+        if rank in o.counted:
             raise RoundRefused(f"rank {rank} already contributed to cycle {o.cycle}")
-        try:
-            arrays = unpack_round(header, blobs)
-        except BadTensor as e:
-            raise RoundRefused(f"rank {rank}: {e}") from None
-        shapes = tuple(a.shape for a in arrays)
-        if o.shapes is None:
-            o.shapes = shapes
-        elif shapes != o.shapes:
-            raise RoundRefused(f"rank {rank}: tensor shapes differ from the cohort's")
-        w = float(header.weight)
-        if w > 0:
-            o.parts[rank] = arrays
-        o.got[rank] = w
-        self.bytes_in += sum(len(b) for b in blobs)
+        self._accept(o, (rank,), header, blobs, f"rank {rank}")
+        return self._maybe_finish()
+
+    def contribute_folded(self, relay: tuple, header: pb.RoundHeader, blobs) -> RoundResult | None:
+        """A relay's folded frame: credits every rank in ``header.contributing_ranks``."""
+        who = f"relay {relay[0][:32]!r}" if relay else "relay"
+        o = self._check_cycle(who, header)
+        ranks = tuple(sorted(header.contributing_ranks))
+        if not ranks:
+            raise RoundRefused(f"{who}: folded frame names no contributing ranks")
+        if len(set(ranks)) != len(ranks):
+            raise RoundRefused(f"{who}: folded frame names a rank twice")
+        for r in ranks:
+            if self.folds.relay_of(o.cycle, r) != relay:
+                raise RoundRefused(f"{who} does not fold rank {r} in cycle {o.cycle}")
+        dead = [r for r in ranks if r in o.gone]
+        if dead:
+            # The race: the fold left before the FoldDrop reached the relay. The dead
+            # rank's work cannot be taken out of the sum: the frame leaves the round.
+            self._exclude(o, ranks, f"rank {dead[0]} died after its relay's fold left")
+            return self._maybe_finish()
+        for r in ranks:
+            if r in o.excluded:
+                raise RoundRefused(f"{who}: rank {r} is excluded from cycle {o.cycle}")
+            if r not in o.expected:
+                raise RoundRefused(f"{who}: rank {r} is not expected in cycle {o.cycle}")
+            if r in o.counted:
+                raise RoundRefused(f"{who}: rank {r} is already counted in cycle {o.cycle}")
+        self._accept(o, ranks, header, blobs, who)
+        self.folded_in += 1
         return self._maybe_finish()
 
     def drop(self, rank: int) -> RoundResult | None:
@@ -104,28 +159,80 @@ class BusReducer:
         if o is None:
             return None
         o.expected.discard(rank)
-        o.got.pop(rank, None)
-        o.parts.pop(rank, None)
+        o.excluded.discard(rank)
+        o.gone.add(rank)
+        key = o.counted.get(rank)
+        if key is not None:
+            if len(key) == 1:
+                del o.counted[rank]
+                del o.parts[key]
+            else:
+                self._exclude(o, key, f"rank {rank} died before the round was done")
         return self._maybe_finish()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _check_cycle(self, who: str, header: pb.RoundHeader) -> _Open:
+        o = self._open
+        if o is None or header.cycle != o.cycle:
+            raise RoundRefused(f"{who} sent cycle {header.cycle}, open cycle is {self.open_cycle}")
+        if header.kind != pb.ROUND_KIND_MODEL or header.phase not in (
+            pb.ROUND_PHASE_PARAMS,
+            pb.ROUND_PHASE_UNSPECIFIED,
+        ):
+            raise RoundRefused(f"{who}: round phase {header.phase} kind {header.kind} is not a params round")
+        return o
+
+    def _accept(self, o: _Open, ranks: tuple[int, ...], header: pb.RoundHeader, blobs, who: str) -> None:
+        try:
+            arrays = unpack_round(header, blobs)
+        except BadTensor as e:
+            raise RoundRefused(f"{who}: {e}") from None
+        shapes = tuple(a.shape for a in arrays)
+        if o.shapes is None:
+            o.shapes = shapes
+        elif shapes != o.shapes:
+            raise RoundRefused(f"{who}: tensor shapes differ from the cohort's")
+        w = float(header.weight)
+        o.parts[ranks] = _Part(ranks, w, arrays if w > 0 else None)
+        for r in ranks:
+            o.counted[r] = ranks
+        self.bytes_in += sum(len(b) for b in blobs)
+
+    def _exclude(self, o: _Open, ranks: tuple[int, ...], why: str) -> None:
+        """A folded frame leaves the round; its surviving ranks are excluded."""
+        o.parts.pop(ranks, None)
+        for r in ranks:
+            o.counted.pop(r, None)
+            if r not in o.gone:
+                o.expected.discard(r)
+                o.excluded.add(r)
+        self.folds_discarded += 1
+        log.warning(
+            "cycle %d: folded contribution of ranks %s discarded (%s); %s keep their local weights",
+            o.cycle, list(ranks), why, sorted(set(ranks) - o.gone) or "none",
+        )
 
     def _maybe_finish(self) -> RoundResult | None:
         o = self._open
-        if o is None or not o.expected.issubset(o.got.keys()):
+        if o is None or not o.expected.issubset(o.counted.keys()):
             return None
         self._open = None
-        contributors = tuple(sorted(o.got))
-        to = contributors
-        total = float(sum(o.got.values()))
-        if total > 0 and o.parts:
+        contributors = tuple(sorted(o.counted))
+        excluded = tuple(sorted(o.excluded))
+        to = tuple(sorted(set(contributors) | o.excluded))
+        total = float(sum(p.weight for p in o.parts.values()))
+        weighted = [p for _, p in sorted(o.parts.items()) if p.arrays is not None]
+        if total > 0 and weighted:
             # f32 accumulation in rank order (deterministic), one division at the end.
-            ranks = sorted(o.parts)
-            consensus = [np.array(t, dtype=np.float32, copy=True) for t in o.parts[ranks[0]]]
-            for r in ranks[1:]:
-                for acc, t in zip(consensus, o.parts[r]):
+            consensus = [np.array(t, dtype=np.float32, copy=True) for t in weighted[0].arrays]
+            for p in weighted[1:]:
+                for acc, t in zip(consensus, p.arrays):
                     acc += t
             inv = np.float32(total)
             for acc in consensus:
                 acc /= inv
+            consensus = self._outer_step(o.cycle, consensus)
         else:
             total = 0.0
             consensus = [np.zeros(s, dtype=np.float32) for s in (o.shapes or ())]
@@ -138,4 +245,15 @@ class BusReducer:
         )
         self.rounds_completed += 1
         self.bytes_out += sum(len(b) for b in blobs) * len(to)
-        return RoundResult(o.cycle, to, header, blobs, total, contributors)
+        return RoundResult(o.cycle, to, header, blobs, total, contributors, excluded)
+
+    def _outer_step(self, cycle: int, consensus: list[np.ndarray]) -> list[np.ndarray]:
+        if not self.outer.enabled:
+            return consensus
+        quantize = _bf16_round if self.bf16_wire else None
+        try:
+            return self.outer.step(cycle, consensus, quantize=quantize)
+        except OuterError as e:
+            log.error("outer optimizer state reset: %s", e)
+            self.outer.reset()
+            return self.outer.step(cycle, consensus, quantize=quantize)

@@ -75,6 +75,7 @@ class AgentConfig:
     trace_dir: str | None = None
     relay_bind: str | None = None  # None: ipc:// in a private temporary directory
     no_relay: bool = False
+    fold: bool = True  # the relay folds the host's averaging rounds (False: --no-fold)
     term_timeout_s: float = 10.0
 
     @property
@@ -234,7 +235,7 @@ class Agent:
             self.tmpdir = tempfile.mkdtemp(prefix="flodl-")  # 0700: only this user can dial it
             bind = f"ipc://{self.tmpdir}/relay.sock"
         argv = [sys.executable, "-m", "flodl_worker", "relay", "--coordinator", self.cfg.coordinator,
-                "--bind", bind, "--host", self.cfg.host_name]
+                "--bind", bind, "--host", self.cfg.host_name] + ([] if self.cfg.fold else ["--no-fold"])
         self.relay = child = self._spawn("relay", argv, dict(os.environ, PYTHONUNBUFFERED="1"), None)
         fd = child.proc.stdout.fileno()
         deadline = time.monotonic() + RELAY_READY_TIMEOUT_S

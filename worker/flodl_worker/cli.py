@@ -104,13 +104,16 @@ def _parser() -> _Parser:
     g.add_argument("--relay-bind", metavar="URL", type=_endpoint, default=None,
                    help="relay frontend endpoint (default ipc:// in a private temp dir; tcp port 0 = any)")
     g.add_argument("--no-relay", action="store_true", help="ranks dial the coordinator directly")
+    a.add_argument("--no-fold", action="store_true",
+                   help="the relay forwards averaging rounds untouched instead of folding them into one")
     a.add_argument("--term-timeout", metavar="SECONDS", type=_nonneg_float, default=10.0,
                    help="seconds ranks get after SIGTERM before SIGKILL (default 10)")
 
     r = sub.add_parser(
         "relay",
-        help="forward this host's ranks to the coordinator (a steerable ZeroMQ proxy)",
+        help="forward this host's ranks to the coordinator, folding their averaging rounds",
         description="Frontend ROUTER bound for the host's ranks, backend DEALER to the coordinator. "
+        "Folds the host's averaging rounds into one frame upstream (unless --no-fold). "
         "Prints 'RELAY_READY <endpoint>' on stdout once bound. SIGTERM: clean exit 0.",
     )
     r.add_argument("--coordinator", metavar="URL", type=_endpoint, default=env.get("FLODL_COORDINATOR") or None,
@@ -119,6 +122,8 @@ def _parser() -> _Parser:
                    help="frontend endpoint for local ranks: tcp://127.0.0.1:PORT (0 = any) or ipc://PATH")
     r.add_argument("--host", metavar="NAME", default=env.get("FLODL_HOST") or None,
                    help="logical host name, used in the relay's identity (default the hostname)")
+    r.add_argument("--no-fold", action="store_true",
+                   help="forward averaging rounds untouched (default: fold the host's ranks into one frame)")
     return p
 
 
@@ -139,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("relay takes no command after --")
         from .relay import run_relay
 
-        return run_relay(args.coordinator, args.bind, args.host)
+        return run_relay(args.coordinator, args.bind, args.host, fold=not args.no_fold)
 
     from .agent import AgentConfig, run_agent, slowdown_for
 
@@ -165,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         trace_dir=os.path.abspath(args.trace_dir) if args.trace_dir else None,
         relay_bind=args.relay_bind,
         no_relay=args.no_relay,
+        fold=not args.no_fold,
         term_timeout_s=args.term_timeout,
     )
     return run_agent(cfg)

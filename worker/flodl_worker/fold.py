@@ -1,0 +1,231 @@
+"""The relay's fold: its host's ranks' round frames summed into one frame upstream.
+
+Theory of operation
+-------------------
+Pure state, no sockets: the relay loop (``relay``) hands it the coordinator's
+``RelayMsg`` and every message a rank sends, and sends what it returns.
+
+* ``FoldOpen{cycle, ranks, identities}`` (coordinator): expect one params ``round`` of
+  ``cycle`` from each of these ranks, each from its own frontend routing id. The
+  coordinator sends it before the ranks' ``RequestParams`` on the same FIFO pipe, so
+  no rank of the fold can answer before the relay knows the fold.
+* ``offer(message)`` (a rank): when no fold is open, or the sender's routing id is not
+  one the fold still waits for, the message is *not looked at* -- the relay forwards it
+  as it came; control traffic pays one dict lookup. Otherwise the envelope (~100 bytes)
+  is parsed; a ``round`` of the fold's cycle from the rank that id belongs to is *kept*
+  (the raw frames, nothing decoded yet), anything else is forwarded.
+* Per-rank parts are kept until the expected set is complete, so that a ``FoldDrop``
+  (the coordinator saw the rank die) removes exactly that rank's part and the rest then
+  flushes: a death mid-fold never blocks the round.
+* Flush: parts in rank order, decoded with ``unpack_round`` (f32 or bf16 on the wire),
+  summed in f32 (each part already carries params x w); one frame with weight = sum w
+  and ``contributing_ranks`` = the ranks folded, in the parts' wire dtype (bf16 stays
+  bf16: the sum is rounded once more on the way up, accumulation is still f32). A
+  part that does not decode is forwarded raw instead (the coordinator refuses it with
+  the reason and counts it) and is not in the fold.
+* A fold superseded by a newer ``FoldOpen`` is discarded: the coordinator abandoned that
+  round. ``release`` (shutdown) hands back the raw messages of a fold in progress:
+  forwarded untouched they are still valid individual contributions.
+
+Zero-weight parts (a rank that did no work: elided tensors) add nothing but are named
+in ``contributing_ranks``, like the coordinator's own reducer does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from flodl.wire import BadTensor, Endpoint, WireError, decode, pack_round, pb, unpack_round
+
+__all__ = ["Folder"]
+
+log = logging.getLogger("flodl.relay.fold")
+
+Message = list  # [routing id, b"", envelope, blob...] as received on the frontend
+
+
+@dataclass
+class _Part:
+    header: pb.RoundHeader
+    message: Message
+
+
+@dataclass
+class _Fold:
+    cycle: int
+    want: dict[bytes, int]  # routing id -> rank, for the parts not in yet
+    parts: dict[int, _Part] = field(default_factory=dict)
+    shapes: Optional[tuple] = None
+
+
+def _shapes(header: pb.RoundHeader) -> tuple:
+    return tuple(tuple(m.shape) for m in header.tensors)
+
+
+class Folder:
+    def __init__(self, identity: str) -> None:
+        # The folded frames are this relay's own: a sender key of their own (the relay's
+        # unique identity, not the host name, so that two relays on one host never share
+        # a sequence), and the session the coordinator's FoldOpen named.
+        self.endpoint = Endpoint("", pb.Sender.KIND_RELAY, host=identity, incarnation=secrets.randbits(63))
+        self._fold: Optional[_Fold] = None
+        self.folds_sent = 0
+        self.ranks_folded = 0
+        self.parts_forwarded = 0  # parts that could not be folded and went up raw
+        self.folds_discarded = 0
+        self._logged: set[str] = set()
+
+    def _log_once(self, key: str, fmt: str, *args) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning(fmt, *args)
+
+    @property
+    def active(self) -> bool:
+        """True while some rank's round is still awaited (only then is ``offer`` needed)."""
+        return self._fold is not None and bool(self._fold.want)
+
+    # -- coordinator -> relay -----------------------------------------------------------
+
+    def on_coordinator(self, payload: list) -> list[Message]:
+        """Apply a ``[envelope]`` the coordinator sent the relay; returns frames for upstream."""
+        try:
+            d = decode(payload, session=None)
+        except WireError as e:
+            self._log_once(e.reason, "dropped a frame from the coordinator: %s", e)
+            return []
+        env = d.envelope
+        if env.sender.kind != pb.Sender.KIND_COORDINATOR or d.kind != "relay":
+            self._log_once(f"unexpected:{d.kind}", "the coordinator sent the relay a %r frame: ignored", d.kind)
+            return []
+        msg = env.relay
+        which = msg.WhichOneof("msg")
+        if which == "fold_open":
+            self.endpoint.session = env.session
+            return self._open(msg.fold_open)
+        if which == "fold_drop":
+            return self._drop(msg.fold_drop.cycle, msg.fold_drop.rank)
+        log.info("coordinator says %s: nothing to do", which)
+        return []
+
+    def _open(self, m: pb.RelayMsg.FoldOpen) -> list[Message]:
+        old = self._fold
+        if old is not None and (old.want or old.parts):
+            self.folds_discarded += 1
+            log.warning("fold of cycle %d superseded by cycle %d: its %d part(s) discarded",
+                        old.cycle, m.cycle, len(old.parts))
+        self._fold = None
+        if len(m.ranks) != len(m.identities) or len(set(m.identities)) != len(m.identities):
+            log.warning("FoldOpen for cycle %d is malformed (ranks and identities disagree): not folding", m.cycle)
+            return []
+        if m.ranks:
+            self._fold = _Fold(cycle=m.cycle, want={bytes(i): int(r) for r, i in zip(m.ranks, m.identities)})
+        return []
+
+    def _drop(self, cycle: int, rank: int) -> list[Message]:
+        f = self._fold
+        if f is None or f.cycle != cycle:
+            return []  # that fold already left (the coordinator deals with the race)
+        f.want = {i: r for i, r in f.want.items() if r != rank}
+        f.parts.pop(rank, None)
+        return self._maybe_flush()
+
+    # -- rank -> relay ------------------------------------------------------------------
+
+    def offer(self, message: Message) -> tuple[bool, list[Message]]:
+        """(kept, upstream): ``kept`` False means forward ``message`` as it came."""
+        f = self._fold
+        if f is None or not f.want or len(message) < 3:
+            return False, []
+        identity = bytes(message[0])
+        rank = f.want.get(identity)
+        if rank is None or len(message[1]) != 0:
+            return False, []
+        env = pb.Envelope()
+        try:
+            env.ParseFromString(bytes(message[2]))
+        except (DecodeError, ValueError, RuntimeError):
+            return False, []
+        if env.WhichOneof("body") != "round":
+            return False, []
+        h = env.round
+        if (
+            env.sender.kind != pb.Sender.KIND_RANK
+            or env.sender.rank != rank
+            or h.cycle != f.cycle
+            or h.kind != pb.ROUND_KIND_MODEL
+            or h.phase != pb.ROUND_PHASE_PARAMS
+            or len(h.contributing_ranks) > 0
+        ):
+            return False, []
+        shapes = _shapes(h)
+        if env.blob_count != len(message) - 3 or (f.shapes is not None and shapes != f.shapes):
+            # Broken or foreign-shaped: up it goes, raw, for the coordinator to refuse
+            # with its reason; the fold stops waiting for it.
+            log.warning("cycle %d: rank %d's round does not fit the fold; forwarded as is", f.cycle, rank)
+            self.parts_forwarded += 1
+            del f.want[identity]
+            return False, self._maybe_flush()
+        f.shapes = f.shapes or shapes
+        del f.want[identity]
+        f.parts[rank] = _Part(h, message)
+        return True, self._maybe_flush()
+
+    def release(self) -> list[Message]:
+        """Shutdown: the raw messages of a fold in progress (still valid on their own)."""
+        f, self._fold = self._fold, None
+        return [] if f is None else [f.parts[r].message for r in sorted(f.parts)]
+
+    # -- flush --------------------------------------------------------------------------
+
+    def _maybe_flush(self) -> list[Message]:
+        f = self._fold
+        if f is None or f.want:
+            return []
+        self._fold = None
+        if not f.parts:
+            return []
+        out: list[Message] = []
+        acc: Optional[list[np.ndarray]] = None
+        ranks: list[int] = []
+        weights: list[float] = []
+        bf16 = False
+        for r in sorted(f.parts):
+            part = f.parts[r]
+            h = part.header
+            bf16 = bf16 or any(m.dtype == pb.DTYPE_BF16 for m in h.tensors)
+            if h.weight > 0:
+                try:
+                    arrays = unpack_round(h, part.message[3:])
+                except BadTensor as e:
+                    log.warning("cycle %d: rank %d's round does not decode (%s); forwarded as is", f.cycle, r, e)
+                    self.parts_forwarded += 1
+                    out.append(part.message)
+                    continue
+                if acc is None:
+                    acc = [a.copy() if not a.flags.writeable else a for a in arrays]
+                else:
+                    for s, a in zip(acc, arrays):
+                        s += a
+            elif not math.isfinite(h.weight) or h.weight < 0:
+                out.append(part.message)
+                continue
+            ranks.append(r)
+            weights.append(float(h.weight))
+        if not ranks:
+            return out
+        total = math.fsum(weights)
+        if acc is None:  # every folded rank did no work: the schema alone, elided
+            acc = [np.broadcast_to(np.float32(0), s) for s in f.shapes or ()]
+        header, blobs = pack_round(acc, cycle=f.cycle, weight=total, bf16=bf16, contributing_ranks=ranks)
+        out.append(self.endpoint.frames("round", header, blobs))
+        self.folds_sent += 1
+        self.ranks_folded += len(ranks)
+        return out
