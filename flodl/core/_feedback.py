@@ -93,7 +93,7 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
     verdict = cad.guard.report(evidence, sum(window), max(window, default=0))
     nudge = _observe_meta(cad, verdict)
     el.apply_verdict(verdict)
-    cad.overshoot.on_verdict(verdict, POLICY)
+    cad.overshoot.on_verdict(verdict, st.config.policy)  # moves only under Async
     cad.ledger.reset_timing()
     cad.ledger.reset_steps()
     round_ms = max(0.0, st.now - rs.opened_at) * 1000.0
@@ -131,7 +131,9 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
 
 def summary(cad: CadenceState) -> dict[str, Any]:
     """``{anchor, anchor_rank, counts, phase, calibration_count, guard, last_verdict,
-    exposed_sync_s}`` (the last: total time open rounds delayed the next window)."""
+    exposed_sync_s, max_overshoot}`` (exposed: total time open rounds delayed the next
+    window; max_overshoot: the Async look-ahead in batches, fixed at its initial value
+    otherwise)."""
     el = cad.elche
     return {
         "anchor": el.anchor,
@@ -142,4 +144,5 @@ def summary(cad: CadenceState) -> dict[str, Any]:
         "guard": getattr(cad.guard, "name", type(cad.guard).__name__),
         "last_verdict": cad.last_verdict,
         "exposed_sync_s": cad.exposed_s,
+        "max_overshoot": cad.overshoot.max_overshoot,
     }

@@ -1,0 +1,232 @@
+"""Async policy (bus plane): Cadence windows with a bounded overshoot, streaming across epochs.
+
+Theory of operation
+-------------------
+Async is Cadence (``_cadence``) with two barriers relaxed (spec §2.1, §3.9, §4.4-4.5,
+§5.6); the rank blends the consensus elastically instead of overwriting
+(``flodl_worker.averaging``: EASGD ``theta <- theta + alpha (consensus - theta)`` when
+``RunSpec.policy`` is Async and ``0 < easgd_alpha < 1``; ``easgd_alpha`` defaults to 0.5).
+Everything else -- ElChe calibration and feedback (``_feedback``), the chunk pools and
+their reservation spans, the firing gate, deaths -- is Cadence's, which is why this is a
+subclass of :class:`~flodl.core._cadence.CadenceDispatcher` and not a second engine:
+the Cadence helpers read the run's policy for the two things that differ, so they
+behave as Async here:
+
+* **Reduce barrier** (``_overshoot.reduce_step_budget``): a rank may run
+  ``counts[r] + max_overshoot`` steps past the last trigger (Cadence: ``counts[r]``);
+  the look-ahead starts at 3 and moves with the guard's verdicts (Stable widens it by
+  one up to 15, NudgeDown resets it, ``OvershootBudget``). Only there is a rank held:
+  never by a ``Throttle`` at a trigger (the policy is progressive), never to wait for
+  a round to finish, never at an epoch end.
+* **Chunk sizing** (``_chunk_pool.compute_chunk_batches`` with ``barrier_paced=False``):
+  no final-window plan; an uncalibrated probe chunk, then a chunk proportional to the
+  rank's share of what is left, floored at 4 batches, always capped to what is left of
+  its budget -- so a chunk never crosses the reduce barrier.
+
+The gate is Cadence's (every alive rank ran its window ``counts[r]`` since the last
+trigger, or is throttled, or has no work left; no round open): the fast rank does not
+wait for it, it keeps training into its overshoot while the slow rank finishes, and the
+round overlaps the next window as under Cadence (at the trigger every idle rank gets its
+next chunk, as a ``StartEpoch`` sent before its ``RequestParams``). Async does not fold
+the next chunk into the ``Update`` (spec §5.4: atomic dispatch is Cadence's): nobody
+waits for the ``Update``, so there is nothing to save.
+
+**Streaming across epochs** (spec §2.1 "epochs are data-coverage labels, not sync
+events", §4.5). An idle rank (nothing in flight, not at its reduce barrier, not
+throttled) draws its next chunk from the *oldest* live epoch with work left -- a dead
+rank's reclaimed holes in an older epoch go first -- and, when every live epoch is
+handed out, from the next epoch, which it opens on the spot (``_open``: coverage,
+ledgers and a pool with reservation spans from the current counts, a
+``Notice("epoch_opened")``). Coverage stays exactly once per epoch because nothing about
+commits changes: a position is committed when the round that folds its step finishes
+(``_coverage``), and an epoch is aggregated -- in order, by ``_metrics`` -- only once
+every one of its positions is committed; several epochs may be live at once, each with
+its own pool and bitmap. A rank's current epoch (``dispatch.rank_epoch``) follows the
+chunk it was last given, and may go back to an older epoch for a reclaimed hole; its
+batches are checked against it as ever (a rank has one chunk in flight, so its batches
+of one epoch are all reported before it is given another). ``_run.advance`` still
+dispatches the run's first epoch (0, or the resumed one) through Cadence's
+``dispatch_epoch``; later epochs are normally opened by streaming, so it finds them
+dispatched already -- and if it does reach one, it is opened the same way (``_open``
+then the wake), never by handing every rank a window past its reduce barrier.
+
+Wake rule (why nothing deadlocks): after every batch, trigger, finished round and death
+every alive rank that is idle is offered a chunk from the oldest epoch with work, else
+from a new epoch (while ``num_epochs`` is not reached). A rank is therefore idle only at
+its reduce barrier (its steps >= its count: it cannot block the gate, and the trigger
+releases it) or when no epoch has work left (quiesced: it cannot block the gate either).
+
+The round's exposed cost fed to ElChe (``CadenceState.barrier_at``) is Cadence's on
+purpose: the moment every rank has run its window while the round is still open. A
+rank is not idle yet then (it runs its look-ahead), but rounds slower than a window
+leave the fastest rank -- whose look-ahead is the shortest in time -- waiting at its
+budget, so the anchor should grow until a window hides the round, exactly as under
+Cadence. (Measuring only the time when *no* rank can train was tried: it never grows
+the anchor while the fast rank alone waits, and lost in the simulator.)
+
+What is not done here (on purpose): callback slack is not staged for an epoch opened by
+streaming (the callbacks of ``EpochAggregated`` land mid-window; Cadence's staging
+assumes an epoch barrier). Checkpoints work as they are: the one taken when epoch ``e``
+aggregates records the committed ranges of the epoch already streamed into (``e + 1``),
+which a resume dispatches only the holes of; but should ``e + 2`` be open too (``e + 1``
+drained before ``e`` aggregated: epochs shorter than two windows), a resume rebuilds
+only ``e + 1`` (``_checkpointing.apply_resume``) and retrains what ``e + 2`` committed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from flodl.wire import pb
+
+from . import _averaging, _cadence, _coverage, _dispatch, _feedback
+from ._cadence import (
+    CadenceDispatcher,
+    _budget,
+    _check_throttle,
+    _held,
+    _note_barrier,
+    _send_plan,
+    _take,
+    chunk_batches,
+    window_steps,
+)
+from ._commands import Command, Notice
+from ._events import BatchDone
+from ._state import TRAINING, CoordinatorState
+
+__all__ = ["AsyncDispatcher", "ASYNC", "source_epoch", "live_epochs", "wake"]
+
+POLICY = "async"
+
+
+def live_epochs(st: CoordinatorState) -> list[int]:
+    """Epochs with a pool that are not aggregated yet, oldest first."""
+    cov = st.coverage.epochs
+    return [e for e in sorted(st.cadence.pools) if e in cov and not cov[e].frozen]
+
+
+def source_epoch(st: CoordinatorState) -> Optional[int]:
+    """The epoch an idle rank draws from: the oldest live epoch with work left, else the
+    next epoch (to be opened; None past ``num_epochs`` or before epoch 0 exists)."""
+    pools = st.cadence.pools
+    for e in live_epochs(st):
+        if pools[e].remaining() > 0:
+            return e
+    last = st.dispatch.last_dispatched
+    if last is None or last + 1 >= st.config.num_epochs:
+        return None
+    return last + 1
+
+
+def _open(st: CoordinatorState, epoch: int, rank: int, out: list[Command]) -> None:
+    """Open ``epoch`` for streaming: what Cadence's ``dispatch_epoch`` sets up, minus the
+    epoch barrier (no rank is moved, no window is started, older live epochs stay)."""
+    cad, d = st.cadence, st.dispatch
+    total = _dispatch.epoch_samples(st.total_samples, 1, epoch)
+    _dispatch.announce_role(st, out)
+    _coverage.open_epoch(st.coverage, epoch, total)
+    d.assigned.setdefault(epoch, {})
+    d.reported.setdefault(epoch, {})
+    d.last_dispatched = epoch
+    d.dispatched_at.setdefault(epoch, st.now)
+    cad.elche.set_max_total_batches(total // st.config.batch_size)
+    cov, current = st.coverage.epochs, {d.rank_epoch.get(r) for r in st.alive_ranks()}
+    for old in [e for e in cad.pools if e in cov and cov[e].frozen and e not in current]:
+        del cad.pools[old]  # aggregated, and nobody's current epoch any more
+    cad.pools[epoch] = CadenceDispatcher._new_pool(st, epoch, total)
+    out.append(Notice("epoch_opened", {"epoch": epoch, "rank": rank, "live_epochs": live_epochs(st)}))
+
+
+def _dispatch_next(st: CoordinatorState, rank: int, out: list[Command]) -> bool:
+    """Give the idle rank its next chunk from ``source_epoch`` (see the module doc)."""
+    if _held(st, rank) is not None:
+        return False
+    epoch = source_epoch(st)
+    if epoch is None:
+        return False
+    if epoch not in st.cadence.pools:
+        _open(st, epoch, rank, out)
+    pool = st.cadence.pools[epoch]
+    left = max(1, _budget(st, rank) - window_steps(st, rank))  # never cross the reduce
+    n = chunk_batches(st, rank, epoch)
+    n = min(n, left) if n > 0 else min(left, -(-pool.remaining() // st.config.batch_size))
+    got = _take(st, rank, epoch, n)
+    if got is None:
+        return False
+    _send_plan(st, rank, epoch, got, out)
+    return True
+
+
+def wake(st: CoordinatorState, out: list[Command]) -> None:
+    """Offer every idle alive rank its next chunk (rank order: deterministic)."""
+    if st.run.phase is not TRAINING or st.dispatch.last_dispatched is None:
+        return
+    for r in st.alive_ranks():
+        _dispatch_next(st, r, out)
+
+
+class AsyncDispatcher(CadenceDispatcher):
+    """Cadence with the overshoot budget and epoch streaming (see the module doc)."""
+
+    progressive = True
+
+    def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
+        if st.dispatch.last_dispatched is None:  # the run's first (or resumed) epoch
+            super().dispatch_epoch(st, epoch, out)
+            return
+        # ``advance`` reaches a later epoch only when nobody streamed into it (every rank
+        # was at its reduce barrier when the last epoch drained): open it like a stream,
+        # so the barrier still holds whoever is at it.
+        _open(st, epoch, -1, out)
+        wake(st, out)
+
+    def reassign(self, st: CoordinatorState, rank: int, out: list[Command]) -> None:
+        # Cadence's: the dead rank's uncommitted positions reopen in every live pool;
+        # then survivors are woken from the oldest epoch with work.
+        super().reassign(st, rank, out)
+        wake(st, out)
+
+    def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
+        # Cadence's bookkeeping, with this module's wake (oldest epoch first, streaming).
+        cad, r = st.cadence, ev.rank
+        cad.ledger.record_batch(r, ev.batch_ms, ev.data_ms)
+        cad.ledger.record_batch_loss(r, ev.loss)
+        if ev.lr > 0.0:
+            cad.last_lr[r] = ev.lr
+        pool = cad.pools.get(ev.epoch)
+        if pool is not None and ev.samples > 0:
+            pool.mark_completed(r, ev.samples)
+        _check_throttle(st, r, out)
+        chunk = cad.in_flight.get(r)
+        if chunk is not None and chunk[0] == ev.epoch and (pool is None or pool.in_flight(r) == 0):
+            del cad.in_flight[r]
+            wake(st, out)
+        _note_barrier(st)
+
+    def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None:
+        cad = st.cadence
+        for r in ranks:  # the next window starts here (as under Cadence)
+            cad.window_mark[r] = st.ranks[r].last_step
+        cad.barrier_at = None
+        wake(st, out)  # before the RequestParams (the caller's): the round overlaps training
+
+    def on_round_finished(
+        self, st: CoordinatorState, ranks: list[int], out: list[Command]
+    ) -> dict[int, pb.EpochPlan]:
+        cad = st.cadence
+        live = live_epochs(st)
+        epoch = live[0] if live else st.dispatch.last_dispatched
+        _feedback.finish_window(st, epoch, out)
+        cad.throttled.clear()
+        if epoch is not None:
+            cad.averages[epoch] = cad.averages.get(epoch, 0) + 1
+        return {}  # no atomic dispatch: nobody waits for the Update
+
+    def after_round(self, st: CoordinatorState, out: list[Command]) -> None:
+        wake(st, out)
+
+
+ASYNC = AsyncDispatcher()
+_dispatch.DISPATCHERS[POLICY] = ASYNC
+_averaging.GATES[POLICY] = _cadence.cadence_gate
