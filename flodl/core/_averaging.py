@@ -6,6 +6,7 @@ A round has two phases (``TRANSITIONS``)::
 
     IDLE --trigger--> PENDING --finish--> IDLE
                       PENDING --stall---> IDLE   (the run then ends: ReduceStall)
+                      PENDING --abandon-> IDLE   (the coordinator restarted: ``_resync``)
 
 Gate (``should_average``, §5.2 for Sync): fires when no round is pending, the run is
 training, at least one rank is ACTIVE, and every ACTIVE rank either has stepped since
@@ -69,6 +70,7 @@ TRANSITIONS: dict[tuple[Any, str], Any] = {
     (IDLE, "trigger"): PENDING,
     (PENDING, "finish"): IDLE,
     (PENDING, "stall"): IDLE,
+    (PENDING, "abandon"): IDLE,
 }
 
 

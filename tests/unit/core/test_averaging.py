@@ -125,7 +125,12 @@ def test_pending_round_blocks_the_gate():
 
 
 def test_round_transition_table():
-    assert TRANSITIONS == {(IDLE, "trigger"): PENDING, (PENDING, "finish"): IDLE, (PENDING, "stall"): IDLE}
+    assert TRANSITIONS == {
+        (IDLE, "trigger"): PENDING,
+        (PENDING, "finish"): IDLE,
+        (PENDING, "stall"): IDLE,
+        (PENDING, "abandon"): IDLE,  # a coordinator restart (_resync)
+    }
 
 
 def test_ack_stale_cycle_ignored():

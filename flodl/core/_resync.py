@@ -1,0 +1,408 @@
+"""Coordinator restart: the ranks resynchronise with a coordinator rebuilt from its journal.
+
+Theory of operation
+-------------------
+The service journals every event before stepping it, so a coordinator killed at any
+point and restarted on its journal replays to the exact state it had: every command it
+ever sent is derived from that state. What the crash loses are *frames*, both ways: the
+ranks' frames the dead process had not journaled yet (batch reports, metrics, acks,
+round contributions), and the commands and consensus frames it had not delivered yet
+(plans, an ``Update``, ``RequestParams``, the final ``ExecuteEval``...). Two events close
+the gap; both are journaled and pure, so a journal holding a restart replays too.
+
+``CoordinatorRestarted`` (fed by the restarted service right after the replay):
+
+* every addressable rank gets a fresh liveness grace: its last frame is from before the
+  crash, and it needs time to reconnect;
+* an open averaging round is *abandoned* (``PENDING --abandon--> IDLE``): its
+  contributions lived only in the dead process's reducer. Acks it already got stay
+  folded (their batches are committed: those ranks applied a consensus holding them);
+  the rest of the window is folded by the next round, which the gate opens normally;
+* the beacon timer is reset, so every rank hears the new incarnation at the next tick;
+* every ACTIVE rank is *awaiting* resync; a JOINING rank gets its ``hello_ack`` again
+  (a lost ack would otherwise leave it waiting; the rank drops a duplicate).
+
+The run goes on while ranks are awaiting (the gate may open a round at once, epochs may
+be dispatched): nothing the core decides after the restart depends on what it lost,
+only on what it knows, and what it learns late is reconciled below. While a rank is
+awaiting, ``note_sent`` records the commands this incarnation sends it that its report
+may not reflect yet (plans, evals, shutdowns), with their ``command_id``.
+
+``RankResynced`` (the rank's ``Timing.Resync``, sent once when it first hears the new
+incarnation, before handling that frame): the rank's own account of what the
+coordinator may have lost. Applied in this order:
+
+1. its ``folded_step`` beyond the core's is an ack the crash swallowed: the rank applied
+   a consensus holding its batches up to that step, so they are committed;
+2. the positions the core believes are the rank's and not committed, minus the batches
+   it knows or the rank reports as trained, minus what the rank still holds, minus the
+   plans sent after its ``last_command_id`` (still in flight to it) were *lost* with a
+   plan frame: they are re-sent to the same rank as ``ExtendPartition`` (the ledgers of
+   every dispatcher already say the rank owns them; only the message was lost);
+3. the reported batches the core never heard of are ingested in step order as if their
+   ``BatchDone`` had arrived (a batch outside the rank's assignment is skipped and
+   counted, never raised: the event as a whole is legal);
+4. finished chunks whose ``Metrics`` the core lacks become ``ChunkDone``s;
+5. a throttled rank no open round will release gets an ``Update`` (no plan) -- its
+   round died with the old process, or the ``Update`` that ended it was lost;
+6. an unanswered eval or a ``Shutdown`` it should have received is sent again (unless
+   this incarnation already sent it one the report does not reflect yet).
+
+The lost set is computed before anything is ingested, so a chunk the dispatcher hands
+out while ingesting (the rank finished its chunk) is never mistaken for a lost one.
+Frames queued by the ranks during the outage are delivered after reconnect; frames of
+the old incarnation reach a rank before any of the new one (one connection after the
+other), so ``last_command_id`` splits the commands cleanly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from flodl.wire import pb
+
+from . import _averaging, _coverage, _dispatch, _membership, _metrics
+from ._commands import Command, Notice, Reply, Send
+from ._errors import RankViolation
+from ._events import EVENT_TYPES, BatchDone, ChunkDone, Event
+from ._run import FINAL_SCHEDULE_ID
+from ._state import (
+    ACTIVE,
+    FINAL_EVAL,
+    JOINING,
+    PENDING,
+    SHUTTING_DOWN,
+    STOPPING,
+    CoordinatorState,
+)
+
+__all__ = [
+    "CoordinatorRestarted",
+    "RankResynced",
+    "on_restarted",
+    "on_resynced",
+    "note_sent",
+    "lost_positions",
+    "summary",
+]
+
+# Batch tuple: (step_count, epoch, offset, samples, batch_ms, data_ms, loss, lr)
+# Chunk tuple: (epoch, chunk_seq, batches, samples, avg_loss, epoch_ms,
+#               share_complete_ms, compute_only_ms, data_starve_ms)
+_PLAN_KINDS = ("start_epoch", "update", "extend_partition")
+_RESEND_KINDS = ("execute_eval", "shutdown", "shutdown_with_save")
+
+
+def _tuples(v: Any) -> Any:
+    return tuple(_tuples(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorRestarted(Event):
+    """The service restarted on its journal (after replaying it). ``incarnation`` is the
+    new process's (informational)."""
+
+    incarnation: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankResynced(Event):
+    """A rank's ``Timing.Resync``: what a restarted coordinator may have lost.
+
+    ``batches``: ``(step_count, epoch, offset, samples, batch_ms, data_ms, loss, lr)``
+    for every step after ``folded_step``; ``held``: ``(epoch, offset, size)`` not trained
+    yet, in order; ``chunks``: finished chunks ``(epoch, chunk_seq, batches, samples,
+    avg_loss, epoch_ms, share_complete_ms, compute_only_ms, data_starve_ms)``.
+    """
+
+    rank: int
+    last_command_id: int = 0
+    local_step: int = 0
+    folded_step: int = 0
+    throttled: bool = False
+    idle: bool = False
+    batches: tuple[tuple, ...] = ()
+    held: tuple[tuple[int, int, int], ...] = ()
+    chunks: tuple[tuple, ...] = ()
+
+    def __post_init__(self) -> None:  # a journal record holds lists: make them tuples
+        for name in ("batches", "held", "chunks"):
+            object.__setattr__(self, name, _tuples(getattr(self, name)))
+
+
+for _cls in (CoordinatorRestarted, RankResynced):
+    EVENT_TYPES.setdefault(_cls.__name__, _cls)
+
+
+# -- range arithmetic ----------------------------------------------------------------------
+
+
+def _subtract(ranges: list[tuple[int, int]], cuts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``ranges`` (in order) outside every cut."""
+    spans = sorted((o, o + n) for o, n in cuts if n > 0)
+    out: list[tuple[int, int]] = []
+    for off, size in ranges:
+        pos, end = off, off + size
+        for a, b in spans:
+            if b <= pos or a >= end:
+                continue
+            if a > pos:
+                out.append((pos, a - pos))
+            pos = max(pos, b)
+            if pos >= end:
+                break
+        if pos < end:
+            out.append((pos, end - pos))
+    return out
+
+
+def lost_positions(st: CoordinatorState, ev: RankResynced) -> list[tuple[int, int, int]]:
+    """``(epoch, offset, size)`` the core believes are the rank's to train, that are not
+    committed, not trained (known or reported), not held, and not in flight to it."""
+    cov, d = st.coverage, st.dispatch
+    cuts: dict[int, list[tuple[int, int]]] = {}
+    for epoch, off, n, _s in cov.pending.get(ev.rank, ()):
+        cuts.setdefault(epoch, []).append((off, n))
+    for b in ev.batches:
+        cuts.setdefault(int(b[1]), []).append((int(b[2]), int(b[3])))
+    for epoch, off, n in ev.held:
+        cuts.setdefault(int(epoch), []).append((int(off), int(n)))
+    for cid, kind, epoch, off, n in st.resync.sent.get(ev.rank, ()):
+        if cid > ev.last_command_id and kind in _PLAN_KINDS:
+            cuts.setdefault(epoch, []).append((off, n))
+    lost: list[tuple[int, int, int]] = []
+    for epoch in sorted(d.assigned):
+        ec = cov.epochs.get(epoch)
+        mine = d.assigned[epoch].get(ev.rank)
+        if ec is None or ec.frozen or not mine:
+            continue
+        rest = _subtract(_coverage.uncommitted(cov, epoch, list(mine)), cuts.get(epoch, []))
+        lost.extend((epoch, o, n) for o, n in rest)
+    return lost
+
+
+# -- CoordinatorRestarted ------------------------------------------------------------------
+
+
+def on_restarted(st: CoordinatorState, ev: CoordinatorRestarted, out: list[Command]) -> None:
+    rs = st.resync
+    rs.restarts += 1
+    for r in st.addressable_ranks():
+        _membership.touch(st, r, ev.now)
+    abandoned = None
+    rounds = st.rounds
+    if rounds.phase is PENDING:
+        abandoned = rounds.cycle
+        _averaging._transition(rounds, "abandon")
+        if st.cadence is not None:
+            st.cadence.barrier_at = None
+    st.last_beacon = None
+    alive = st.alive_ranks()
+    rs.awaiting = {r: ev.now for r in alive}
+    rs.sent = {}
+    for rec in st.ranks:
+        if rec.phase is JOINING:
+            spec = _membership.run_spec(st, st.cohort_len or 0)
+            out.append(Reply(rec.route, pb.HelloAck(accepted=True, run=spec)))
+    row = {
+        "restart": rs.restarts,
+        "at": ev.now,
+        "abandoned_cycle": abandoned,
+        "awaiting": list(alive),
+        "resynced": [],
+        "recovered_batches": 0,
+        "recovered_chunks": 0,
+        "resent_samples": 0,
+        "released": [],
+    }
+    rs.log.append(row)
+    out.append(Notice("coordinator_restarted", {k: row[k] for k in ("restart", "abandoned_cycle", "awaiting")}))
+
+
+# -- RankResynced --------------------------------------------------------------------------
+
+
+def _sent_after(st: CoordinatorState, ev: RankResynced, kinds: tuple[str, ...]) -> bool:
+    return any(cid > ev.last_command_id and k in kinds for cid, k, *_ in st.resync.sent.get(ev.rank, ()))
+
+
+def on_resynced(
+    st: CoordinatorState,
+    ev: RankResynced,
+    out: list[Command],
+    ingest: Callable[[CoordinatorState, BatchDone, list[Command]], None],
+) -> None:
+    """Reconcile the core with a rank's report (see the module doc). ``ingest`` is the
+    step's ``BatchDone`` handler."""
+    rank, rs = ev.rank, st.resync
+    rec = st.ranks[rank]
+    if rec.phase is not ACTIVE or rank not in rs.awaiting:
+        st.count_ignored("Resync not awaited")
+        return
+    # 1. An ack the crash swallowed.
+    if ev.folded_step > rec.folded_step:
+        rec.folded_step = ev.folded_step
+        _coverage.commit(st.coverage, rank, ev.folded_step)
+    # 2. What was lost with a plan frame (before ingesting: see the module doc).
+    lost = lost_positions(st, ev)
+    # 3. Batch reports the core never got. A prefix of the outage's frames died with the
+    # old process while the rest was delivered after the reconnect, so an unknown batch
+    # may precede known ones: "known" is a step the core holds pending or has folded.
+    recovered = 0
+    known = {s for _e, _o, _n, s in st.coverage.pending.get(rank, ())}
+    for b in sorted(ev.batches, key=lambda b: b[0]):
+        step_count, epoch, offset, samples, batch_ms, data_ms, loss, lr = b
+        if step_count <= rec.folded_step or step_count in known:
+            continue
+        known.add(step_count)
+        bev = BatchDone(
+            now=ev.now, rank=rank, batch_ms=batch_ms, data_ms=data_ms, step_count=int(step_count),
+            loss=loss, samples=int(samples), epoch=int(epoch), offset=int(offset), lr=lr,
+        )  # fmt: skip
+        try:
+            _dispatch.check_batch(st, bev)
+        except RankViolation:
+            st.count_ignored("Resync batch outside the rank's assignment")
+            continue
+        if bev.step_count > rec.last_step:
+            ingest(st, bev, out)
+        else:
+            _ingest_gap(st, bev, out)
+        recovered += 1
+    resent = 0
+    for epoch, off, n in lost:
+        if st.ranks[rank].phase is not ACTIVE:
+            break
+        ext = pb.Control.ExtendPartition(epoch=epoch, partition_offset=off, partition_size=n)
+        st.send(out, rank, extend_partition=ext)
+        resent += n
+    # 4. Metrics the core never got.
+    chunks = 0
+    for c in ev.chunks:
+        epoch, seq = int(c[0]), int(c[1])
+        last = st.metrics.last_aggregated
+        if last is not None and epoch <= last:
+            continue
+        known = st.metrics.chunks.get(epoch, {}).get(rank, ())
+        if any(k.chunk_seq == seq for k in known):
+            continue
+        cev = ChunkDone(
+            now=ev.now, rank=rank, epoch=epoch, chunk_seq=seq, batches=int(c[2]), samples=int(c[3]),
+            avg_loss=c[4], epoch_ms=c[5], share_complete_ms=c[6], compute_only_ms=c[7], data_starve_ms=c[8],
+        )  # fmt: skip
+        try:
+            _metrics.check_chunk(st, cev)
+        except RankViolation:
+            st.count_ignored("Resync chunk of an epoch never dispatched")
+            continue
+        _metrics.on_chunk(st, cev)
+        chunks += 1
+    released = False
+    if st.ranks[rank].phase is ACTIVE:
+        # 5. A throttle nothing will lift any more.
+        rounds = st.rounds
+        if ev.throttled and not (rounds.phase is PENDING and rank in rounds.ranks):
+            st.send(out, rank, update=pb.Control.Update(version=rounds.version, cycle=rounds.cycle))
+            if st.cadence is not None:
+                st.cadence.throttled.discard(rank)
+            released = True
+        # 6. An eval or a shutdown it should have had.
+        _resend_owed(st, ev, out)
+    del rs.awaiting[rank]
+    rs.sent.pop(rank, None)
+    if rs.log:
+        row = rs.log[-1]
+        row["resynced"].append(rank)
+        row["recovered_batches"] += recovered
+        row["recovered_chunks"] += chunks
+        row["resent_samples"] += resent
+        if released:
+            row["released"].append(rank)
+    out.append(
+        Notice(
+            "rank_resynced",
+            {
+                "rank": rank,
+                "recovered_batches": recovered,
+                "recovered_chunks": chunks,
+                "resent_samples": resent,
+                "released": released,
+                "held_samples": sum(int(h[2]) for h in ev.held),
+            },
+        )
+    )
+
+
+def _ingest_gap(st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
+    """``_step._on_batch`` for a batch older than the rank's latest known step (its frame
+    was lost, later ones were not): the same ledgers, but ``last_step`` stays."""
+    rec = st.ranks[ev.rank]
+    rec.batches += 1
+    rec.samples += ev.samples
+    _dispatch.record_batch(st, ev)
+    _coverage.record_batch(st.coverage, ev.rank, ev.epoch, ev.offset, ev.samples, ev.step_count, rec.folded_step)
+    pending = st.coverage.pending.get(ev.rank)
+    if pending:
+        pending.sort(key=lambda it: it[3])  # the ledger keeps step order
+    _dispatch.dispatcher_for(st).on_batch(st, ev, out)
+
+
+def _resend_owed(st: CoordinatorState, ev: RankResynced, out: list[Command]) -> None:
+    rank = ev.rank
+    if _sent_after(st, ev, _RESEND_KINDS):
+        return  # this incarnation already sent it one, still on its way
+    phase = st.run.phase
+    if phase is SHUTTING_DOWN or phase is STOPPING:
+        why = "completed" if phase is SHUTTING_DOWN else f"stopped: {st.run.stop_reason}"
+        st.send(out, rank, shutdown=pb.Control.Shutdown(reason=why))
+        return
+    fe = st.run.final_eval
+    if phase is FINAL_EVAL and fe is not None and not fe.answered and fe.target == rank:
+        x = pb.Control.ExecuteEval(
+            schedule_id=FINAL_SCHEDULE_ID, epoch=st.config.num_epochs, target_rank=rank, final=True
+        )
+        st.send(out, rank, execute_eval=x)
+    for sid, (epoch, target) in sorted(st.roles.pending_evals.items()):
+        if target == rank:
+            x = pb.Control.ExecuteEval(schedule_id=sid, epoch=epoch, target_rank=rank)
+            st.send(out, rank, execute_eval=x)
+
+
+# -- bookkeeping after every step ----------------------------------------------------------
+
+
+def note_sent(st: CoordinatorState, out: list[Command]) -> None:
+    """Record what this incarnation sends ranks still awaiting resync (their reports may
+    not reflect it yet); forget ranks that left or died meanwhile."""
+    rs = st.resync
+    if not rs.awaiting:
+        return
+    for r in [r for r in rs.awaiting if st.ranks[r].phase is not ACTIVE]:
+        del rs.awaiting[r]
+        rs.sent.pop(r, None)
+    for c in out:
+        if not isinstance(c, Send) or c.rank not in rs.awaiting:
+            continue
+        kind, ctl = c.kind, c.control
+        if kind == "start_epoch":
+            p = ctl.start_epoch.plan
+        elif kind == "update" and ctl.update.HasField("next_plan"):
+            p = ctl.update.next_plan
+        elif kind == "extend_partition":
+            p = ctl.extend_partition
+        elif kind in _RESEND_KINDS:
+            p = None
+        else:
+            continue
+        rng = (p.epoch, p.partition_offset, p.partition_size) if p is not None else (0, 0, 0)
+        rs.sent.setdefault(c.rank, []).append((ctl.command_id, kind, *rng))
+
+
+def summary(st: CoordinatorState) -> list[dict[str, Any]]:
+    """One row per restart: when, the round abandoned, who resynced, what was recovered."""
+    return [
+        dict(row, awaiting=list(row["awaiting"]), resynced=list(row["resynced"]), released=list(row["released"]))
+        for row in st.resync.log
+    ]
+
