@@ -1,0 +1,247 @@
+"""The collective data plane, coordinator side: who forms which process group, when.
+
+Theory of operation
+-------------------
+With ``plane = "collective"`` the ranks average by all-reducing among themselves
+(``torch.distributed``; gloo on CPU, NCCL on GPU). The coordinator owns no tensor and
+no torch: it only orchestrates. This module is the whole of that orchestration; the
+averaging *rounds* (when to reduce, who must ack, what an ack commits) stay exactly
+``_averaging``'s (and the policy's), unchanged from the bus plane.
+
+A **generation** is one process group: a set of members (the ACTIVE global ranks),
+each with a dense rank ``new_rank`` = its index among them, and one store host with
+``new_rank`` 0: normally the lowest member, so the dense order is ascending (see below
+for a store host that fails). The coordinator cannot host the
+rendezvous store itself (it is torch-free), so a generation forms in two steps::
+
+    bump:        generation += 1; members = the ACTIVE ranks
+                 -> Rendezvous{generation, store_addr="", new_rank, new_world_size,
+                               backend, timeout_s}            to every member
+    store host:  starts (or reuses) a TCPStore, answers StoreReady{generation, addr}
+    on it:       -> Rendezvous{generation, store_addr=addr, ...} to every member
+    members:     build a new process group on PrefixStore("flodl/g<generation>", store)
+
+The first step goes to *every* member, not only to the store host: it is how a member
+learns that the generation changed, and the rank binds each ``RequestParams`` to the
+latest generation announced before it (ZeroMQ keeps one peer's frames in order, and the
+core never sends a ``RequestParams`` of generation g before announcing g). So all
+members agree on which group a cycle's all-reduce belongs to without the cycle naming
+it, and an all-reduce pending in an older generation is abandoned the moment a newer one
+is announced -- no waiting for a timeout when a peer is known to be gone.
+
+When the group is re-formed (``settle``, a rule of the step's fixed point, before the
+averaging gate so the announcement precedes any ``RequestParams``), during TRAINING:
+
+* the world formed (generation 0 -> 1);
+* the ACTIVE set differs from the generation's members (a death or a clean leave);
+* a member reported ``CollectiveFailed`` for the current generation (its group broke:
+  a formation or all-reduce timeout, a peer's connection closed before the coordinator
+  heard of that peer's death). The members stay the same; only the generation moves.
+
+A ``StoreReady`` counts only for the current generation, from its store host, before the
+address is known, while every member is still ACTIVE (else a re-formation is due and
+``settle`` makes it); anything else is stale and ignored (counted). A
+``CollectiveFailed`` of an older generation is stale too: that group is already gone.
+
+A store host that dies before answering is just a death: the next generation has
+another lowest member, which becomes the store host. A store host that does not answer
+within ``collective_timeout_s``, or whose generation fails to *form* (a
+``CollectiveFailed`` with cycle 0: the store would not start, or members could not reach
+it), is *tried*: the next generation's store host is the first member not tried yet
+(it takes ``new_rank`` 0; the others follow in ascending order), as the reference's
+NCCL re-rendezvous does with its UID generator (§9.5). Every member tried without a
+group forming is exhaustion: the run ends (``ShutdownWithSave``), loudly, rather than
+training on without ever averaging. A re-formation for any other reason (a death, an
+all-reduce failure) starts a fresh tried list.
+
+What a failed or abandoned round means for coverage is the rank's business
+(``flodl_worker.collective``): it keeps its parameters and credit and acks the cycle
+with its last folded step, committing nothing new, so the round completes and the dead
+rank's uncommitted samples go back to the survivors exactly as on the bus.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from flodl.wire import pb
+
+from . import _run
+from ._commands import Command, Notice
+from ._events import CollectiveFailed, StoreReady
+from ._state import ACTIVE, TRAINING, CoordinatorState
+
+__all__ = [
+    "CollectiveState",
+    "STORE_PREFIX",
+    "setup",
+    "settle",
+    "on_store_ready",
+    "on_failed",
+    "dense_rank",
+    "summary",
+]
+
+# Members build their group on PrefixStore(f"{STORE_PREFIX}{generation}", store): every
+# generation has its own key space on a store host that may serve several.
+STORE_PREFIX = "flodl/g"
+
+
+@dataclass(slots=True)
+class CollectiveState:
+    generation: int = 0  # 0: no group yet
+    members: tuple[int, ...] = ()  # global ranks of the current generation, in dense order
+    store_host: Optional[int] = None  # members[0]: the lowest member not tried
+    tried: tuple[int, ...] = ()  # store hosts that did not answer / whose group did not form
+    store_addr: str = ""  # "" until the store host's StoreReady
+    announced_at: float = 0.0  # when the current generation was announced
+    ready_at: Optional[float] = None  # when its store address went out
+    reform_reason: str = ""  # a re-formation is due for this reason (set by a failure)
+    host_failed: bool = False  # ... and the store host is to blame (it joins ``tried``)
+    reforms: int = 0  # generations after the first
+    failures: int = 0  # CollectiveFailed reports that caused a re-formation
+    rendezvous_s: float = 0.0  # summed announce -> store address time
+
+
+def setup(st: CoordinatorState) -> None:
+    """``initial_state``: the collective plane gets its state; the bus plane none."""
+    st.collective = CollectiveState() if st.config.plane == "collective" else None
+
+
+def dense_rank(cs: CollectiveState, rank: int) -> int:
+    """``rank``'s index in the current generation (its ``new_rank``)."""
+    return cs.members.index(rank)
+
+
+def _rendezvous(st: CoordinatorState, cs: CollectiveState, out: list[Command]) -> None:
+    size = len(cs.members)
+    for i, r in enumerate(cs.members):
+        msg = pb.Control.Rendezvous(
+            store_addr=cs.store_addr,
+            generation=cs.generation,
+            new_rank=i,
+            new_world_size=size,
+            backend=st.config.collective_backend,
+            timeout_s=st.config.collective_timeout_s,
+        )
+        st.send(out, r, rendezvous=msg)
+
+
+def _due(st: CoordinatorState, cs: CollectiveState, alive: tuple[int, ...]) -> tuple[str, bool]:
+    """(why the group must be re-formed now, whether its store host is to blame);
+    ("", False) when it need not be."""
+    if cs.generation == 0:
+        return "world formed", False
+    if set(alive) != set(cs.members):
+        gone = sorted(set(cs.members) - set(alive))
+        return (f"rank(s) {gone} gone" if gone else "membership changed"), False
+    if cs.reform_reason:
+        return cs.reform_reason, cs.host_failed
+    if not cs.store_addr and st.now - cs.announced_at > st.config.collective_timeout_s:
+        return f"store host rank {cs.store_host} did not answer within {st.config.collective_timeout_s:g}s", True
+    return "", False
+
+
+def settle(st: CoordinatorState, out: list[Command]) -> bool:
+    """Announce a new generation if one is due; True if it made a move."""
+    cs = st.collective
+    if cs is None or st.run.phase is not TRAINING:
+        return False
+    alive = tuple(st.alive_ranks())
+    if not alive:
+        return False  # ``_run.check_lost`` ends the run
+    why, blame_host = _due(st, cs, alive)
+    if not why:
+        return False
+    if blame_host:
+        cs.tried += (cs.store_host,)
+    else:
+        cs.tried = ()  # a new membership (or a group that had formed): every member may host
+    cs.reform_reason, cs.host_failed = "", False
+    candidates = [r for r in alive if r not in cs.tried]
+    if not candidates:
+        reason = f"collective rendezvous exhausted: no store host among {list(alive)} formed a group (last: {why})"
+        out.append(Notice("collective_exhausted", {"generation": cs.generation, "tried": list(cs.tried)}))
+        _run.fail(st, out, reason, pb.SAVE_REASON_REDUCE_STALL)
+        return True
+    host = candidates[0]
+    if cs.generation > 0:
+        cs.reforms += 1
+    cs.generation += 1
+    cs.members = (host,) + tuple(r for r in alive if r != host)
+    cs.store_host = host
+    cs.store_addr = ""
+    cs.announced_at = st.now
+    cs.ready_at = None
+    out.append(
+        Notice(
+            "collective_generation",
+            {"generation": cs.generation, "members": list(cs.members), "store_host": host, "reason": why},
+        )
+    )
+    _rendezvous(st, cs, out)
+    return True
+
+
+def on_store_ready(st: CoordinatorState, ev: StoreReady, out: list[Command]) -> None:
+    cs = st.collective
+    if cs is None:
+        st.count_ignored("StoreReady on the bus plane")
+        return
+    if ev.generation != cs.generation or ev.rank != cs.store_host:
+        st.count_ignored("stale StoreReady")
+        return
+    if cs.store_addr:
+        st.count_ignored("duplicate StoreReady")
+        return
+    if not ev.addr:
+        st.count_ignored("StoreReady without an address")
+        return
+    if cs.reform_reason or st.run.phase is not TRAINING or any(st.ranks[r].phase is not ACTIVE for r in cs.members):
+        st.count_ignored("StoreReady for a generation being replaced")
+        return
+    cs.store_addr = ev.addr
+    cs.ready_at = st.now
+    cs.rendezvous_s += max(0.0, st.now - cs.announced_at)
+    out.append(Notice("collective_rendezvous", {"generation": cs.generation, "store_addr": ev.addr}))
+    _rendezvous(st, cs, out)
+
+
+def on_failed(st: CoordinatorState, ev: CollectiveFailed, out: list[Command]) -> None:
+    """A member's group of ``ev.generation`` broke: re-form (``settle``). A failure to
+    form (cycle 0) blames the store host: the next generation tries another."""
+    cs = st.collective
+    if cs is None:
+        st.count_ignored("CollectiveFailed on the bus plane")
+        return
+    if ev.generation != cs.generation or ev.rank not in cs.members:
+        st.count_ignored("stale CollectiveFailed")
+        return
+    if cs.reform_reason:
+        st.count_ignored("duplicate CollectiveFailed")
+        return
+    cs.failures += 1
+    what = f"cycle {ev.cycle}" if ev.cycle else "formation"
+    cs.reform_reason = f"rank {ev.rank}: group failed in {what}: {ev.reason or 'no reason given'}"
+    cs.host_failed = ev.cycle == 0
+    out.append(
+        Notice(
+            "collective_failed",
+            {"rank": ev.rank, "generation": ev.generation, "cycle": ev.cycle, "reason": ev.reason},
+        )
+    )
+
+
+def summary(cs: CollectiveState, config: Any) -> dict[str, Any]:
+    """``{backend, timeout_s, generation, members, store_host, reforms, failures, rendezvous_s}``."""
+    return {
+        "backend": config.collective_backend,
+        "timeout_s": config.collective_timeout_s,
+        "generation": cs.generation,
+        "members": list(cs.members),
+        "store_host": cs.store_host,
+        "reforms": cs.reforms,
+        "failures": cs.failures,
+        "rendezvous_s": cs.rendezvous_s,
+    }

@@ -1,0 +1,184 @@
+"""Stateful property test of the collective plane's orchestration (flodl.core._collective).
+
+Hypothesis interleaves training, deaths, group failures (current and stale), stale store
+answers, silent store hosts and time passing. A model built only from the commands the
+core emits checks, after every step:
+
+* every ``RequestParams`` reaches a rank whose latest ``Rendezvous`` announced the newest
+  generation (the rank binds the request to it: all members agree on the group);
+* generations only grow; each announcement gives the members dense ranks 0..n-1, the
+  store host first, and goes to exactly the ACTIVE ranks;
+* while training, the current generation's members are exactly the ACTIVE ranks and its
+  store host is a member not tried.
+
+At teardown the store hosts answer again and the run is driven to its end: it completes
+with every epoch committed exactly once (or ended by rendezvous exhaustion, loudly), and
+the journal replays to the same state.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from flodl.core import CollectiveFailed, Send, StoreReady, replay
+from flodl.core._state import ACTIVE, TRAINING
+
+
+def _load_cluster():
+    path = Path(__file__).resolve().parents[1] / "unit" / "core" / "cluster.py"
+    name = "_flodl_core_test_cluster"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+Cluster = _load_cluster().Cluster
+
+
+class StoreCluster(Cluster):
+    """Store hosts answer an announcement with ``StoreReady`` unless muted."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, plane="collective", **kw)
+        self.mute: set[int] = set()
+
+    def deliver_one(self, rank: int) -> bool:
+        r = self.ranks[rank]
+        if not r.active or not r.inbox:
+            return False
+        ctl = r.inbox[0]
+        if ctl.WhichOneof("cmd") != "rendezvous":
+            return super().deliver_one(rank)
+        r.inbox.popleft()
+        m = ctl.rendezvous
+        if not m.store_addr and m.new_rank == 0 and rank not in self.mute:
+            self.feed(StoreReady(now=self.now, rank=rank, generation=m.generation, addr=f"h{rank}:{m.generation}"))
+        return True
+
+
+class CollectiveMachine(RuleBasedStateMachine):
+    @initialize(
+        policy=st.sampled_from(["sync", "cadence"]),
+        world=st.integers(2, 4),
+        timeout=st.sampled_from([0.5, 2.0]),
+    )
+    def setup(self, policy, world, timeout):
+        self.c = StoreCluster(world_size=world, total=60, batch_size=4, epochs=2, policy=policy, collective_timeout_s=timeout)
+        self.c.join_all()
+        self.seen = 0  # commands checked so far
+        self.newest = 0  # newest generation announced
+        self.announced: dict[int, int] = {}  # rank -> generation of its latest Rendezvous
+
+    # -- rules -----------------------------------------------------------------------
+
+    @rule(n=st.integers(1, 6))
+    def pump(self, n):
+        for _ in range(n):
+            if self.c.finished is None:
+                self.c.pump_once()
+
+    @precondition(lambda self: self.c.finished is None and len(self.c.state.alive_ranks()) > 1)
+    @rule(i=st.integers(0, 3))
+    def kill(self, i):
+        alive = self.c.state.alive_ranks()
+        self.c.kill(alive[i % len(alive)])
+
+    @precondition(lambda self: self.c.finished is None and self.c.state.collective.generation > 0)
+    @rule(i=st.integers(0, 3), stale=st.booleans(), cycle=st.integers(0, 3))
+    def group_fails(self, i, stale, cycle):
+        cs = self.c.state.collective
+        alive = self.c.state.alive_ranks()
+        if alive:
+            g = cs.generation - 1 if stale else cs.generation
+            self.c.feed(CollectiveFailed(now=self.c.now, rank=alive[i % len(alive)], generation=g, cycle=cycle, reason="x"))
+
+    @precondition(lambda self: self.c.finished is None and self.c.state.collective.generation > 1)
+    @rule(i=st.integers(0, 3))
+    def stale_store_answer(self, i):
+        alive = self.c.state.alive_ranks()
+        if alive:
+            g = self.c.state.collective.generation - 1
+            self.c.feed(StoreReady(now=self.c.now, rank=alive[i % len(alive)], generation=g, addr="old:1"))
+
+    @rule(i=st.integers(0, 3), on=st.booleans())
+    def mute(self, i, on):
+        r = i % self.c.config.world_size
+        (self.c.mute.add if on else self.c.mute.discard)(r)
+
+    @precondition(lambda self: self.c.finished is None)
+    @rule(dt=st.sampled_from([0.3, 1.0]))
+    def time_passes(self, dt):
+        self.c.advance(dt)
+
+    # -- the model -------------------------------------------------------------------
+
+    @invariant()
+    def commands_respect_generations(self):
+        cmds = self.c.commands
+        batch: dict[int, object] = {}
+        for cmd in cmds[self.seen :]:
+            if not isinstance(cmd, Send):
+                continue
+            kind = cmd.kind
+            if kind == "rendezvous":
+                m = cmd.control.rendezvous
+                assert m.generation >= self.newest, "generations only grow"
+                if m.generation > self.newest:
+                    self._check_batch(batch)
+                    batch = {}
+                    self.newest = m.generation
+                self.announced[cmd.rank] = m.generation
+                if not m.store_addr:
+                    batch[cmd.rank] = m
+            elif kind == "request_params":
+                assert self.announced.get(cmd.rank) == self.newest, (
+                    f"RequestParams to rank {cmd.rank} bound to generation {self.announced.get(cmd.rank)}, "
+                    f"newest is {self.newest}"
+                )
+        self._check_batch(batch)
+        self.seen = len(cmds)
+
+    def _check_batch(self, batch):
+        if not batch:
+            return
+        size = {m.new_world_size for m in batch.values()}
+        assert len(size) == 1 and size.pop() == len(batch)
+        assert sorted(m.new_rank for m in batch.values()) == list(range(len(batch)))
+
+    @invariant()
+    def members_are_the_active_ranks(self):
+        s = self.c.state
+        cs = s.collective
+        if s.run.phase is TRAINING and cs.generation > 0:
+            assert set(cs.members) == set(s.alive_ranks())
+            assert cs.store_host == cs.members[0] and cs.store_host not in cs.tried
+            assert all(s.ranks[r].phase is ACTIVE for r in cs.members)
+
+    def teardown(self):
+        c = getattr(self, "c", None)
+        if c is None:
+            return
+        c.mute.clear()
+        fin = c.finished or c.run()
+        self.commands_respect_generations()
+        if fin.ok:
+            for cov in fin.summary["coverage"]:
+                assert (cov["trained"], cov["duplicates"], cov["missing"]) == (cov["expected"], 0, 0), cov
+        else:
+            assert fin.reason.startswith("collective rendezvous exhausted"), fin.reason
+        assert replay(c.config, c.journal) == c.state
+
+
+CollectiveMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestCollective = CollectiveMachine.TestCase

@@ -1,0 +1,266 @@
+"""flodl_worker.collective against real gloo process groups, in one process.
+
+Three ``CollectiveAverager``s over test doubles of the rank runtime; the test plays the
+coordinator (``Rendezvous``, ``RequestParams``). Group formation runs in the averagers'
+own threads and the all-reduce is asynchronous, so one test thread drives them all:
+every wait below is ``wait()`` polled against a deadline, never a sleep.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from flodl.wire import pb
+from flodl_worker.collective import CollectiveAverager
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+DEADLINE_S = 60.0  # thread start + gloo rendezvous on a loaded machine: seconds
+
+
+class FakeRank:
+    """What the averager uses of ``flodl_worker.rank._Rank``."""
+
+    def __init__(self, ctx, rank: int, params: list[np.ndarray], steps: int, gamma: float = 1.0):
+        self.cfg = SimpleNamespace(rank=rank, store_host="127.0.0.1", fault_exit_cycle=None)
+        self.spec = pb.RunSpec(gamma=gamma, policy=pb.POLICY_CADENCE, plane=pb.PLANE_COLLECTIVE)
+        self.params = [torch.nn.Parameter(torch.from_numpy(a.copy())) for a in params]
+        self.local_step = steps
+        self.steps_since_avg = steps
+        self.sock = ctx.socket(zmq.PULL)  # polled alongside the wake-up fd; never readable
+        self.sock.bind(f"inproc://fake-rank-{id(self)}")
+        self.applied: list[int] = []
+        self.checkpoints = SimpleNamespace(after_consensus=self.applied.append)
+        self.timings: list[tuple[str, object]] = []
+
+    def _timing(self, **event):
+        ((kind, msg),) = event.items()
+        self.timings.append((kind, msg))
+
+    def _drop(self, reason, detail):
+        raise AssertionError(f"dropped: {reason}: {detail}")
+
+    def got(self, kind):
+        return [m for k, m in self.timings if k == kind]
+
+    def step(self, delta: float) -> None:
+        """One local optimizer step: every parameter moves by ``delta``."""
+        with torch.no_grad():
+            for p in self.params:
+                p.add_(delta)
+        self.local_step += 1
+        self.steps_since_avg += 1
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+def _params(seed: int) -> list[np.ndarray]:
+    g = np.random.default_rng(seed)
+    return [g.standard_normal((3, 4)).astype(np.float32), g.standard_normal(5).astype(np.float32)]
+
+
+def _cluster(ctx, steps):
+    ranks = [FakeRank(ctx, r, _params(r), n) for r, n in enumerate(steps)]
+    avs = [CollectiveAverager(r) for r in ranks]
+    return ranks, avs
+
+
+def _until(avs, done, what):
+    deadline = time.monotonic() + DEADLINE_S
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never: {what}")
+        for av in avs:
+            av.wait(5)
+
+
+def _form(ranks, avs, generation, members, *, timeout_s=30.0):
+    """Announce ``generation`` to ``members`` (global indices, store host first), answer
+    the store host's StoreReady with the address: the test is the coordinator."""
+    size = len(members)
+    for i, m in enumerate(members):
+        avs[m].on_rendezvous(
+            pb.Control.Rendezvous(generation=generation, new_rank=i, new_world_size=size, backend="gloo", timeout_s=timeout_s)
+        )
+    host = ranks[members[0]]
+    ready = [s for s in host.got("store_ready") if s.generation == generation]
+    assert len(ready) == 1 and ready[0].addr.startswith("127.0.0.1:")
+    for i, m in enumerate(members):
+        avs[m].on_rendezvous(
+            pb.Control.Rendezvous(
+                generation=generation, store_addr=ready[0].addr, new_rank=i, new_world_size=size,
+                backend="gloo", timeout_s=timeout_s,
+            )
+        )  # fmt: skip
+
+
+def _acks(rank, cycle):
+    return [a for a in rank.got("sync_ack") if a.cycle == cycle]
+
+
+def _close(avs):
+    for av in avs:
+        av.close()
+        av.rank.sock.close(0)
+
+
+def test_consensus_is_the_work_weighted_average_and_steps_since_the_snapshot_are_kept(ctx):
+    ranks, avs = _cluster(ctx, steps=[1, 2, 3])
+    try:
+        _form(ranks, avs, 1, [0, 1, 2])
+        before = [[p.detach().numpy().copy() for p in r.params] for r in ranks]
+        # The request comes before the group has formed: it waits for it (queued).
+        for av in avs:
+            av.on_request(1)
+        ranks[1].step(0.5)  # rank 1 trains on while the reduce is in flight
+        _until(avs, lambda: all(_acks(r, 1) for r in ranks), "cycle 1 acked everywhere")
+        w = np.array([1.0, 2.0, 3.0])
+        want = [sum(w[r] * before[r][i] for r in range(3)) / w.sum() for i in range(2)]
+        for r in ranks:
+            (ack,) = _acks(r, 1)
+            assert ack.step_count == [1, 2, 3][r.cfg.rank]  # the snapshot's step: its work is in
+            assert r.applied == [1]
+            expect = [x + (0.5 if r.cfg.rank == 1 else 0.0) for x in want]
+            for p, e in zip(r.params, expect):
+                np.testing.assert_allclose(p.detach().numpy(), e, rtol=1e-5, atol=1e-6)
+        assert ranks[1].steps_since_avg == 1 and ranks[0].steps_since_avg == 0  # credit of the overlap kept
+        # Every rank divided the same reduced sum by the same total: bit-identical consensus.
+        a, c = (np.concatenate([p.detach().numpy().ravel() for p in r.params]) for r in (ranks[0], ranks[2]))
+        assert a.tobytes() == c.tobytes()
+        # An idle rank (n = 0, weight 0) contributes nothing and adopts the consensus.
+        ranks[0].step(1.0)
+        ranks[2].step(-1.0)
+        before = [[p.detach().numpy().copy() for p in r.params] for r in ranks]
+        for av in avs:
+            av.on_request(2)
+        _until(avs, lambda: all(_acks(r, 2) for r in ranks), "cycle 2 acked everywhere")
+        w = np.array([1.0, 1.0, 1.0])  # rank 1: the overlap step; ranks 0, 2: one step each
+        want = [sum(w[r] * before[r][i] for r in range(3)) / 3.0 for i in range(2)]
+        for r in ranks:
+            for p, e in zip(r.params, want):
+                np.testing.assert_allclose(p.detach().numpy(), e, rtol=1e-5, atol=1e-6)
+        assert all(av.stats.reduced == 2 for av in avs)
+    finally:
+        _close(avs)
+
+
+def test_nobody_stepped_keeps_local_parameters(ctx):
+    ranks, avs = _cluster(ctx, steps=[0, 0])
+    try:
+        _form(ranks, avs, 1, [0, 1])
+        before = [[p.detach().numpy().copy() for p in r.params] for r in ranks]
+        for av in avs:
+            av.on_request(1)
+        _until(avs, lambda: all(_acks(r, 1) for r in ranks), "acked")
+        for r, b in zip(ranks, before):
+            assert _acks(r, 1)[0].step_count == 0
+            for p, x in zip(r.params, b):
+                assert np.array_equal(p.detach().numpy(), x)
+    finally:
+        _close(avs)
+
+
+def test_a_newer_generation_abandons_a_pending_reduce_and_the_survivors_reform(ctx):
+    ranks, avs = _cluster(ctx, steps=[2, 4, 6])
+    try:
+        _form(ranks, avs, 1, [0, 1, 2])
+        _until(avs, lambda: all(av.gen.group is not None for av in avs), "generation 1 formed")
+        before = [[p.detach().numpy().copy() for p in r.params] for r in ranks[:2]]
+        avs[0].on_request(1)
+        avs[1].on_request(1)  # rank 2 hangs: it never joins the all-reduce of cycle 1
+        for av in avs[:2]:
+            av.wait(0)
+        assert all(len(av.ops) == 1 for av in avs[:2]) and not _acks(ranks[0], 1)
+        # The coordinator declared rank 2 dead: generation 2 among the survivors.
+        _form(ranks, avs, 2, [0, 1])
+        for r, b in zip(ranks[:2], before):
+            (ack,) = _acks(r, 1)
+            assert ack.step_count == 0  # nothing new committed: its work is in no consensus
+            for p, x in zip(r.params, b):
+                assert np.array_equal(p.detach().numpy(), x)  # local parameters kept
+            assert r.steps_since_avg == [2, 4][r.cfg.rank]  # and the credit
+        assert all(av.stats.abandoned == 1 and len(av.parked) == 1 for av in avs[:2])
+        assert not ranks[0].got("collective_failed")  # abandoned, not failed: nothing to report
+        for av in avs[:2]:
+            av.on_request(2)
+        _until(avs[:2], lambda: all(_acks(r, 2) for r in ranks[:2]), "cycle 2 in generation 2")
+        want = [(2 * before[0][i] + 4 * before[1][i]) / 6 for i in range(2)]
+        for r in ranks[:2]:
+            assert _acks(r, 2)[0].step_count == [2, 4][r.cfg.rank]
+            for p, e in zip(r.params, want):
+                np.testing.assert_allclose(p.detach().numpy(), e, rtol=1e-5, atol=1e-6)
+    finally:
+        _close(avs)  # the abandoned gloo work is still pending: leaked, not waited for
+
+
+def test_a_request_of_a_replaced_generation_is_acked_without_a_reduce(ctx):
+    ranks, avs = _cluster(ctx, steps=[3])
+    try:
+        avs[0].on_rendezvous(pb.Control.Rendezvous(generation=1, new_rank=0, new_world_size=1, backend="gloo", timeout_s=30))
+        avs[0].on_request(1)  # bound to generation 1, whose group never formed
+        avs[0].on_rendezvous(pb.Control.Rendezvous(generation=2, new_rank=0, new_world_size=1, backend="gloo", timeout_s=30))
+        (ack,) = _acks(ranks[0], 1)
+        assert ack.step_count == 0 and avs[0].stats.skipped == 1
+        # A stale rendezvous (generation 1 again) is ignored.
+        avs[0].on_rendezvous(pb.Control.Rendezvous(generation=1, new_rank=0, new_world_size=1, backend="gloo", timeout_s=30))
+        assert avs[0].gen.number == 2
+        # The store host answers StoreReady once per generation, from the store it already runs.
+        addrs = [s.addr for s in ranks[0].got("store_ready")]
+        assert [s.generation for s in ranks[0].got("store_ready")] == [1, 2] and addrs[0] == addrs[1]
+    finally:
+        _close(avs)
+
+
+def test_a_reduce_that_times_out_is_reported_and_acked_without_a_reduce(ctx):
+    ranks, avs = _cluster(ctx, steps=[1, 1])
+    try:
+        _form(ranks, avs, 1, [0, 1], timeout_s=1.0)
+        _until(avs, lambda: all(av.gen.group is not None for av in avs), "formed")
+        avs[0].on_request(5)  # rank 1 never joins: gloo gives up after 1 s
+        _until(avs[:1], lambda: _acks(ranks[0], 5), "the timed-out reduce acked")
+        assert _acks(ranks[0], 5)[0].step_count == 0
+        (failed,) = ranks[0].got("collective_failed")
+        assert (failed.generation, failed.cycle) == (1, 5) and failed.reason
+        assert avs[0].gen.broken and avs[0].stats.failed == 1
+        avs[0].on_request(6)  # the broken group is never used again
+        assert _acks(ranks[0], 6)[0].step_count == 0
+    finally:
+        _close(avs)
+
+
+def test_a_finished_reduce_wakes_a_blocked_wait(ctx):
+    # Rank 0 blocks in its pump (throttled, waiting for a plan) with a long timeout while
+    # rank 1 joins the reduce from another thread: the completion must wake rank 0 and be
+    # handled then, not at the next timeout. A missing (or too early) wake-up shows as no
+    # ack after that one wait (the poll would have run out its 30 s).
+    import threading
+
+    ranks, avs = _cluster(ctx, steps=[1, 3])
+    try:
+        _form(ranks, avs, 1, [0, 1])
+        _until(avs, lambda: all(av.gen.group is not None for av in avs), "formed")
+        avs[0].on_request(1)
+        assert len(avs[0].ops) == 1  # launched; it cannot finish before rank 1 joins
+
+        def rank1():
+            avs[1].on_request(1)
+            _until([avs[1]], lambda: _acks(ranks[1], 1), "rank 1 acked")
+
+        t = threading.Thread(target=rank1)
+        t.start()
+        assert avs[0].wait(30_000) is False  # woken by the reduce, not by the socket
+        t.join()
+        assert len(_acks(ranks[0], 1)) == 1 and len(_acks(ranks[1], 1)) == 1
+    finally:
+        _close(avs)
