@@ -29,6 +29,8 @@ test-fast: setup
 bench: setup
 	$(BIN)/python bench/control_rtt.py
 	$(BIN)/python bench/hetero.py
+	$(BIN)/python bench/planes.py
+	$(BIN)/python bench/faults.py
 
 proto: setup
 	mkdir -p build/proto

@@ -60,9 +60,19 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--base-ms", type=float, default=10.0, help="emulated ms per batch per slowdown unit (10)")
     r.add_argument("--epochs", type=int, default=10, help="epochs (default 10)")
     r.add_argument("--batch-size", type=int, default=32, help="samples per step per rank (default 32)")
-    r.add_argument("--policy", default="cadence", choices=("cadence", "sync"),
-                   help="averaging policy: cadence (default: per-rank windows proportional to speed) "
-                   "or sync (average once every rank stepped)")
+    r.add_argument("--policy", default="cadence", choices=("cadence", "sync", "async"),
+                   help="averaging policy: cadence (default: per-rank windows proportional to speed), "
+                   "sync (average once every rank stepped) or async (cadence windows with a bounded "
+                   "overshoot, streaming across epochs, EASGD blend of the consensus)")
+    r.add_argument("--easgd-alpha", type=float,
+                   help="async: elastic blend theta += alpha * (consensus - theta), 0 < alpha <= 1 (0.5)")
+    r.add_argument("--plane", default="bus", choices=("bus", "collective"),
+                   help="averaging data plane: bus (default: weighted params over ZeroMQ, reduced by the "
+                   "coordinator) or collective (the ranks all-reduce with torch.distributed)")
+    r.add_argument("--collective-backend", choices=("gloo", "nccl"),
+                   help="plane collective: torch.distributed backend (default gloo; nccl for GPU tensors)")
+    r.add_argument("--collective-timeout", type=float,
+                   help="plane collective: seconds for a group to form / one all-reduce (default 60)")
     r.add_argument("--anchor", type=int, help="cadence: initial batches of the slowest rank per window")
     r.add_argument("--seed", type=int, default=42, help="shuffle and init seed (default 42)")
     r.add_argument("--port", type=int, default=0, help="coordinator TCP port on 127.0.0.1 (0 = any free)")
@@ -74,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--trace-dir", help="ranks write the sample ids they train here (coverage audit)")
     r.add_argument("--max-failure", help="end the run once this many ranks died: N, or P%% of --ranks")
     r.add_argument("--liveness-timeout", type=float, default=10.0, help="seconds of silence = dead rank")
+    r.add_argument("--no-fold", action="store_true", help="the relay forwards averaging rounds unfolded")
+    r.add_argument("--bf16-wire", action="store_true", help="bf16 tensors on the bus (f32 accumulation)")
+    r.add_argument("--outer-optimizer", choices=("none", "slowmo", "nesterov"),
+                   help="outer step on the averaged parameters (default none)")
+    r.add_argument("--outer-lr", type=float, help="outer learning rate (default 1)")
+    r.add_argument("--outer-momentum", type=float, help="outer momentum in [0, 1) (default 0)")
     r.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     r.add_argument("--quiet", action="store_true", help="only print the summary")
     r.add_argument("task_args", nargs=argparse.REMAINDER, help="-- extra arguments for the task script")
@@ -107,6 +123,12 @@ def _run_local(args) -> int:
         raise LaunchError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise LaunchError("--checkpoint-every needs --checkpoint-dir")
+    if args.plane != "collective" and (args.collective_backend or args.collective_timeout is not None):
+        raise LaunchError("--collective-backend and --collective-timeout need --plane collective")
+    if args.collective_timeout is not None and not args.collective_timeout > 0:
+        raise LaunchError(f"--collective-timeout must be > 0, got {args.collective_timeout:g}")
+    if args.plane == "collective" and (args.bf16_wire or args.outer_optimizer not in (None, "none")):
+        raise LaunchError("--bf16-wire and --outer-optimizer are bus-plane options (not --plane collective)")
     slow = _slowdowns(args.slowdown, args.ranks)
     session = "local-" + secrets.token_hex(6)
     workdir = tempfile.mkdtemp(prefix="flodl-run-")
@@ -120,6 +142,7 @@ def _run_local(args) -> int:
         "--epochs", str(args.epochs),
         "--batch-size", str(args.batch_size),
         "--policy", args.policy,
+        "--plane", args.plane,
         "--seed", str(args.seed),
         "--liveness-timeout-s", str(args.liveness_timeout),
         "--summary", summary_path,
@@ -131,10 +154,21 @@ def _run_local(args) -> int:
         coord_cmd += ["--checkpoint-every", str(args.checkpoint_every)]
     if args.resume:
         coord_cmd += ["--resume", os.path.abspath(args.resume)]
+    if args.collective_backend:
+        coord_cmd += ["--collective-backend", args.collective_backend]
+    if args.collective_timeout is not None:
+        coord_cmd += ["--collective-timeout-s", f"{args.collective_timeout:g}"]
     if args.anchor:
         coord_cmd += ["--anchor", str(args.anchor)]
+    if args.easgd_alpha is not None:
+        coord_cmd += ["--easgd-alpha", f"{args.easgd_alpha:g}"]
     if args.max_failure:
         coord_cmd += ["--max-failure", args.max_failure]
+    if args.bf16_wire:
+        coord_cmd += ["--bf16-wire"]
+    for flag in ("outer_optimizer", "outer_lr", "outer_momentum"):
+        if getattr(args, flag) is not None:
+            coord_cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     t0 = time.monotonic()
     coord = subprocess.Popen(coord_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     procs = [coord]
@@ -153,6 +187,8 @@ def _run_local(args) -> int:
         ]  # fmt: skip
         if args.trace_dir:
             agent_cmd += ["--trace-dir", args.trace_dir]
+        if args.no_fold:
+            agent_cmd += ["--no-fold"]
         agent_cmd += ["--", py, "-m", TASKS[args.task], *extra]
         agent = subprocess.Popen(agent_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         procs.append(agent)
@@ -216,6 +252,7 @@ def _report(args, summary_path: str, rc: int, wall: float) -> int:
     summary["launcher_wall_s"] = round(wall, 3)
     summary.setdefault("task", args.task)
     summary["slowdown"] = args.slowdown
+    summary.setdefault("plane", args.plane)
     train_wall = summary.get("wall_s") or wall
     committed = sum(e.get("trained", 0) - e.get("duplicates", 0) for e in summary.get("coverage", []))
     summary.setdefault("samples_per_s", round(committed / train_wall, 2) if train_wall else 0.0)
@@ -231,7 +268,7 @@ def _print_summary(s: dict) -> None:
     print("\n=== flodl run summary ===")
     print(f"ok: {s.get('ok')}  ({s.get('reason')})")
     acc = s.get("accuracy")
-    print(f"task: {s.get('task')}  policy: {s.get('policy')}  ranks: {s.get('world_size')}  slowdown: {s.get('slowdown')}")
+    print(f"task: {s.get('task')}  policy: {s.get('policy')}  plane: {s.get('plane')}  ranks: {s.get('world_size')}  slowdown: {s.get('slowdown')}")
     print(f"wall: {s.get('wall_s')} s   samples/s: {s.get('samples_per_s')}   averages: {s.get('averages')}")
     print(f"accuracy: {acc if acc is None else round(acc, 4)}")
     for r in s.get("ranks", []):

@@ -20,8 +20,11 @@ _RUN_FLAGS = {
     "batch_size": (int, "samples per step on every rank (default 32)"),
     "epochs": (int, "epochs to train (default 10)"),
     "seed": (int, "shuffle and init seed (default 42)"),
-    "policy": (str, "averaging policy: cadence (default) | sync"),
-    "plane": (str, "averaging data plane: bus | collective"),
+    "policy": (str, "averaging policy: cadence (default) | sync | async"),
+    "easgd_alpha": (float, "async: elastic blend of the consensus, 0 < alpha <= 1 (default 0.5)"),
+    "plane": (str, "averaging data plane: bus (default) | collective"),
+    "collective_backend": (str, "plane collective: torch.distributed backend gloo (default) | nccl"),
+    "collective_timeout_s": (float, "plane collective: group formation / all-reduce timeout (default 60)"),
     "gamma": (float, "contribution mass exponent: weight = steps**gamma (default 1)"),
     "total_samples": (int, "samples per epoch; 0 = the cohort's dataset length"),
     "heartbeat_interval_s": (float, "coordinator beacon / rank heartbeat interval (default 1)"),
@@ -35,6 +38,9 @@ _RUN_FLAGS = {
     "guard": (str, "cadence convergence guard: level | growth | none (default level)"),
     "epoch_callback_policy": (str, "who checkpoints and evaluates: fastest (default) or rank:N"),
     "probe_batches": (int, "cadence: batches per rank in the first, uncalibrated window (1; 0 = anchor)"),
+    "outer_optimizer": (str, "bus: outer step on the average: none (default) | slowmo | nesterov (DiLoCo)"),
+    "outer_lr": (float, "bus: outer learning rate (default 1; 1 with momentum 0 = plain averaging)"),
+    "outer_momentum": (float, "bus: outer momentum in [0, 1) (default 0; DiLoCo uses 0.9 with lr 0.7)"),
 }
 
 
@@ -45,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="TOML file (top-level keys or a [coordinator] table)")
     s.add_argument("--bind", help="ZeroMQ endpoint to bind (default tcp://127.0.0.1:5555; port 0 = any)")
     s.add_argument("--session", help="run id every peer must name (default 'flodl')")
-    s.add_argument("--journal", help="append every decoded event to this JSON-lines file")
+    s.add_argument("--journal", help="append every decoded event to this JSON-lines file; an unfinished run in it is recovered")
+    s.add_argument("--rotate-journal", action="store_const", const=True,
+                   help="a journal holding a finished run is moved aside (J.N) and a new run starts")
     s.add_argument("--summary", help="write the run summary JSON here at the end")
     s.add_argument("--http", help="serve /status and /metrics on host:port")
     s.add_argument("--log-level", default="INFO")
@@ -77,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = {k: getattr(args, k) for k in list(_RUN_FLAGS) + service_keys + checkpoint_keys}
     flags["bf16_wire"] = args.bf16_wire
     flags["final_eval"] = args.final_eval
+    flags["rotate_journal"] = args.rotate_journal
     try:
         settings = load_settings(config_path=args.config, flags=flags)
     except SettingsError as e:
@@ -112,13 +121,21 @@ def _replay(path: str) -> int:
         print(f"flodl-coordinator: the journal's resume_meta is unreadable: {e}", file=sys.stderr)
         return 2
     state = initial_state(settings.core_config(), point)
-    finished = None
+    from flodl.core import RankViolation
+
+    finished, events = None, 0
     for rec in lines[1:]:
-        state, cmds = step(state, from_record(rec))
+        if str(rec.get("type", "")).startswith("_"):
+            continue  # service records (_agent, _restart): not core events
+        events += 1
+        try:
+            state, cmds = step(state, from_record(rec))
+        except RankViolation:
+            continue  # refused when it happened too: it changed nothing
         for c in cmds:
             if type(c).__name__ == "RunFinished":
                 finished = c
-    out = {"events": len(lines) - 1, "finished": finished is not None}
+    out = {"events": events, "finished": finished is not None}
     if finished is not None:
         out.update(ok=finished.ok, reason=finished.reason, summary=finished.summary)
     print(json.dumps(out, indent=2, sort_keys=True, default=str))

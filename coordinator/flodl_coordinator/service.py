@@ -17,6 +17,12 @@ a timeout equal to the time left until the next tick, then:
 
 Data-plane ``round`` frames go to the reducer, not the core: tensors are never
 journaled. The reducer's completed consensus is sent straight back to contributors.
+
+Restart (``recovery``): started on a journal that holds an unfinished run, the service
+rebuilds the core state by replay, binds the run's endpoint, and feeds
+``CoordinatorRestarted``; its random ``Endpoint`` incarnation tells every rank that it
+restarted (each answers ``timing.resync``). Until a peer reconnects, frames for it wait
+in ``HeldSends`` instead of failing as unroutable.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -34,10 +41,12 @@ from typing import Callable
 import zmq
 
 from flodl.core import (
+    CoordinatorRestarted,
     ForgetRank,
     Notice,
     OpenRound,
     RankExitReported,
+    RankViolation,
     Reply,
     RunFinished,
     Send,
@@ -60,6 +69,7 @@ from flodl.wire import (
     split_routing,
 )
 
+from . import recovery
 from .checkpointing import Checkpointing
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings
@@ -97,14 +107,21 @@ class CoordinatorService:
         self.clock = clock
         self._ready = ready or (lambda ep: print(f"COORDINATOR_READY {ep}", flush=True))
         self.config = settings.core_config()
-        self.state = initial_state(self.config, self.checkpointing.point)
-        self.endpoint = Endpoint(settings.session, pb.Sender.KIND_COORDINATOR, host=socket.gethostname())
-        self.reducer = BusReducer(bf16_wire=settings.bf16_wire)
+        # An unfinished run in the journal is rebuilt by replay (``recovery``); else a fresh one.
+        self.recovered = recovery.recover(settings, self.checkpointing)
+        self.state = self.recovered.state if self.recovered else initial_state(self.config, self.checkpointing.point)
+        self.clock = recovery.continuing(clock, self.recovered)
+        self.held = recovery.HeldSends(self.recovered.hops()) if self.recovered else None
+        # A random incarnation per process: the ranks tell a restarted coordinator by it.
+        self.endpoint = Endpoint(
+            settings.session, pb.Sender.KIND_COORDINATOR, host=socket.gethostname(), incarnation=secrets.randbits(63) | 1
+        )
+        self.reducer = BusReducer(bf16_wire=settings.bf16_wire, outer=self.checkpointing.outer)
         self.seq = SeqTracker()
         self.dropped: Counter[str] = Counter()
         self._logged_drops: set[tuple] = set()
         self._pending: deque = deque()  # internal events produced while executing commands
-        self._agent_ranks: dict[tuple, set[int]] = {}
+        self._agent_ranks: dict[tuple, set[int]] = dict(self.recovered.agent_ranks) if self.recovered else {}
         self.finished: RunFinished | None = None
         self.status = StatusBoard()
         self._journal = open(settings.journal, "a", encoding="utf-8") if settings.journal else None
@@ -151,18 +168,24 @@ class CoordinatorService:
         sock.setsockopt(zmq.RCVHWM, RCVHWM)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         self._warn_if_insecure()
-        sock.bind(self.settings.bind)
+        sock.bind(recovery.bind_address(self.settings, self.recovered))
         self.sock = sock
         ep = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         wake_r = self._wake_r
         sigs = (signal.SIGTERM, signal.SIGINT) if install_signals else ()
         old = {s: signal.signal(s, self._on_signal()) for s in sigs}
         http = self.status.serve(self.settings.http) if self.settings.http else None
-        start = {"type": "_start", "settings": _settings_record(self.settings)}
+        start = {"type": "_start", "settings": _settings_record(self.settings), "endpoint": ep}
         if self.checkpointing.resumed is not None:  # replay must resume from the same point
             start["resume_meta"] = self.checkpointing.resumed.meta
+        if self.recovered is not None:
+            start = self.recovered.restart_record(ep, self.endpoint.sender.incarnation)
         self._journal_write(start)
         self._ready(ep)
+        if self.recovered is not None:  # the ranks resync when they hear the new incarnation
+            for meta in self.recovered.pending_metas:
+                self.checkpointing.on_notice(meta)
+            self._feed(CoordinatorRestarted(now=self.clock(), incarnation=self.endpoint.sender.incarnation))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake_r.fileno(), zmq.POLLIN)
@@ -176,6 +199,8 @@ class CoordinatorService:
                 if sock in events:
                     self._drain_socket()
                 if self.clock() >= next_tick:
+                    if self.held:
+                        self.held.retry(self._send_held)
                     self._feed(Tick(now=self.clock()))
                     next_tick = self.clock() + self.settings.tick_interval_s
         finally:
@@ -259,6 +284,8 @@ class CoordinatorService:
             route, payload = split_routing([f.bytes if len(f) < 256 else f for f in frames])
         except WireError as e:
             return self._drop((), e)
+        if self.held and route:
+            self.held.heard(route[0], self._send_held)  # a peer back after a restart
         try:
             d = decode(payload, session=self.settings.session)
         except VersionMismatch as e:
@@ -283,6 +310,11 @@ class CoordinatorService:
         if kind == "relay":
             log.info("relay %s says %s", env.sender.host, env.relay.WhichOneof("msg"))
             return
+        if kind == "round" and env.sender.kind == pb.Sender.KIND_RELAY:
+            # A relay's folded round: the relay is a route of one hop (its own DEALER).
+            if len(route) != 1:
+                raise RouteMismatch("a folded round must come from a relay's own route")
+            return self._on_round(None, env.round, d.blobs, relay=route)
         if kind in ("timing", "metrics", "round"):
             rank = self._owned_rank(route, env, d)
             if kind == "timing":
@@ -315,6 +347,7 @@ class CoordinatorService:
         which = msg.WhichOneof("msg")
         if which == "hello":
             self._agent_ranks[route] = set(msg.hello.ranks)
+            self._journal_write(recovery.agent_record(route, msg.hello))  # a restart needs it
             log.info("agent on %s supervises ranks %s", msg.hello.host, list(msg.hello.ranks))
         elif which == "rank_exited":
             r = msg.rank_exited
@@ -322,9 +355,12 @@ class CoordinatorService:
                 raise RouteMismatch(f"agent reports rank {r.rank} it did not announce")
             self._feed(RankExitReported(now=now, rank=r.rank, code=r.code))
 
-    def _on_round(self, rank: int, header: pb.RoundHeader, blobs) -> None:
+    def _on_round(self, rank: int | None, header: pb.RoundHeader, blobs, *, relay: tuple = ()) -> None:
         try:
-            result = self.reducer.contribute(rank, header, blobs)
+            if relay:
+                result = self.reducer.contribute_folded(relay, header, blobs)
+            else:
+                result = self.reducer.contribute(rank, header, blobs)
         except RoundRefused as e:
             self.dropped["round_refused"] += 1
             log.warning("round contribution refused: %s", e.reason)
@@ -357,7 +393,14 @@ class CoordinatorService:
         while self._pending:
             ev = self._pending.popleft()
             self._journal_write(to_record(ev))
-            self.state, commands = step(self.state, ev)
+            try:
+                self.state, commands = step(self.state, ev)
+            except RankViolation as e:
+                # A peer's illegal frame: the core validated before changing anything, so
+                # the state is intact (replay skips the same record). Drop it and go on.
+                self.dropped["rank_violation"] += 1
+                log.warning("refused %s: %s", type(ev).__name__, e.reason)
+                continue
             for cmd in commands:
                 self._execute(cmd)
         self.status.update(self.state, self.dropped, self.reducer)
@@ -375,10 +418,19 @@ class CoordinatorService:
         elif isinstance(cmd, Reply):
             ack = self.checkpointing.stamp_ack(cmd.ack)
             self._send_frames(self.endpoint.frames("hello_ack", ack, route=cmd.route))
+        elif isinstance(cmd, OpenRound) and self.config.plane == "collective":
+            pass  # the ranks all-reduce among themselves (flodl_worker.collective): no reducer round
         elif isinstance(cmd, OpenRound):
+            # FoldOpen goes out before the ranks' RequestParams (later commands of this
+            # step) on the same FIFO pipe: a relay knows its fold before any round.
+            for relay, msg in self.reducer.folds.open(cmd.cycle, cmd.ranks, self.state.route_of):
+                self._send_frames(self.endpoint.frames("relay", msg, route=relay))
             self._send_round(self.reducer.open(cmd.cycle, cmd.ranks))
         elif isinstance(cmd, ForgetRank):
             log.warning("rank %d forgotten: %s", cmd.rank, cmd.reason)
+            fold_drop = self.reducer.folds.drop(self.reducer.open_cycle, cmd.rank)
+            if fold_drop is not None:  # its relay stops waiting for it; the rest flush
+                self._send_frames(self.endpoint.frames("relay", fold_drop[1], route=fold_drop[0]))
             self._send_round(self.reducer.drop(cmd.rank))
         elif isinstance(cmd, Notice):
             if not self.checkpointing.on_notice(cmd):
@@ -397,13 +449,22 @@ class CoordinatorService:
             self._send_frames(frames)
 
     def _send_frames(self, frames) -> bool:
+        if self.held and self.held.intercept(frames):
+            return True  # a peer not reconnected since the restart: delivered when it is
+        return self._send_now(frames)
+
+    def _send_now(self, frames, quiet: bool = False) -> bool:
         try:
             self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
             return True
         except zmq.ZMQError as e:
             # EHOSTUNREACH: ROUTER_MANDATORY says the peer is gone; EAGAIN: its queue is full.
-            self.dropped[f"send_{zmq.strerror(e.errno).replace(' ', '_').lower()}"] += 1
+            if not quiet:  # (a held frame's retry: the peer is simply not back yet)
+                self.dropped[f"send_{zmq.strerror(e.errno).replace(' ', '_').lower()}"] += 1
             return False
+
+    def _send_held(self, frames) -> bool:
+        return self._send_now(frames, quiet=True)
 
     def _notice(self, cmd: Notice) -> None:
         decisions.debug(json.dumps({"kind": cmd.kind, **cmd.data}, sort_keys=True, default=str))

@@ -15,6 +15,8 @@ from typing import Any, Mapping
 
 from flodl.core import CoreConfig
 
+from .outer import validate_outer
+
 __all__ = ["Settings", "SettingsError", "load_settings", "ENV_PREFIX"]
 
 ENV_PREFIX = "FLODL_"
@@ -34,6 +36,9 @@ class Settings:
     http: str = ""  # host:port for /status and /metrics; empty = off
     tick_interval_s: float = 0.05
     allow_insecure: bool = False  # permit a non-loopback bind without CURVE keys
+    # a journal holding a *finished* run is moved aside (J.<n>) and a new run starts; an
+    # unfinished one is always recovered (flodl_coordinator.recovery)
+    rotate_journal: bool = False
     # run (handed to flodl.core)
     world_size: int = 0
     batch_size: int = 32
@@ -41,9 +46,15 @@ class Settings:
     seed: int = 42
     policy: str = "cadence"
     plane: str = "bus"
+    collective_backend: str = "gloo"  # plane collective: gloo (CPU tensors) | nccl (GPU tensors)
+    collective_timeout_s: float = 60.0  # plane collective: group formation / one all-reduce
     gamma: float = 1.0
     easgd_alpha: float = 0.5
     bf16_wire: bool = False
+    # bus outer optimizer on the averaged parameters (flodl_coordinator.outer)
+    outer_optimizer: str = "none"  # none | slowmo | nesterov (DiLoCo)
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
     total_samples: int = 0
     heartbeat_interval_s: float = 1.0
     liveness_timeout_s: float = 10.0
@@ -75,6 +86,8 @@ class Settings:
                 seed=self.seed,
                 policy=self.policy,
                 plane=self.plane,
+                collective_backend=self.collective_backend,
+                collective_timeout_s=self.collective_timeout_s,
                 gamma=self.gamma,
                 easgd_alpha=self.easgd_alpha,
                 bf16_wire=self.bf16_wire,
@@ -179,5 +192,12 @@ def load_settings(
         raise SettingsError(
             "config error: checkpoint_every needs checkpoint_dir (flag --checkpoint-dir, env FLODL_CHECKPOINT_DIR)"
         )
+    why = validate_outer(s.outer_optimizer, s.outer_lr, s.outer_momentum)
+    if why:
+        raise SettingsError(f"config error: {why}")
+    if s.outer_optimizer != "none" and s.plane != "bus":
+        raise SettingsError("config error: outer_optimizer needs plane = bus (the coordinator applies it)")
+    if s.bf16_wire and s.plane != "bus":
+        raise SettingsError("config error: bf16_wire needs plane = bus (the collective plane all-reduces f32)")
     s.core_config()  # validates the run fields with the core's own rules
     return s

@@ -6,11 +6,15 @@ from flodl.core import (
     BatchDone,
     CheckpointDone,
     ChunkDone,
+    CollectiveFailed,
+    EpochFnElapsed,
     EvalDone,
     HeartbeatSeen,
     IntentRaised,
     RankExiting,
     RankHello,
+    RankResynced,
+    StoreReady,
     SyncAcked,
 )
 from flodl.wire import pb
@@ -84,10 +88,20 @@ def timing_event(now: float, t: pb.Timing):
     if kind == "checkpoint_result":
         c = t.checkpoint_result
         return CheckpointDone(now=now, rank=r, version=c.version, elapsed_ms=c.elapsed_ms, error=_opt(c, "error"))
+    if kind == "epoch_fn_elapsed":
+        f = t.epoch_fn_elapsed
+        return EpochFnElapsed(now=now, rank=r, epoch=f.epoch, elapsed_ms=f.elapsed_ms)
+    if kind == "resync":
+        return resync_event(now, r, t.resync)
     if kind == "intent":
         k = {pb.INTENT_KIND_EVAL_NOW: "eval", pb.INTENT_KIND_CHECKPOINT_NOW: "checkpoint"}.get(t.intent.kind)
         if k is not None:
             return IntentRaised(now=now, rank=r, kind=k)
+    if kind == "store_ready":
+        return StoreReady(now=now, rank=r, generation=t.store_ready.generation, addr=t.store_ready.addr)
+    if kind == "collective_failed":
+        f = t.collective_failed
+        return CollectiveFailed(now=now, rank=r, generation=f.generation, cycle=f.cycle, reason=f.reason)
     step = t.heartbeat.step_count if kind == "heartbeat" else 0
     return HeartbeatSeen(now=now, rank=r, step_count=step)
 
@@ -106,4 +120,26 @@ def metrics_event(now: float, m: pb.Metrics) -> ChunkDone:
         compute_only_ms=m.compute_only_ms,
         data_starve_ms=m.data_starve_ms,
         scalars=tuple((k, v.sum, v.count) for k, v in sorted(m.scalars.items())),
+    )
+
+
+def resync_event(now: float, rank: int, m: pb.Timing.Resync) -> RankResynced:
+    """A rank's report after a coordinator restart (``flodl.core._resync``)."""
+    return RankResynced(
+        now=now,
+        rank=rank,
+        last_command_id=m.last_command_id,
+        local_step=m.local_step,
+        folded_step=m.folded_step,
+        throttled=m.throttled,
+        idle=m.idle,
+        batches=tuple(
+            (b.step_count, b.epoch, b.offset, b.samples, b.batch_ms, b.data_ms, b.batch_loss, b.lr) for b in m.batches
+        ),
+        held=tuple((p.epoch, p.partition_offset, p.partition_size) for p in m.held),
+        chunks=tuple(
+            (c.epoch, c.chunk_seq, c.batches_processed, c.samples_processed, c.avg_loss, c.epoch_ms,
+             c.share_complete_ms, c.compute_only_ms, c.data_starve_ms)
+            for c in m.chunks
+        ),  # fmt: skip
     )

@@ -19,6 +19,7 @@ from ._events import (
     BatchDone,
     CheckpointDone,
     ChunkDone,
+    EpochFnElapsed,
     EvalDone,
     Event,
     HeartbeatSeen,
@@ -28,12 +29,15 @@ from ._events import (
     RankHello,
     SendFailed,
     StopRequested,
+    StoreReady,
+    CollectiveFailed,
     SyncAcked,
     Tick,
     from_record,
     to_record,
 )
 from ._averaging import should_average
+from ._resync import CoordinatorRestarted, RankResynced
 from ._checkpoint import ResumePoint, checkpoint_meta, resume_plan, validate_meta
 from ._run import FINAL_SCHEDULE_ID
 from ._state import CoordinatorState
@@ -64,10 +68,15 @@ __all__ = [
     "HeartbeatSeen",
     "EvalDone",
     "CheckpointDone",
+    "EpochFnElapsed",
     "IntentRaised",
     "RankExitReported",
     "SendFailed",
     "StopRequested",
+    "StoreReady",
+    "CollectiveFailed",
+    "CoordinatorRestarted",
+    "RankResynced",
     "to_record",
     "from_record",
     # commands

@@ -11,9 +11,10 @@ normally exactly one window.
 
 * **Epoch start** (``dispatch_epoch``, §8.4): a pool whose reservation spans follow the
   alive ranks' counts (equal before calibration), every alive rank put at the epoch,
-  then ``start_window``: the final-window plan is pinned, every rank's chunk is sized
-  (``compute_chunk_batches``) *before any take*, then taken; each goes out as
-  ``StartEpoch``.
+  then callback slack (``_slack.stage``: a rank that runs a callback at this boundary
+  gets a shorter first window), then ``start_window``: the final-window plan is pinned,
+  every rank's chunk is sized (``compute_chunk_batches``) *before any take*, then
+  taken; each goes out as ``StartEpoch``.
 * **Streaming** (``_dispatch_next``, §8.5): when a rank's chunk is done it gets its next
   one unless held -- one chunk in flight; the *reduce barrier* (its steps since the last
   *trigger* reached ``reduce_step_budget`` and are not all folded yet: it waits for the
@@ -78,7 +79,7 @@ from typing import Optional
 
 from flodl.wire import pb
 
-from . import _averaging, _coverage, _dispatch, _feedback
+from . import _averaging, _coverage, _dispatch, _feedback, _slack
 from ._chunk_pool import (
     ChunkPool,
     compute_chunk_batches,
@@ -92,7 +93,7 @@ from ._errors import LocalViolation
 from ._events import BatchDone
 from ._guards import make_guard
 from ._lr_meta import LrEventMeta
-from ._overshoot import OvershootBudget
+from ._overshoot import OvershootBudget, barrier_paced
 from ._state import ACTIVE, PENDING, TRAINING, CadenceState, CoordinatorState
 from ._window import WindowLedger
 
@@ -146,8 +147,8 @@ def window_steps(st: CoordinatorState, rank: int) -> int:
 
 
 def _budget(st: CoordinatorState, rank: int) -> int:
-    cad = st.cadence
-    return cad.overshoot.budget(cad.elche.batch_counts[rank], POLICY)
+    cad = st.cadence  # the run's policy: Async (``_async``) adds its overshoot look-ahead
+    return cad.overshoot.budget(cad.elche.batch_counts[rank], st.config.policy)
 
 
 def _alive_counts(st: CoordinatorState) -> list[int]:
@@ -211,7 +212,7 @@ def _pin(st: CoordinatorState, epoch: int) -> None:
         remaining_batches=_batches(pool.remaining(), st.config.batch_size),
         counts=cad.elche.batch_counts,
         alive=[rec.phase is ACTIVE for rec in st.ranks],
-        barrier_paced=True,
+        barrier_paced=barrier_paced(st.config.policy),  # Async: no final-window plan
     )
 
 
@@ -227,7 +228,7 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
         remaining_samples=_batches(pool.remaining(), bs) * bs,
         counts=_alive_counts(st),
         batch_size=bs,
-        barrier_paced=True,
+        barrier_paced=barrier_paced(st.config.policy),  # Async: probe / proportional chunks
         calibrated=el.calibrated or el.has_speed_hint(),
         total_samples=pool.total,
         steps=window_steps(st, rank),
@@ -383,6 +384,7 @@ class CadenceDispatcher:
         alive = st.alive_ranks()
         for r in alive:
             d.rank_epoch[r] = epoch
+        _slack.stage(st, epoch, out)  # a callback holder's first window is shorter
         for r, got in start_window(st, epoch, alive).items():
             _send_plan(st, r, epoch, got, out)
         wake(st, out)

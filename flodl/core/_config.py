@@ -19,6 +19,7 @@ __all__ = ["CoreConfig", "POLICIES", "PLANES", "GUARDS"]
 
 POLICIES = ("sync", "cadence", "async")
 PLANES = ("bus", "collective")
+COLLECTIVE_BACKENDS = ("gloo", "nccl")
 GUARDS = ("none", "level", "growth")
 
 
@@ -32,6 +33,12 @@ class CoreConfig:
     # averages after every step of every rank. The service shell picks its own default.
     policy: str = "cadence"
     plane: str = "bus"
+    # Collective plane (``_collective``): the torch.distributed backend the ranks build
+    # their process group with (gloo: CPU tensors; nccl: GPU tensors), and the timeout
+    # of group formation and of one all-reduce (a hung peer is usually declared dead by
+    # liveness first; this is the backstop).
+    collective_backend: str = "gloo"
+    collective_timeout_s: float = 60.0
     gamma: float = 1.0  # contribution mass n**gamma; 1 = plain work weighting
     easgd_alpha: float = 0.5
     bf16_wire: bool = False
@@ -88,6 +95,14 @@ class CoreConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.plane not in PLANES:
             raise ValueError(f"plane must be one of {PLANES}, got {self.plane!r}")
+        if self.policy == "async" and self.plane != "bus":  # reference: NcclAsync was dropped
+            raise ValueError("policy async needs plane = bus (the EASGD blend is a bus-plane round)")
+        if self.collective_backend not in COLLECTIVE_BACKENDS:
+            raise ValueError(
+                f"collective_backend must be one of {COLLECTIVE_BACKENDS}, got {self.collective_backend!r}"
+            )
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if not 0.0 < self.easgd_alpha <= 1.0:
             raise ValueError(f"easgd_alpha must be in (0, 1], got {self.easgd_alpha}")
         if self.total_samples < 0:

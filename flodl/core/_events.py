@@ -31,10 +31,13 @@ __all__ = [
     "HeartbeatSeen",
     "EvalDone",
     "CheckpointDone",
+    "EpochFnElapsed",
     "IntentRaised",
     "RankExitReported",
     "SendFailed",
     "StopRequested",
+    "StoreReady",
+    "CollectiveFailed",
     "EVENT_TYPES",
     "to_record",
     "from_record",
@@ -145,6 +148,16 @@ class CheckpointDone(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EpochFnElapsed(Event):
+    """The epoch role ran the user's epoch function for ``epoch``; it took ``elapsed_ms``
+    of the rank's wall time (smoothed into the callback slack, ``_slack``)."""
+
+    rank: int
+    epoch: int
+    elapsed_ms: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class IntentRaised(Event):
     rank: int
     kind: str  # "eval" | "checkpoint"
@@ -173,6 +186,26 @@ class StopRequested(Event):
     reason: str = "stop requested"
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreReady(Event):
+    """Collective plane: the store host of ``generation`` serves its TCPStore at ``addr``."""
+
+    rank: int
+    generation: int
+    addr: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveFailed(Event):
+    """Collective plane: the process group of ``generation`` failed on ``rank`` (while
+    forming, ``cycle`` 0, or in the all-reduce of ``cycle``); it must be re-formed."""
+
+    rank: int
+    generation: int
+    cycle: int = 0
+    reason: str = ""
+
+
 EVENT_TYPES = {
     cls.__name__: cls
     for cls in (
@@ -185,10 +218,13 @@ EVENT_TYPES = {
         HeartbeatSeen,
         EvalDone,
         CheckpointDone,
+        EpochFnElapsed,
         IntentRaised,
         RankExitReported,
         SendFailed,
         StopRequested,
+        StoreReady,
+        CollectiveFailed,
     )
 }
 

@@ -328,6 +328,9 @@ def summary(st: CoordinatorState) -> dict[str, Any]:
     Cadence adds ``elche: {anchor, anchor_rank, counts, phase, calibration_count, guard,
     last_verdict, exposed_sync_s}`` and, on each ``epochs`` row, ``averages``: the rounds finished while
     that epoch was being trained. The Sync shape is exactly the one above.
+    A run that survived a coordinator restart adds ``coordinator_restarts: [{restart, at,
+    abandoned_cycle, awaiting, resynced, recovered_batches, recovered_chunks,
+    resent_samples, released}]`` (``_resync``).
     """
     fe = st.run.final_eval
     cov = _coverage.summary(st.coverage)
@@ -360,9 +363,18 @@ def summary(st: CoordinatorState) -> dict[str, Any]:
         "epochs": [dict(row) for row in st.metrics.history],
         "evals": [dict(row) for row in st.roles.evals],
     }
+    if st.resync.restarts:  # coordinator restarts survived (``_resync.summary``)
+        out["coordinator_restarts"] = [
+            dict(row, awaiting=list(row["awaiting"]), resynced=list(row["resynced"]), released=list(row["released"]))
+            for row in st.resync.log
+        ]
     cad = st.cadence
     if cad is not None:
         out["elche"] = _feedback.summary(cad)
         for row in out["epochs"]:
             row["averages"] = cad.averages.get(row["epoch"], 0)
+    if st.collective is not None:  # collective plane: its process-group generations
+        from ._collective import summary as collective_summary
+
+        out["collective"] = collective_summary(st.collective, st.config)
     return out

@@ -24,6 +24,9 @@ costs and pending intents.
 ``CheckpointState`` (``_checkpointing``): saves asked and not yet answered, and the
 resumed epoch's uncovered ranges.
 
+``ResyncState`` (``_resync``): coordinator restarts, and the ranks that have not
+reported to the restarted coordinator yet.
+
 ``CadenceState`` holds the pure engines (``ElChe``, ``WindowLedger``, ``ChunkPool``, the
 guard, the meta-controller), which are plain objects without ``__eq__``; its own
 ``__eq__`` compares their attribute trees (``_plain``), so a replayed state still
@@ -80,6 +83,7 @@ __all__ = [
     "RunState",
     "CadenceState",
     "CheckpointState",
+    "ResyncState",
     "CoordinatorState",
 ]
 
@@ -274,6 +278,22 @@ class CadenceState:
 
 
 @dataclass(slots=True)
+class ResyncState:
+    """Coordinator restarts and the ranks' resynchronisation (``_resync``).
+
+    ``awaiting[r]``: when the rank was asked to resync (it is ACTIVE and has not sent its
+    ``RankResynced`` since the latest restart). ``sent[r]``: the commands this incarnation
+    sent it while awaiting, as ``(command_id, kind, epoch, offset, size)`` -- those its
+    report may not reflect yet. ``log``: one row per restart for the run summary.
+    """
+
+    restarts: int = 0
+    awaiting: dict[int, float] = field(default_factory=dict)
+    sent: dict[int, list[tuple[int, str, int, int, int]]] = field(default_factory=dict)
+    log: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class CheckpointState:
     """Consensus checkpoints in flight and the resume point (``_checkpointing``).
 
@@ -300,8 +320,10 @@ class CoordinatorState:
     metrics: MetricsState = field(default_factory=MetricsState)
     run: RunState = field(default_factory=RunState)
     cadence: Optional[CadenceState] = None  # set by the Cadence dispatcher's setup
+    collective: Any = None  # _collective.CollectiveState on the collective plane (its setup)
     checkpoints: CheckpointState = field(default_factory=CheckpointState)
     roles: RoleState = field(default_factory=RoleState)  # set from the config by initial_state
+    resync: ResyncState = field(default_factory=ResyncState)  # coordinator restarts (_resync)
     cohort_sig: Optional[bytes] = None
     cohort_len: Optional[int] = None
     last_beacon: Optional[float] = None

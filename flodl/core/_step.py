@@ -19,6 +19,9 @@ Theory of operation
 
    a. ``run.check_lost`` -- no ACTIVE rank left ends the run before anything else
       tries to address one;
+   a'. ``collective.settle`` -- collective plane only: announce a new process-group
+      generation when the ACTIVE set changed or the group failed, so the announcement
+      reaches every member before any ``RequestParams`` of that generation;
    b. ``averaging.poll`` -- finish a round whose missing acks were all excused by
       deaths (or fail the run on a reduce stall): a finished round frees the gate;
    c. the gate (``should_average``) -> ``averaging.trigger``: a tail must be folded
@@ -42,6 +45,11 @@ fails over (lost only) -> a final eval it owed is resent (``_run.on_rank_gone``)
 A ``BatchDone`` also reaches the dispatcher (``on_batch``): Cadence feeds its window
 ledger and streams the rank's next chunk when this batch finished the current one.
 
+A coordinator restart (``_resync``) is two more events: ``CoordinatorRestarted`` (fed by
+a service rebuilt from its journal) and ``RankResynced`` (a rank's report of what the
+crash may have lost; its unknown batches go through ``_on_batch``). After every step,
+``_resync.note_sent`` records what ranks still awaiting resync were sent meanwhile.
+
 Time enters only as ``event.now``; ``state.now`` is the latest seen. ``replay`` feeds a
 journal of events through ``step`` from ``initial_state``; frames that were refused
 (``RankViolation``) are refused again and change nothing, so a journal that recorded
@@ -56,6 +64,10 @@ from flodl.wire import pb
 
 from . import _averaging, _checkpointing, _coverage, _dispatch, _membership, _metrics, _roles, _run
 from . import _cadence  # noqa: F401  (registers the Cadence dispatcher and gate)
+from . import _async  # noqa: F401  (registers the Async dispatcher and gate)
+from . import _resync
+from . import _collective
+from ._resync import CoordinatorRestarted, RankResynced
 from ._commands import Command, ForgetRank, Notice
 from ._checkpoint import ResumePoint
 from ._config import CoreConfig
@@ -64,6 +76,7 @@ from ._events import (
     BatchDone,
     CheckpointDone,
     ChunkDone,
+    EpochFnElapsed,
     EvalDone,
     Event,
     HeartbeatSeen,
@@ -75,6 +88,8 @@ from ._events import (
     StopRequested,
     SyncAcked,
     Tick,
+    StoreReady,
+    CollectiveFailed,
 )
 from ._state import ACTIVE, FINAL_EVAL, FINISHED, TRAINING, CoordinatorState, RankRecord
 
@@ -90,9 +105,8 @@ def initial_state(config: CoreConfig, resume: Optional[ResumePoint] = None) -> C
 
     With ``resume`` (``resume_plan`` of a validated checkpoint meta) the run continues
     from it: done epochs stay done, the resumed epoch trains only its uncovered ranges."""
-    if config.plane != "bus":
-        raise LocalViolation(f"plane {config.plane!r} is not implemented by the core yet")
     st = CoordinatorState(config=config, ranks=[RankRecord(r) for r in range(config.world_size)])
+    _collective.setup(st)
     st.roles = _roles.initial_roles(config)
     dispatcher = _dispatch.dispatcher_for(st)
     _averaging.gate_for(st)
@@ -130,6 +144,7 @@ def step(state: CoordinatorState, event: Event) -> tuple[CoordinatorState, list[
         state.now = event.now
     handler(state, event, out)
     _settle(state, out)
+    _resync.note_sent(state, out)  # what ranks awaiting resync may not know yet
     return state, out
 
 
@@ -180,6 +195,8 @@ def _settle(st: CoordinatorState, out: list[Command]) -> None:
         if st.run.phase is FINISHED:
             return
         if _run.check_lost(st, out):
+            continue
+        if _collective.settle(st, out):  # (a') re-form the group before any RequestParams
             continue
         verdict = _averaging.poll(st, out)
         if verdict == "finished":
@@ -302,6 +319,30 @@ def _on_stop(st: CoordinatorState, ev: StopRequested, out: list[Command]) -> Non
     _run.on_stop(st, ev, out)
 
 
+def _on_epoch_fn(st: CoordinatorState, ev: EpochFnElapsed, out: list[Command]) -> None:
+    if _from_rank(st, ev):
+        _roles.on_epoch_fn_elapsed(st, ev)
+
+
+def _on_store_ready(st: CoordinatorState, ev: StoreReady, out: list[Command]) -> None:
+    if _from_rank(st, ev):
+        _collective.on_store_ready(st, ev, out)
+
+
+def _on_collective_failed(st: CoordinatorState, ev: CollectiveFailed, out: list[Command]) -> None:
+    if _from_rank(st, ev):
+        _collective.on_failed(st, ev, out)
+
+
+def _on_restarted(st: CoordinatorState, ev: CoordinatorRestarted, out: list[Command]) -> None:
+    _resync.on_restarted(st, ev, out)
+
+
+def _on_resynced(st: CoordinatorState, ev: RankResynced, out: list[Command]) -> None:
+    if _from_rank(st, ev):
+        _resync.on_resynced(st, ev, out, ingest=_on_batch)
+
+
 _HANDLERS: dict[type, Callable[[CoordinatorState, Event, list[Command]], None]] = {
     Tick: _on_tick,
     RankHello: _on_hello,
@@ -316,4 +357,9 @@ _HANDLERS: dict[type, Callable[[CoordinatorState, Event, list[Command]], None]] 
     RankExitReported: _on_exit_report,
     SendFailed: _on_send_failed,
     StopRequested: _on_stop,
+    EpochFnElapsed: _on_epoch_fn,
+    StoreReady: _on_store_ready,
+    CollectiveFailed: _on_collective_failed,
+    CoordinatorRestarted: _on_restarted,
+    RankResynced: _on_resynced,
 }

@@ -313,18 +313,20 @@ class Control(_message.Message):
         rank: int
         def __init__(self, rank: _Optional[int] = ...) -> None: ...
     class Rendezvous(_message.Message):
-        __slots__ = ("store_addr", "generation", "new_rank", "new_world_size", "backend")
+        __slots__ = ("store_addr", "generation", "new_rank", "new_world_size", "backend", "timeout_s")
         STORE_ADDR_FIELD_NUMBER: _ClassVar[int]
         GENERATION_FIELD_NUMBER: _ClassVar[int]
         NEW_RANK_FIELD_NUMBER: _ClassVar[int]
         NEW_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
         BACKEND_FIELD_NUMBER: _ClassVar[int]
+        TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
         store_addr: str
         generation: int
         new_rank: int
         new_world_size: int
         backend: str
-        def __init__(self, store_addr: _Optional[str] = ..., generation: _Optional[int] = ..., new_rank: _Optional[int] = ..., new_world_size: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+        timeout_s: float
+        def __init__(self, store_addr: _Optional[str] = ..., generation: _Optional[int] = ..., new_rank: _Optional[int] = ..., new_world_size: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
     class Throttle(_message.Message):
         __slots__ = ()
         def __init__(self) -> None: ...
@@ -455,7 +457,7 @@ class Control(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., request_params: _Optional[_Union[Control.RequestParams, _Mapping]] = ..., update: _Optional[_Union[Control.Update, _Mapping]] = ..., sync_now: _Optional[_Union[Control.SyncNow, _Mapping]] = ..., start_epoch: _Optional[_Union[Control.StartEpoch, _Mapping]] = ..., extend_partition: _Optional[_Union[Control.ExtendPartition, _Mapping]] = ..., declare_dead: _Optional[_Union[Control.DeclareDead, _Mapping]] = ..., rendezvous: _Optional[_Union[Control.Rendezvous, _Mapping]] = ..., throttle: _Optional[_Union[Control.Throttle, _Mapping]] = ..., set_global_step: _Optional[_Union[Control.SetGlobalStep, _Mapping]] = ..., checkpoint: _Optional[_Union[Control.Checkpoint, _Mapping]] = ..., execute_eval: _Optional[_Union[Control.ExecuteEval, _Mapping]] = ..., set_epoch_callback_role: _Optional[_Union[Control.SetEpochCallbackRole, _Mapping]] = ..., shutdown: _Optional[_Union[Control.Shutdown, _Mapping]] = ..., shutdown_with_save: _Optional[_Union[Control.ShutdownWithSave, _Mapping]] = ..., epoch_aggregated: _Optional[_Union[Control.EpochAggregated, _Mapping]] = ..., eval_broadcast: _Optional[_Union[Control.EvalBroadcast, _Mapping]] = ..., save_consensus_model: _Optional[_Union[Control.SaveConsensusModel, _Mapping]] = ..., coord_heartbeat: _Optional[_Union[Control.CoordHeartbeat, _Mapping]] = ..., stage_advisory: _Optional[_Union[Control.StageAdvisory, _Mapping]] = ..., arm_consensus_eval: _Optional[_Union[Control.ArmConsensusEval, _Mapping]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("rank", "batch", "sync_ack", "exiting", "lr_update", "intent", "heartbeat", "snapshot_ready", "eval_result", "checkpoint_result", "epoch_fn_elapsed")
+    __slots__ = ("rank", "batch", "sync_ack", "exiting", "lr_update", "intent", "heartbeat", "snapshot_ready", "eval_result", "checkpoint_result", "epoch_fn_elapsed", "resync", "store_ready", "collective_failed")
     class Batch(_message.Message):
         __slots__ = ("batch_ms", "data_ms", "step_count", "batch_loss", "param_norm", "sync_divergence", "lr", "samples", "epoch", "offset")
         BATCH_MS_FIELD_NUMBER: _ClassVar[int]
@@ -554,6 +556,27 @@ class Timing(_message.Message):
         epoch: int
         elapsed_ms: float
         def __init__(self, epoch: _Optional[int] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
+    class Resync(_message.Message):
+        __slots__ = ("coordinator_incarnation", "last_command_id", "local_step", "folded_step", "throttled", "idle", "batches", "held", "chunks")
+        COORDINATOR_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+        LAST_COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+        LOCAL_STEP_FIELD_NUMBER: _ClassVar[int]
+        FOLDED_STEP_FIELD_NUMBER: _ClassVar[int]
+        THROTTLED_FIELD_NUMBER: _ClassVar[int]
+        IDLE_FIELD_NUMBER: _ClassVar[int]
+        BATCHES_FIELD_NUMBER: _ClassVar[int]
+        HELD_FIELD_NUMBER: _ClassVar[int]
+        CHUNKS_FIELD_NUMBER: _ClassVar[int]
+        coordinator_incarnation: int
+        last_command_id: int
+        local_step: int
+        folded_step: int
+        throttled: bool
+        idle: bool
+        batches: _containers.RepeatedCompositeFieldContainer[Timing.Batch]
+        held: _containers.RepeatedCompositeFieldContainer[EpochPlan]
+        chunks: _containers.RepeatedCompositeFieldContainer[Metrics]
+        def __init__(self, coordinator_incarnation: _Optional[int] = ..., last_command_id: _Optional[int] = ..., local_step: _Optional[int] = ..., folded_step: _Optional[int] = ..., throttled: _Optional[bool] = ..., idle: _Optional[bool] = ..., batches: _Optional[_Iterable[_Union[Timing.Batch, _Mapping]]] = ..., held: _Optional[_Iterable[_Union[EpochPlan, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[Metrics, _Mapping]]] = ...) -> None: ...
     RANK_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     SYNC_ACK_FIELD_NUMBER: _ClassVar[int]
@@ -565,6 +588,9 @@ class Timing(_message.Message):
     EVAL_RESULT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_RESULT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FN_ELAPSED_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    STORE_READY_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FAILED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     batch: Timing.Batch
     sync_ack: Timing.SyncAck
@@ -576,7 +602,28 @@ class Timing(_message.Message):
     eval_result: Timing.EvalResult
     checkpoint_result: Timing.CheckpointResult
     epoch_fn_elapsed: Timing.EpochFnElapsed
-    def __init__(self, rank: _Optional[int] = ..., batch: _Optional[_Union[Timing.Batch, _Mapping]] = ..., sync_ack: _Optional[_Union[Timing.SyncAck, _Mapping]] = ..., exiting: _Optional[_Union[Timing.Exiting, _Mapping]] = ..., lr_update: _Optional[_Union[Timing.LrUpdate, _Mapping]] = ..., intent: _Optional[_Union[Timing.Intent, _Mapping]] = ..., heartbeat: _Optional[_Union[Timing.Heartbeat, _Mapping]] = ..., snapshot_ready: _Optional[_Union[Timing.SnapshotReady, _Mapping]] = ..., eval_result: _Optional[_Union[Timing.EvalResult, _Mapping]] = ..., checkpoint_result: _Optional[_Union[Timing.CheckpointResult, _Mapping]] = ..., epoch_fn_elapsed: _Optional[_Union[Timing.EpochFnElapsed, _Mapping]] = ...) -> None: ...
+    resync: Timing.Resync
+    store_ready: StoreReady
+    collective_failed: CollectiveFailed
+    def __init__(self, rank: _Optional[int] = ..., batch: _Optional[_Union[Timing.Batch, _Mapping]] = ..., sync_ack: _Optional[_Union[Timing.SyncAck, _Mapping]] = ..., exiting: _Optional[_Union[Timing.Exiting, _Mapping]] = ..., lr_update: _Optional[_Union[Timing.LrUpdate, _Mapping]] = ..., intent: _Optional[_Union[Timing.Intent, _Mapping]] = ..., heartbeat: _Optional[_Union[Timing.Heartbeat, _Mapping]] = ..., snapshot_ready: _Optional[_Union[Timing.SnapshotReady, _Mapping]] = ..., eval_result: _Optional[_Union[Timing.EvalResult, _Mapping]] = ..., checkpoint_result: _Optional[_Union[Timing.CheckpointResult, _Mapping]] = ..., epoch_fn_elapsed: _Optional[_Union[Timing.EpochFnElapsed, _Mapping]] = ..., resync: _Optional[_Union[Timing.Resync, _Mapping]] = ..., store_ready: _Optional[_Union[StoreReady, _Mapping]] = ..., collective_failed: _Optional[_Union[CollectiveFailed, _Mapping]] = ...) -> None: ...
+
+class StoreReady(_message.Message):
+    __slots__ = ("generation", "addr")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    addr: str
+    def __init__(self, generation: _Optional[int] = ..., addr: _Optional[str] = ...) -> None: ...
+
+class CollectiveFailed(_message.Message):
+    __slots__ = ("generation", "cycle", "reason")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    cycle: int
+    reason: str
+    def __init__(self, generation: _Optional[int] = ..., cycle: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Metrics(_message.Message):
     __slots__ = ("rank", "epoch", "chunk_seq", "avg_loss", "batches_processed", "epoch_ms", "samples_processed", "share_complete_ms", "compute_only_ms", "data_starve_ms", "scalars")
@@ -642,7 +689,23 @@ class RoundHeader(_message.Message):
     def __init__(self, cycle: _Optional[int] = ..., phase: _Optional[_Union[RoundPhase, str]] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., weight: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., contributing_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RelayMsg(_message.Message):
-    __slots__ = ("hello", "rank_exit", "declare_dead")
+    __slots__ = ("hello", "rank_exit", "declare_dead", "fold_open", "fold_drop")
+    class FoldOpen(_message.Message):
+        __slots__ = ("cycle", "ranks", "identities")
+        CYCLE_FIELD_NUMBER: _ClassVar[int]
+        RANKS_FIELD_NUMBER: _ClassVar[int]
+        IDENTITIES_FIELD_NUMBER: _ClassVar[int]
+        cycle: int
+        ranks: _containers.RepeatedScalarFieldContainer[int]
+        identities: _containers.RepeatedScalarFieldContainer[bytes]
+        def __init__(self, cycle: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., identities: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    class FoldDrop(_message.Message):
+        __slots__ = ("cycle", "rank")
+        CYCLE_FIELD_NUMBER: _ClassVar[int]
+        RANK_FIELD_NUMBER: _ClassVar[int]
+        cycle: int
+        rank: int
+        def __init__(self, cycle: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
     class RelayHello(_message.Message):
         __slots__ = ("host", "ranks")
         HOST_FIELD_NUMBER: _ClassVar[int]
@@ -663,10 +726,14 @@ class RelayMsg(_message.Message):
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RANK_EXIT_FIELD_NUMBER: _ClassVar[int]
     DECLARE_DEAD_FIELD_NUMBER: _ClassVar[int]
+    FOLD_OPEN_FIELD_NUMBER: _ClassVar[int]
+    FOLD_DROP_FIELD_NUMBER: _ClassVar[int]
     hello: RelayMsg.RelayHello
     rank_exit: RelayMsg.RankExit
     declare_dead: RelayMsg.DeclareDead
-    def __init__(self, hello: _Optional[_Union[RelayMsg.RelayHello, _Mapping]] = ..., rank_exit: _Optional[_Union[RelayMsg.RankExit, _Mapping]] = ..., declare_dead: _Optional[_Union[RelayMsg.DeclareDead, _Mapping]] = ...) -> None: ...
+    fold_open: RelayMsg.FoldOpen
+    fold_drop: RelayMsg.FoldDrop
+    def __init__(self, hello: _Optional[_Union[RelayMsg.RelayHello, _Mapping]] = ..., rank_exit: _Optional[_Union[RelayMsg.RankExit, _Mapping]] = ..., declare_dead: _Optional[_Union[RelayMsg.DeclareDead, _Mapping]] = ..., fold_open: _Optional[_Union[RelayMsg.FoldOpen, _Mapping]] = ..., fold_drop: _Optional[_Union[RelayMsg.FoldDrop, _Mapping]] = ...) -> None: ...
 
 class AgentMsg(_message.Message):
     __slots__ = ("hello", "rank_exited", "abort")

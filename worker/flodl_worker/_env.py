@@ -22,12 +22,21 @@ FLODL_TRACE_DIR        no          append "epoch sample_id" per trained sample t
                                    ``<dir>/rank<R>.trace`` (coverage checks in tests)
 FLODL_HELLO_TIMEOUT_S  no          how long to wait for the coordinator's hello_ack
                                    (default 60: covers a coordinator that starts late)
+FLODL_STORE_HOST       no          collective plane: the address other ranks reach this
+                                   rank's TCPStore at, when it hosts one (default: what
+                                   the host name resolves to, as gloo itself uses; set it
+                                   on multi-host runs, with GLOO_SOCKET_IFNAME/NCCL_...)
+FLODL_FAULT            no          test failpoint, never in production:
+                                   ``exit_in_collective:CYCLE[@RANK]`` SIGKILLs the rank
+                                   (only RANK, if given) right after it launches the
+                                   all-reduce of averaging cycle CYCLE
 =====================  ==========  =====================================================
 """
 
 from __future__ import annotations
 
 import math
+import re
 import socket
 from dataclasses import dataclass
 from typing import Mapping
@@ -84,6 +93,8 @@ class RankEnv:
     base_ms: float = DEFAULT_BASE_MS
     trace_dir: str | None = None
     hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S
+    store_host: str = ""  # FLODL_STORE_HOST ("" = resolve the host name)
+    fault_exit_cycle: int | None = None  # FLODL_FAULT aimed at this rank: die in this cycle's all-reduce
 
     @property
     def emulated_ms(self) -> float:
@@ -120,4 +131,18 @@ class RankEnv:
             hello_timeout_s=_float("FLODL_HELLO_TIMEOUT_S", hello, lo=0.0, above=True)
             if hello
             else DEFAULT_HELLO_TIMEOUT_S,
+            store_host=env.get("FLODL_STORE_HOST", "").strip(),
+            fault_exit_cycle=_fault(env.get("FLODL_FAULT", "").strip(), rank),
         )
+
+
+def _fault(value: str, rank: int) -> int | None:
+    """FLODL_FAULT=exit_in_collective:CYCLE[@RANK] -> CYCLE for that rank (None: no fault here)."""
+    if not value:
+        return None
+    m = re.fullmatch(r"exit_in_collective:(\d+)(?:@(\d+))?", value)
+    if m is None:
+        raise EnvError(f"FLODL_FAULT={value!r} is not a known failpoint (exit_in_collective:CYCLE[@RANK])")
+    if m.group(2) is not None and int(m.group(2)) != rank:
+        return None
+    return int(m.group(1))

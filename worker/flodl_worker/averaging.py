@@ -94,26 +94,36 @@ class BusAverager:
         included = header.weight > 0 and (
             not header.contributing_ranks or r.cfg.rank in header.contributing_ranks
         )
+        if not included and header.weight > 0:
+            log.info("cycle %d: this rank's contribution is not in the consensus; keeping local parameters", header.cycle)
+        return self.conclude(header.cycle, snap, arrays if included else None)
+
+    def conclude(self, cycle: int, snap: Snapshot, arrays: list | None) -> int:
+        """Apply the consensus ``arrays`` of ``cycle`` and ack it; return the cycle.
+
+        ``arrays`` None: this rank's work is not in a consensus (weight 0, its fold was
+        dropped, or -- collective plane -- the all-reduce failed): keep the local
+        parameters and the credit, and ack the last folded step (commits nothing new).
+        Shared by both data planes (``flodl_worker.collective``)."""
+        r = self.rank
         post = snap.pre  # not included: the consensus is our own snapshot (keep local)
         acked_step = self.folded_step
-        if included:
+        if arrays is not None:
             post = self._apply(arrays, snap)
             r.steps_since_avg = max(0, r.steps_since_avg - snap.n)
             self.folded_step = acked_step = snap.step_count
-        elif header.weight > 0:
-            log.info("cycle %d: this rank's contribution is not in the consensus; keeping local parameters", header.cycle)
         post_norm = l2_norm(post)
         diff = l2_norm([b - a for a, b in zip(snap.pre, post)])
         r._timing(
             sync_ack=pb.Timing.SyncAck(
-                cycle=header.cycle,
+                cycle=cycle,
                 step_count=acked_step,
                 divergence=diff / post_norm if post_norm > 1e-10 else 0.0,
                 pre_norm=l2_norm(snap.pre),
                 post_norm=post_norm,
             )
         )
-        return header.cycle
+        return cycle
 
     def _apply(self, arrays: list, snap: Snapshot) -> list:
         """theta <- consensus (+ steps since the snapshot), or the EASGD blend; returns post."""

@@ -18,7 +18,10 @@ exactly when they are needed.
 2. Plans (``flodl_worker.plans``): ``StartEpoch``/``Update.next_plan`` queue a range of
    positions of the epoch permutation, FIFO; ``ExtendPartition`` appends a segment.
 3. Averaging (``flodl_worker.averaging``): ``RequestParams{cycle}`` snapshots and sends
-   the weighted parameters; the consensus ``round{cycle}`` is applied and acked.
+   the weighted parameters; the consensus ``round{cycle}`` is applied and acked. On the
+   collective plane (``RunSpec.plane``) ``flodl_worker.collective`` all-reduces instead,
+   in the process group the ``Rendezvous`` commands form; the pump also wakes on a
+   finished all-reduce.
 4. ``Throttle`` stops training until ``Update`` (or Shutdown); everything else is still
    serviced, and an exhausted plan still reports its ``metrics`` while throttled.
 5. ``Checkpoint`` for this rank (``flodl_worker.checkpoint_duty``). A
@@ -27,6 +30,9 @@ exactly when they are needed.
 6. ``ExecuteEval`` for this rank runs ``eval_fn`` and answers ``eval_result``.
 7. ``Shutdown``/``ShutdownWithSave`` -> ``timing.exiting{sha256 of the f32 params,
    steps}``, exit 0. ``Exiting`` is never sent on an error exit.
+8. A frame of another coordinator incarnation (the coordinator restarted on its
+   journal): ``timing.resync`` first, with what the new process may have lost
+   (``flodl_worker.resync``); training goes on.
 
 Exit codes: 0 clean shutdown; 1 failure (the coordinator went silent or unreachable,
 the user's code raised); 2 configuration error or refused at hello.
@@ -63,10 +69,12 @@ from flodl.wire import (
 
 from ._env import EnvError, RankEnv
 from .averaging import BusAverager
+from .collective import CollectiveAverager
 from .checkpoint import CheckpointLoadError, load_model_file
 from .checkpoint_duty import CheckpointDuty
 from .params import gamma_mass, model_signature, param_digest
 from .plans import Chunk
+from .resync import RankResync
 
 __all__ = [
     "run_rank",
@@ -100,6 +108,9 @@ DEFAULT_LIVENESS_S = 10.0
 # Frames handled per pump before training (or the timers) get the thread back: a
 # flooding peer slows a rank down, it cannot starve it.
 DRAIN_BATCH = 256
+# An unanswered hello is sent again this often: a coordinator restarted from its journal
+# may have lost it (a hello from the same process is answered again, not refused).
+HELLO_RESEND_S = 5.0
 
 
 class _Shutdown(Exception):
@@ -161,7 +172,9 @@ class _Rank:
         self.current: Chunk | None = None
         self.chunk_seq = 0
         self.averager = BusAverager(self)
+        self.collective: CollectiveAverager | None = None  # the averager too, on the collective plane
         self.checkpoints = CheckpointDuty(self)
+        self.resync = RankResync(self)  # coordinator restarts (flodl_worker.resync)
         self.perm: tuple[int, np.ndarray] | None = None  # (epoch, permutation) cache
         self.trace = None
         if cfg.trace_dir:
@@ -191,7 +204,9 @@ class _Rank:
 
     def _pump(self, timeout_ms: int) -> None:
         """Wait up to ``timeout_ms`` for traffic, then handle what is queued (bounded)."""
-        if not self.sock.poll(timeout_ms, zmq.POLLIN):
+        # Collective plane: the averager's wait also wakes on a finished all-reduce.
+        ready = self.collective.wait(timeout_ms) if self.collective is not None else self.sock.poll(timeout_ms, zmq.POLLIN)
+        if not ready:
             return
         for _ in range(DRAIN_BATCH):
             try:
@@ -206,6 +221,8 @@ class _Rank:
                 self.seq.check(d.envelope)
             except WireError as e:
                 self._drop(e.reason, e.detail)
+                continue
+            if not self.resync.on_frame(d.envelope):  # a restarted coordinator: report first
                 continue
             self.last_heard = time.monotonic()
             self._dispatch(d.envelope, d.blobs)
@@ -246,22 +263,25 @@ class _Rank:
         # now rather than between admission and the first step.
         self.optimizer_fn(probe)
         del probe
-        self._send(
-            "hello",
-            pb.RankHello(
-                rank=self.cfg.rank,
-                world_size=self.cfg.world_size,
-                model_sig=sig,
-                dataset_len=len(self.dataset),
-                host=self.cfg.host,
-                pid=os.getpid(),
-                task=self.task,
-            ),
+        hello = pb.RankHello(
+            rank=self.cfg.rank,
+            world_size=self.cfg.world_size,
+            model_sig=sig,
+            dataset_len=len(self.dataset),
+            host=self.cfg.host,
+            pid=os.getpid(),
+            task=self.task,
         )
+        self._send("hello", hello)
         deadline = time.monotonic() + self.cfg.hello_timeout_s
+        resend = time.monotonic() + HELLO_RESEND_S
         while self.spec is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= resend:  # a coordinator that restarted may have lost it (idempotent)
+                self._send("hello", hello)
+                resend = now + HELLO_RESEND_S
+            left = min(deadline, resend) - now
+            if deadline <= now:
                 raise _Abort(
                     f"no hello_ack from the coordinator at {self.cfg.connect} within "
                     f"{self.cfg.hello_timeout_s:g}s (FLODL_HELLO_TIMEOUT_S): is it running, and are "
@@ -287,6 +307,8 @@ class _Rank:
         self.liveness_s = spec.liveness_timeout_s if spec.liveness_timeout_s > 0 else DEFAULT_LIVENESS_S
         self.sock.setsockopt(zmq.SNDTIMEO, int(self.liveness_s * 1000))
         self.build()  # now, so that frames queued behind the ack see a built model
+        if spec.plane == pb.PLANE_COLLECTIVE:
+            self.averager = self.collective = CollectiveAverager(self)
         log.info(
             "admitted: world %d, %d samples, batch %d, %d epochs, seed %d, gamma %g",
             spec.world_size, spec.total_samples, spec.batch_size, spec.num_epochs, spec.seed, spec.gamma,
@@ -330,6 +352,7 @@ class _Rank:
 
     def _on_control(self, c: pb.Control) -> None:
         which = c.WhichOneof("cmd")
+        self.resync.on_control(c)
         if which == "request_params":
             self.averager.on_request(c.request_params.cycle)
         elif which == "start_epoch":
@@ -357,9 +380,11 @@ class _Rank:
             "eval_broadcast", "stage_advisory", "save_consensus_model", "arm_consensus_eval",
         ):
             pass  # informational for a bus-plane rank; hearing it already reset liveness
+        elif which == "rendezvous" and self.collective is not None:
+            self.collective.on_rendezvous(c.rendezvous)
         elif which is None:
             self._drop("malformed", "control with no command")
-        else:  # sync_now, rendezvous: the collective plane, not implemented here
+        else:  # sync_now (the NCCL-inline variant), rendezvous on the bus plane
             self._drop("unsupported_control", f"{which} (collective plane) is not supported by this rank")
 
     def _queue_plan(self, plan: pb.EpochPlan, source: str) -> None:
@@ -471,36 +496,35 @@ class _Rank:
             if self.trace is not None:
                 self.trace.write("".join(f"{chunk.epoch} {int(i)}\n" for i in ids))
                 self.trace.flush()
-            self._timing(
-                batch=pb.Timing.Batch(
-                    batch_ms=batch_ms,
-                    data_ms=data_ms,
-                    step_count=self.local_step,
-                    batch_loss=loss_f,
-                    lr=self._lr(),
-                    samples=count,
-                    epoch=chunk.epoch,
-                    offset=offset,
-                )
+            batch = pb.Timing.Batch(
+                batch_ms=batch_ms,
+                data_ms=data_ms,
+                step_count=self.local_step,
+                batch_loss=loss_f,
+                lr=self._lr(),
+                samples=count,
+                epoch=chunk.epoch,
+                offset=offset,
             )
+            self.resync.note_batch(batch)  # until folded: a restarted coordinator may ask
+            self._timing(batch=batch)
 
     def send_metrics(self, chunk: Chunk) -> None:
         elapsed = (time.perf_counter() - chunk.started) * 1e3
-        self._send(
-            "metrics",
-            pb.Metrics(
-                rank=self.cfg.rank,
-                epoch=chunk.epoch,
-                chunk_seq=chunk.seq,
-                avg_loss=chunk.loss_sum / chunk.batches if chunk.batches else 0.0,
-                batches_processed=chunk.batches,
-                samples_processed=chunk.samples,
-                epoch_ms=elapsed,
-                compute_only_ms=chunk.compute_ms,
-                data_starve_ms=chunk.data_ms,
-                share_complete_ms=chunk.compute_ms + chunk.data_ms,
-            ),
+        m = pb.Metrics(
+            rank=self.cfg.rank,
+            epoch=chunk.epoch,
+            chunk_seq=chunk.seq,
+            avg_loss=chunk.loss_sum / chunk.batches if chunk.batches else 0.0,
+            batches_processed=chunk.batches,
+            samples_processed=chunk.samples,
+            epoch_ms=elapsed,
+            compute_only_ms=chunk.compute_ms,
+            data_starve_ms=chunk.data_ms,
+            share_complete_ms=chunk.compute_ms + chunk.data_ms,
         )
+        self.resync.note_metrics(m)  # until its epoch is aggregated (flodl_worker.resync)
+        self._send("metrics", m)
 
     def run(self) -> None:
         self.hello()
@@ -518,6 +542,8 @@ class _Rank:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+        if self.collective is not None:
+            self.collective.close()
         self.sock.close()  # LINGER_MS bounds the flush of what is still queued
         self.ctx.term()
 

@@ -37,14 +37,21 @@ def _run_with_death():
     return c
 
 
-def test_initial_state_refuses_policies_without_engine():
-    with pytest.raises(LocalViolation, match="policy 'async' has no dispatcher yet"):
-        initial_state(CoreConfig(world_size=2, policy="async"))
+def test_every_policy_has_an_engine():
+    # sync, cadence and async (flodl.core._async) all register a dispatcher and a gate.
+    from flodl.core._config import POLICIES
+    from flodl.core._averaging import GATES
+    from flodl.core._dispatch import DISPATCHERS
+
+    assert set(POLICIES) <= set(DISPATCHERS) and set(POLICIES) <= set(GATES)
+    for policy in POLICIES:
+        initial_state(CoreConfig(world_size=2, policy=policy))
 
 
-def test_initial_state_refuses_collective_plane():
-    with pytest.raises(LocalViolation, match="plane 'collective'"):
-        initial_state(CoreConfig(policy="sync", world_size=2, plane="collective"))
+def test_initial_state_accepts_the_collective_plane():
+    st = initial_state(CoreConfig(policy="sync", world_size=2, plane="collective"))
+    assert st.collective is not None  # flodl.core._collective (tests: test_collective.py)
+    assert initial_state(CoreConfig(policy="sync", world_size=2)).collective is None
 
 
 def test_protocol_violation_is_abstract():
