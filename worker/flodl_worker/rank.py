@@ -27,7 +27,9 @@ exactly when they are needed.
 5. ``Checkpoint`` for this rank (``flodl_worker.checkpoint_duty``). A
    ``RunSpec.resume_from`` is loaded right after the model and optimizer are built,
    before the first step; a file that does not load exits 2.
-6. ``ExecuteEval`` for this rank runs ``eval_fn`` and answers ``eval_result``.
+6. ``ExecuteEval`` for this rank runs ``eval_fn`` and answers ``eval_result``;
+   ``EpochAggregated`` runs ``epoch_fn`` on the rank ``SetEpochCallbackRole`` named and
+   answers ``epoch_fn_elapsed``.
 7. ``Shutdown``/``ShutdownWithSave`` -> ``timing.exiting{sha256 of the f32 params,
    steps}``, exit 0. ``Exiting`` is never sent on an error exit.
 8. A frame of another coordinator incarnation (the coordinator restarted on its
@@ -131,10 +133,12 @@ class _Abort(Exception):
 
 
 class _Rank:
-    def __init__(self, cfg: RankEnv, model_fn, optimizer_fn, step_fn, dataset, eval_fn, task: str):
+    def __init__(self, cfg: RankEnv, model_fn, optimizer_fn, step_fn, dataset, eval_fn, task: str, epoch_fn=None):
         self.cfg = cfg
         self.model_fn, self.optimizer_fn, self.step_fn = model_fn, optimizer_fn, step_fn
         self.dataset, self.eval_fn, self.task = dataset, eval_fn, task
+        self.epoch_fn = epoch_fn
+        self.epoch_role: int | None = None  # SetEpochCallbackRole: who runs epoch_fn
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         # Options before connect. A random identity per process: a restarted rank is a
@@ -375,8 +379,13 @@ class _Rank:
                 self.checkpoints.on_command(c.checkpoint)
         elif which in ("shutdown", "shutdown_with_save"):
             raise _Shutdown(which)
+        elif which == "set_epoch_callback_role":
+            self.epoch_role = c.set_epoch_callback_role.rank
+        elif which == "epoch_aggregated":
+            if self.epoch_fn is not None and self.epoch_role == self.cfg.rank:
+                self._run_epoch_fn(c.epoch_aggregated.metrics)
         elif which in (
-            "coord_heartbeat", "epoch_aggregated", "set_epoch_callback_role", "declare_dead",
+            "coord_heartbeat", "declare_dead",
             "eval_broadcast", "stage_advisory", "save_consensus_model", "arm_consensus_eval",
         ):
             pass  # informational for a bus-plane rank; hearing it already reset liveness
@@ -414,6 +423,19 @@ class _Rank:
             self._add_chunk(m.epoch, m.partition_offset, m.partition_size, "ExtendPartition")
 
     # -- eval ---------------------------------------------------------------------------
+
+    def _run_epoch_fn(self, m: pb.EpochMetrics) -> None:
+        """The elected rank's epoch callback; its cost goes back as ``epoch_fn_elapsed`` so
+        the coordinator can shorten this rank's next window by as much (callback slack)."""
+        t0 = time.perf_counter()
+        try:
+            self.epoch_fn(self.model, int(m.epoch), {"avg_loss": m.avg_loss, "epoch_ms": m.epoch_ms})
+        except Exception as e:  # the user's callback must never take the rank down
+            log.warning("epoch_fn raised on epoch %d: %s: %s", m.epoch, type(e).__name__, e)
+        finally:
+            self.model.train()
+        elapsed = (time.perf_counter() - t0) * 1e3
+        self._timing(epoch_fn_elapsed=pb.Timing.EpochFnElapsed(epoch=m.epoch, elapsed_ms=elapsed))
 
     def _run_eval(self, m) -> None:
         t0 = time.perf_counter()
@@ -564,6 +586,7 @@ def rank_main(
     train_dataset,
     *,
     eval_fn: Callable[[torch.nn.Module], float] | None = None,
+    epoch_fn: Callable[[torch.nn.Module, int, dict], Any] | None = None,
     task: str = "",
     env: Mapping[str, str] = os.environ,
 ) -> int:
@@ -576,7 +599,7 @@ def rank_main(
     _setup_logging(cfg.rank)
     r: _Rank | None = None
     try:
-        r = _Rank(cfg, model_fn, optimizer_fn, step_fn, train_dataset, eval_fn, task)
+        r = _Rank(cfg, model_fn, optimizer_fn, step_fn, train_dataset, eval_fn, task, epoch_fn)
         r.run()
     except _Shutdown as s:
         r.say_exiting()
@@ -607,6 +630,7 @@ def run_rank(
     train_dataset,
     *,
     eval_fn: Callable[[torch.nn.Module], float] | None = None,
+    epoch_fn: Callable[[torch.nn.Module, int, dict], Any] | None = None,
     task: str = "",
     env: Mapping[str, str] = os.environ,
 ) -> NoReturn:
@@ -621,11 +645,18 @@ def run_rank(
       else ``default_collate`` of its items.
     - ``eval_fn(model) -> float`` (optional) evaluates held-out data; it runs under
       ``model.eval()`` and ``torch.no_grad()``; an exception is reported, not fatal.
+    - ``epoch_fn(model, epoch, metrics)`` (optional) runs on the one rank the coordinator
+      elects for epoch callbacks (``epoch_callback_policy``: fastest, or rank:N), right
+      after each epoch is aggregated; ``metrics`` has ``avg_loss`` and ``epoch_ms``. Its
+      time is reported and the coordinator gives that rank a shorter next window so the
+      others do not wait (callback slack). An exception is logged, not fatal.
     - ``train_dataset`` needs ``__len__`` and either ``.tensors`` or ``__getitem__``.
 
     Identity and emulation come from ``env`` (see ``flodl_worker._env``). Exit codes:
     0 clean shutdown, 1 failure, 2 configuration error or refused admission.
     """
     raise SystemExit(
-        rank_main(model_fn, optimizer_fn, step_fn, train_dataset, eval_fn=eval_fn, task=task, env=env)
+        rank_main(
+            model_fn, optimizer_fn, step_fn, train_dataset, eval_fn=eval_fn, epoch_fn=epoch_fn, task=task, env=env
+        )
     )

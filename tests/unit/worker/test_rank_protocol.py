@@ -171,6 +171,29 @@ def test_rank_throttle_extend_and_zero_mass_round(coordinator, procs, py, tmp_pa
 
 
 @pytest.mark.integration
+def test_only_the_elected_rank_runs_epoch_fn_and_reports_its_time(coordinator, procs, py, tmp_path):
+    env = {"FLODL_RANK": "0", "FLODL_WORLD_SIZE": "1", "FLODL_CONNECT": coordinator.endpoint,
+           "FLODL_SESSION": coordinator.session, "FLODL_HOST": "test-host"}  # fmt: skip
+    proc = procs.start(py("flodl_worker.examples.synthetic", *SYNTHETIC, "--epoch-report"), env=env)
+    route, _ = admit(coordinator, spec(num_epochs=2))
+    metrics = lambda e: pb.Control.EpochAggregated(metrics=pb.EpochMetrics(epoch=e, avg_loss=0.5))  # noqa: E731
+    # Another rank holds the role: epoch 0's callback is not ours.
+    coordinator.control(route, set_epoch_callback_role=pb.Control.SetEpochCallbackRole(rank=1))
+    coordinator.control(route, epoch_aggregated=metrics(0))
+    # Elected now: epoch 1's callback runs here and its cost comes back.
+    coordinator.control(route, set_epoch_callback_role=pb.Control.SetEpochCallbackRole(rank=0))
+    coordinator.control(route, epoch_aggregated=metrics(1))
+    _, d = coordinator.expect("timing", "epoch_fn_elapsed")
+    e = d.envelope.timing.epoch_fn_elapsed
+    assert e.epoch == 1 and e.elapsed_ms > 0
+    coordinator.control(route, shutdown=pb.Control.Shutdown(reason="done"))
+    coordinator.expect("timing", "exiting")
+    code, err = wait_exit(proc)
+    assert code == 0, err
+    assert "epoch 2: avg loss 0.5000, held-out accuracy" in err and "epoch 1:" not in err
+
+
+@pytest.mark.integration
 def test_rank_trains_through_an_open_round_and_keeps_those_steps(coordinator, procs, py, tmp_path):
     # Cadence overlap: the rank trains its next window (k = 2 steps) while its round is
     # open; the consensus then lands as theta <- consensus + (theta_now - snapshot), bit

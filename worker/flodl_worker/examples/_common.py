@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 from torch import nn
 
-__all__ = ["mlp", "classification_step", "accuracy_fn", "make_optimizer", "add_optim_args"]
+__all__ = ["mlp", "classification_step", "accuracy_fn", "epoch_report_fn", "make_optimizer", "add_optim_args"]
 
 
 def mlp(inputs: int, hidden: int, outputs: int) -> nn.Module:
@@ -30,7 +31,22 @@ def accuracy_fn(x: torch.Tensor, y: torch.Tensor):
     return evaluate
 
 
+def epoch_report_fn(x: torch.Tensor, y: torch.Tensor):
+    """An ``epoch_fn``: one line per epoch on stderr from the elected rank."""
+    evaluate = accuracy_fn(x, y)
+
+    def report(model: nn.Module, epoch: int, metrics: dict) -> None:
+        model.eval()
+        with torch.no_grad():
+            acc = evaluate(model)
+        print(f"epoch {epoch + 1}: avg loss {metrics['avg_loss']:.4f}, held-out accuracy {acc:.4f}", file=sys.stderr)
+
+    return report
+
+
 def add_optim_args(p: argparse.ArgumentParser, *, lr: float) -> None:
+    p.add_argument("--epoch-report", action="store_true",
+                   help="the elected epoch-callback rank prints held-out accuracy after every epoch")
     p.add_argument("--hidden", type=int, default=64, help="hidden units of the MLP (default 64)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default sgd")
     p.add_argument("--lr", type=float, default=lr, help=f"learning rate (default {lr})")

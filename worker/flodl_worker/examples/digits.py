@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 
 from flodl_worker.rank import run_rank
 
-from ._common import accuracy_fn, add_optim_args, classification_step, make_optimizer, mlp
+from ._common import accuracy_fn, add_optim_args, classification_step, epoch_report_fn, make_optimizer, mlp
 
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         classification_step,
         train,
         eval_fn=accuracy_fn(x_te, y_te),
+        epoch_fn=epoch_report_fn(x_te, y_te) if args.epoch_report else None,
         task="digits",
     )
 
