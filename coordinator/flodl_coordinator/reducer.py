@@ -115,14 +115,19 @@ class BusReducer:
     def contribute(self, rank: int, header: pb.RoundHeader, blobs) -> RoundResult | None:
         """One rank's own (unfolded) contribution."""
         o = self._check_cycle(f"rank {rank}", header)
-        if rank in o.excluded:
-            raise RoundRefused(f"rank {rank} is excluded from cycle {o.cycle} (its relay's folded frame left the round)")
-        if rank not in o.expected:
-            raise RoundRefused(f"rank {rank} is not expected in cycle {o.cycle}")
-        if rank in o.counted:
-            raise RoundRefused(f"rank {rank} already contributed to cycle {o.cycle}")
+        self._check_rank(o, f"rank {rank}", rank)
         self._accept(o, (rank,), header, blobs, f"rank {rank}")
         return self._maybe_finish()
+
+    @staticmethod
+    def _check_rank(o: "_Open", who: str, r: int) -> None:
+        """Refuse a contribution for ``r`` that cannot count in the open round."""
+        if r in o.excluded:
+            raise RoundRefused(f"{who}: rank {r} is excluded from cycle {o.cycle} (its relay's folded frame left the round)")
+        if r not in o.expected:
+            raise RoundRefused(f"{who}: rank {r} is not expected in cycle {o.cycle}")
+        if r in o.counted:
+            raise RoundRefused(f"{who}: rank {r} already contributed to cycle {o.cycle}")
 
     def contribute_folded(self, relay: tuple, header: pb.RoundHeader, blobs) -> RoundResult | None:
         """A relay's folded frame: credits every rank in ``header.contributing_ranks``."""
@@ -143,12 +148,7 @@ class BusReducer:
             self._exclude(o, ranks, f"rank {dead[0]} died after its relay's fold left")
             return self._maybe_finish()
         for r in ranks:
-            if r in o.excluded:
-                raise RoundRefused(f"{who}: rank {r} is excluded from cycle {o.cycle}")
-            if r not in o.expected:
-                raise RoundRefused(f"{who}: rank {r} is not expected in cycle {o.cycle}")
-            if r in o.counted:
-                raise RoundRefused(f"{who}: rank {r} is already counted in cycle {o.cycle}")
+            self._check_rank(o, who, r)
         self._accept(o, ranks, header, blobs, who)
         self.folded_in += 1
         return self._maybe_finish()

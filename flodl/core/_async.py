@@ -83,16 +83,13 @@ from . import _averaging, _cadence, _coverage, _dispatch, _feedback
 from ._cadence import (
     CadenceDispatcher,
     _budget,
-    _check_throttle,
     _held,
-    _note_barrier,
     _send_plan,
     _take,
     chunk_batches,
     window_steps,
 )
 from ._commands import Command, Notice
-from ._events import BatchDone
 from ._state import TRAINING, CoordinatorState
 
 __all__ = ["AsyncDispatcher", "ASYNC", "source_epoch", "live_epochs", "wake"]
@@ -187,22 +184,9 @@ class AsyncDispatcher(CadenceDispatcher):
         super().reassign(st, rank, out)
         wake(st, out)
 
-    def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
-        # Cadence's bookkeeping, with this module's wake (oldest epoch first, streaming).
-        cad, r = st.cadence, ev.rank
-        cad.ledger.record_batch(r, ev.batch_ms, ev.data_ms)
-        cad.ledger.record_batch_loss(r, ev.loss)
-        if ev.lr > 0.0:
-            cad.last_lr[r] = ev.lr
-        pool = cad.pools.get(ev.epoch)
-        if pool is not None and ev.samples > 0:
-            pool.mark_completed(r, ev.samples)
-        _check_throttle(st, r, out)
-        chunk = cad.in_flight.get(r)
-        if chunk is not None and chunk[0] == ev.epoch and (pool is None or pool.in_flight(r) == 0):
-            del cad.in_flight[r]
-            wake(st, out)
-        _note_barrier(st)
+    def wake_idle(self, st: CoordinatorState, out: list[Command]) -> None:
+        # Cadence's batch bookkeeping calls this: oldest epoch first, streaming.
+        wake(st, out)
 
     def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None:
         cad = st.cadence

@@ -434,8 +434,12 @@ class CadenceDispatcher:
         chunk = cad.in_flight.get(r)
         if chunk is not None and chunk[0] == ev.epoch and (pool is None or pool.in_flight(r) == 0):
             del cad.in_flight[r]
-            wake(st, out)
+            self.wake_idle(st, out)
         _note_barrier(st)
+
+    def wake_idle(self, st: CoordinatorState, out: list[Command]) -> None:
+        """Hand work to ranks that ran dry (the Async policy streams instead)."""
+        wake(st, out)
 
     def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None:
         cad = st.cadence

@@ -86,7 +86,7 @@ def test_folded_refusals_name_the_cause(relay, ranks, cycle, match):
 def test_a_rank_counted_twice_is_refused_whichever_way_it_came():
     red = opened()
     red.contribute(0, *single(1.0, 1.0))  # rank 0's own frame (its relay did not fold it)
-    with pytest.raises(RoundRefused, match="rank 0 is already counted"):
+    with pytest.raises(RoundRefused, match="rank 0 already contributed"):
         red.contribute_folded(A, *folded([0, 1], [1.0, 1.0], [1.0, 1.0]))
     red = opened()
     red.contribute_folded(A, *folded([0, 1], [1.0, 1.0], [1.0, 1.0]))
