@@ -12,6 +12,11 @@ trained ``--strike-samples`` samples (its own trace file; progress, not a clock)
   staleness (``--liveness-timeout``) can tell.
 * ``sigstop``: SIGSTOP under the agent: the process is alive but silent (a hang), so again
   only the heartbeat. The stopped process is SIGKILLed once the coordinator forgot it.
+* ``kill9_coordinator``: SIGKILL of the *coordinator* (ranks under the agent), struck once
+  its journal holds ``--kill-batches`` ``BatchDone`` records (progress, not a clock), and
+  restarted at once with the same command line and journal (systemd's
+  ``Restart=on-failure``): it replays the journal, rebinds the run's endpoint, and the
+  ranks resync with the new incarnation. No rank is struck; ``--victim`` is unused.
 
 Measured per run, all on CLOCK_MONOTONIC (``time.monotonic`` is system-wide on Linux, and
 the coordinator's journal stamps every event's ``now`` with it):
@@ -26,6 +31,26 @@ the coordinator's journal stamps every event's ``now`` with it):
   before the decision (Cadence windows keep them busy for a while);
 * ``missing`` / ``duplicates``: committed coverage from the run summary (must be 0/0);
   ``discarded_samples``: trained by the victim in windows never folded, handed back.
+
+For ``kill9_coordinator`` instead (same clock; ``t_kill`` is just before the SIGKILL):
+
+* ``restart_s``: the kill -> the new coordinator's ``COORDINATOR_READY`` line read here
+  (``restart_first_event_s``: -> the first event it journaled, its ``CoordinatorRestarted``);
+* ``resume_s``: the kill -> the first ``BatchDone`` journaled by the new coordinator
+  (it processes training again; it may be a frame a rank queued during the outage);
+* ``rank_gap_s``: the largest gap in any rank's stream of batch steps that overlaps
+  [kill, resume] (``rank_gap_rank``: whose; ``rank_baseline_gap_s``: that rank's median
+  gap in the 2 s before the kill, for scale). The ranks' trace files carry no times, so
+  a thread here stamps each growth of ``rank<R>.trace`` (one flushed write per batch),
+  polling every ``TRACE_POLL_S``: the gaps are good to about that much;
+  ``batches_trained_during_outage``: steps of all ranks between the kill and READY;
+* ``replayed_events``: the journal's events the new process replayed before READY;
+* ``resynced_batches``: batches the ranks reported in their ``RankResynced`` (trained
+  while the coordinator was down, or reports that died with it);
+* ``coverage`` per epoch (``duplicates`` / ``missing``: must be 0/0), ``run_ok``,
+  ``ranks_lost`` (replaying the journal, every ForgetRank but a clean leave: must be
+  empty), ``rank_phases`` (the summary's: LEFT), ``coordinator_restarts`` (the
+  summary's rows: exactly one).
 
 Prints one JSON object: per kind the median over ``--reps`` runs and every run.
 """
@@ -50,7 +75,8 @@ from flodl.core import BatchDone, ForgetRank, RankViolation, from_record, initia
 from flodl_coordinator.settings import Settings
 from flodl_worker.agent import AgentConfig, rank_env
 
-KINDS = ("kill9_agent", "kill9_no_agent", "sigstop")
+KINDS = ("kill9_agent", "kill9_no_agent", "sigstop", "kill9_coordinator")
+TRACE_POLL_S = 0.002  # the trace watcher's period (kill9_coordinator's rank gaps)
 TASK = "flodl_worker.examples.digits"
 PY = sys.executable
 
@@ -70,6 +96,9 @@ class Run:
         self.relay = self.agent = None
         self.forgotten = threading.Event()
         self.log = open(workdir / "processes.log", "w")
+        self.steps: dict[int, list[float]] = {}  # rank -> monotonic times its trace grew
+        self.done = threading.Event()
+        self.t_ready: float | None = None  # the restarted coordinator's READY line
 
     # -- processes ----------------------------------------------------------------------
 
@@ -81,16 +110,39 @@ class Run:
             "--policy", a.policy, "--liveness-timeout-s", str(a.liveness_timeout),
             "--summary", str(self.summary), "--journal", str(self.journal),
         ]  # fmt: skip
-        coord = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
-        self.procs.append(coord)
-        self.coord = coord
-        endpoint = self._ready(coord.stdout, "COORDINATOR_READY")
-        threading.Thread(target=self._watch_coordinator, daemon=True).start()
-        threading.Thread(target=self._copy, args=(coord.stdout,), daemon=True).start()
+        self.coord_cmd = cmd
+        endpoint = self._start_coordinator()
+        if self.kind == "kill9_coordinator":
+            threading.Thread(target=self._watch_traces, daemon=True).start()
         if self.kind == "kill9_no_agent":
             self._start_bare(endpoint)
         else:
             self._start_agent(endpoint)
+
+    def _start_coordinator(self) -> str:
+        """Start the coordinator (``self.coord_cmd``, the same for a restart); its endpoint."""
+        coord = subprocess.Popen(self.coord_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.procs.append(coord)
+        self.coord = coord
+        endpoint = self._ready(coord.stdout, "COORDINATOR_READY")
+        threading.Thread(target=self._watch_coordinator, args=(coord,), daemon=True).start()
+        threading.Thread(target=self._copy, args=(coord.stdout,), daemon=True).start()
+        return endpoint
+
+    def _watch_traces(self) -> None:
+        """Stamp every growth of each rank's trace file (one flushed write per batch)."""
+        size: dict[int, int] = {}
+        while not self.done.is_set():
+            t = time.monotonic()
+            for r in range(self.args.ranks):
+                try:
+                    n = os.stat(self.trace / f"rank{r}.trace").st_size
+                except OSError:
+                    continue
+                if n > size.get(r, 0):
+                    size[r] = n
+                    self.steps.setdefault(r, []).append(t)
+            time.sleep(TRACE_POLL_S)  # the ranks' files are all there is to watch
 
     def _ready(self, stream, token: str) -> str:
         for line in iter(stream.readline, ""):
@@ -103,9 +155,9 @@ class Run:
         for line in iter(stream.readline, ""):
             self.log.write(line)
 
-    def _watch_coordinator(self) -> None:
+    def _watch_coordinator(self, coord: subprocess.Popen) -> None:
         mark = f"rank {self.args.victim} forgotten"
-        for line in iter(self.coord.stderr.readline, ""):
+        for line in iter(coord.stderr.readline, ""):
             self.log.write("[coordinator] " + line)
             if mark in line:
                 self.forgotten.set()
@@ -176,6 +228,35 @@ class Run:
             time.sleep(0.005)  # polling another process's progress: nothing to wait on
         raise RuntimeError(f"rank {self.args.victim} never traced {self.args.strike_samples} samples")
 
+    def strike_coordinator(self) -> tuple[float, int]:
+        """Once the journal holds ``--kill-batches`` BatchDone records, kill -9 the
+        coordinator and start it again at once on the same command line and journal;
+        returns (monotonic time of the kill, the killed pid)."""
+        want, seen, pos, buf = self.args.kill_batches, 0, 0, b""
+        deadline = time.monotonic() + self.args.deadline
+        while time.monotonic() < deadline:
+            try:
+                with open(self.journal, "rb") as fh:
+                    fh.seek(pos)
+                    chunk = fh.read()
+            except OSError:
+                chunk = b""
+            pos += len(chunk)
+            *whole, buf = (buf + chunk).split(b"\n")
+            seen += sum(1 for line in whole if b'"type": "BatchDone"' in line)
+            if seen >= want:
+                old = self.coord
+                t = time.monotonic()
+                old.send_signal(signal.SIGKILL)
+                old.wait(timeout=30)  # reaped: its socket and journal handle are gone
+                self._start_coordinator()  # returns on its READY line
+                self.t_ready = time.monotonic()
+                return t, old.pid
+            if self.coord.poll() is not None:
+                raise RuntimeError(f"the run ended before {want} batches were journaled; see {self.log.name}")
+            time.sleep(0.005)  # polling another process's progress: nothing to wait on
+        raise RuntimeError(f"the journal never held {want} BatchDone records")
+
     def finish(self, pid: int) -> int:
         a = self.args
         if self.kind == "sigstop":  # reap the hung process once the coordinator let it go
@@ -184,6 +265,7 @@ class Run:
         return self.coord.wait(timeout=a.deadline)  # its summary and journal say it all
 
     def stop(self) -> None:
+        self.done.set()
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
@@ -263,12 +345,74 @@ def analyse(journal: Path, summary: dict, victim: int, t_fault: float) -> dict:
     return out
 
 
+def analyse_coordinator(journal: Path, summary: dict, steps: dict[int, list[float]], t_kill: float,
+                        t_ready: float) -> dict:  # fmt: skip
+    """The coordinator's outage from its journal (one monotonic clock across both
+    processes on this host), the ranks' step streams around it, and the run's outcome."""
+    records = [json.loads(line) for line in journal.read_text().splitlines() if line.strip()]
+    i = next(k for k, r in enumerate(records) if r.get("type") == "_restart")
+    before, after = records[:i], [r for r in records[i + 1 :] if "now" in r]
+    out: dict = {"restart_s": t_ready - t_kill}
+    done = [r for r in before if r.get("type") == "BatchDone"]
+    out["kill_batches"] = len(done)
+    out["kill_epoch"] = done[-1]["epoch"] if done else None
+    out["replayed_events"] = records[i].get("replayed_events")  # what the restart replayed
+    out["last_event_before_kill_s"] = t_kill - max(r["now"] for r in before if "now" in r)
+    if after:
+        out["restart_first_event_s"] = after[0]["now"] - t_kill
+    resume = next((r["now"] for r in after if r.get("type") == "BatchDone"), None)
+    if resume is not None:
+        out["resume_s"] = resume - t_kill
+    out["resynced_batches"] = sum(len(r.get("batches", ())) for r in after if r.get("type") == "RankResynced")
+    # Replay everything through the core: a restart must not cost a rank (leaving at
+    # the end of the run is a ForgetRank too, with one of these reasons).
+    known = {f.name for f in fields(Settings)}
+    settings = Settings(**{k: v for k, v in records[0]["settings"].items() if k in known})
+    state, lost = initial_state(settings.core_config()), []
+    left = ("exited cleanly", "exited after Shutdown")
+    for rec in records[1:]:
+        if str(rec.get("type", "")).startswith("_"):
+            continue
+        ev = from_record(rec)
+        try:
+            state, cmds = step(state, ev)
+        except RankViolation:
+            continue
+        lost += [f"{c.rank}: {c.reason}" for c in cmds if isinstance(c, ForgetRank) and c.reason not in left]
+    out["ranks_lost"] = lost
+    # Each rank's batch steps: the largest gap overlapping [kill, resume].
+    end = resume if resume is not None else t_ready
+    worst = None
+    for rank, ts in sorted(steps.items()):
+        for a, b in zip(ts, ts[1:]):
+            if b > t_kill and a < end and (worst is None or b - a > worst[0]):
+                worst = (b - a, rank)
+    if worst is not None:
+        out["rank_gap_s"], out["rank_gap_rank"] = worst
+        base = [t for t in steps[worst[1]] if t_kill - 2.0 <= t <= t_kill]
+        gaps = [b - a for a, b in zip(base, base[1:])]
+        out["rank_baseline_gap_s"] = statistics.median(gaps) if gaps else None
+    out["batches_trained_during_outage"] = sum(1 for ts in steps.values() for t in ts if t_kill < t <= t_ready)
+    cov = summary.get("coverage", [])
+    out["coverage"] = [{k: c[k] for k in ("epoch", "duplicates", "missing")} for c in cov]
+    out["missing"] = sum(c["missing"] for c in cov)
+    out["duplicates"] = sum(c["duplicates"] for c in cov)
+    out["run_ok"] = summary.get("ok")
+    out["epochs_completed"] = summary.get("epochs_completed")
+    out["rank_phases"] = sorted({r["phase"] for r in summary.get("ranks", [])})
+    out["coordinator_restarts"] = summary.get("coordinator_restarts")
+    return out
+
+
 def one_run(args, kind: str) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"flodl-fault-{kind}-") as d:
         run = Run(args, kind, Path(d))
         try:
             run.start()
-            t_fault, pid = run.strike()
+            if kind == "kill9_coordinator":
+                t_fault, pid = run.strike_coordinator()
+            else:
+                t_fault, pid = run.strike()
             rc = run.finish(pid)
         except Exception as e:  # a bench reports a broken run instead of dying on it
             run.stop()
@@ -279,11 +423,24 @@ def one_run(args, kind: str) -> dict:
             return {"error": f"no summary (coordinator exit {rc})"}
         summary = json.loads(run.summary.read_text())
         try:
-            res = analyse(run.journal, summary, args.victim, t_fault)
+            if kind == "kill9_coordinator":
+                res = analyse_coordinator(run.journal, summary, run.steps, t_fault, run.t_ready)
+            else:
+                res = analyse(run.journal, summary, args.victim, t_fault)
         except Exception as e:
             return {"error": f"journal analysis failed: {type(e).__name__}: {e}"}
         res["coordinator_exit"] = rc
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}
+        return _rounded(res)
+
+
+def _rounded(v):
+    if isinstance(v, float):
+        return round(v, 4)
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_rounded(x) for x in v]
+    return v
 
 
 def _median(runs: list[dict], key: str):
@@ -293,6 +450,8 @@ def _median(runs: list[dict], key: str):
 
 NUMERIC = ("detection_s", "resume_s", "survivor_stall_s", "baseline_gap_s", "survivor_batches_before_decision",
            "discarded_samples")  # fmt: skip
+NUMERIC_COORDINATOR = ("restart_s", "restart_first_event_s", "resume_s", "rank_gap_s", "rank_baseline_gap_s",
+                       "batches_trained_during_outage", "resynced_batches", "last_event_before_kill_s")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--liveness-timeout", type=float, default=3.0, help="seconds of silence = dead (default 3)")
     p.add_argument("--strike-samples", type=int, default=200, help="victim's trained samples before the strike")
+    p.add_argument("--kill-batches", type=int, default=135,
+                   help="kill9_coordinator: BatchDone records journaled before the kill (default 135: mid epoch 1)")
     p.add_argument("--deadline", type=float, default=300.0, help="give up on one run after this many seconds")
     args = p.parse_args(argv)
     args.slow = [float(x) for x in args.slowdown.split(",")]
@@ -319,13 +480,26 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {
         "bench": "faults",
         "config": {k: getattr(args, k) for k in ("reps", "ranks", "victim", "policy", "slowdown", "base_ms",
-                                                 "epochs", "batch_size", "liveness_timeout", "strike_samples")},
+                                                 "epochs", "batch_size", "liveness_timeout", "strike_samples",
+                                                 "kill_batches")},
         "kinds": {},
     }  # fmt: skip
     result["config"]["heartbeat_interval_s"] = Settings().heartbeat_interval_s
     for kind in kinds:
         runs = [one_run(args, kind) for _ in range(args.reps)]
         ok = [r for r in runs if "error" not in r]
+        if kind == "kill9_coordinator":
+            result["kinds"][kind] = {
+                "median": {k: _median(ok, k) for k in NUMERIC_COORDINATOR},
+                "max_missing": max((r["missing"] for r in ok), default=None),
+                "max_duplicates": max((r["duplicates"] for r in ok), default=None),
+                "all_ok": bool(ok) and len(ok) == len(runs) and all(r.get("run_ok") is True for r in ok),
+                "ranks_lost": sorted({x for r in ok for x in r.get("ranks_lost", [])}),
+                "rank_phases": sorted({x for r in ok for x in r.get("rank_phases", [])}),
+                "restarts_per_run": [len(r.get("coordinator_restarts") or []) for r in ok],
+                "runs": runs,
+            }
+            continue
         result["kinds"][kind] = {
             "median": {k: _median(ok, k) for k in NUMERIC},
             "max_missing": max((r["missing"] for r in ok), default=None),
