@@ -10,7 +10,9 @@ consensus they decode it and answer ``sync_ack``. A round is timed from the
 coordinator opening it (FoldOpen + RequestParams) to the last ack.
 
 Four configurations: folding on/off x f32/bf16 on the wire; bytes counted on every
-frame the coordinator's ROUTER receives (up) and sends (down). The peer in the same
+frame the coordinator's ROUTER receives (up) and sends (down). With folding the relay
+also fans the consensus out (one copy per host, forwarded to its ranks), so both
+directions carry one model per host instead of one per rank. The peer in the same
 run: ``torch.distributed.all_reduce`` (gloo, 4 processes) of the same tensors, f32.
 Also the control-plane cost of the relay being a Python loop instead of libzmq's C
 proxy: the round-trip of a small frame through each (and through a relay whose fold
@@ -162,8 +164,10 @@ class Rig:
                     res = self.reducer.contribute_folded(route, d.envelope.round, d.blobs)
                 else:
                     res = self.reducer.contribute(d.envelope.sender.rank, d.envelope.round, d.blobs)
-                if res is not None:
-                    for r in res.to:
+                if res is not None:  # as the service sends it: one copy per folding relay (fan-out)
+                    for relay, fanned in res.fanout:
+                        self._send(self.me.frames("round", res.relay_header(fanned), res.blobs, route=relay))
+                    for r in res.direct:
                         self._send(self.me.frames("round", res.header, res.blobs, route=self.routes[r]))
             elif d.kind == "timing" and d.envelope.timing.WhichOneof("event") == "sync_ack":
                 acks += 1

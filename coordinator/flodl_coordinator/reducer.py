@@ -24,6 +24,15 @@ whole frame leaves the round, mass and tensors, and its other ranks are *exclude
 no longer waited for, not in the consensus's ``contributing_ranks``, but still sent the
 consensus, so that they acknowledge the round and keep their local weights and credit.
 
+Fan-out (the downstream twin of folding). The consensus is the same header and blobs
+for every receiver, so a relay that folded >= ``MIN_FAN_OUT`` of the ranks in ``to``
+this round gets it ONCE, on its own route, with ``deliver_to`` naming those ranks; it
+forwards the very same frames to each (``flodl_worker.fold``). Only ranks whose work
+reached the round through that relay's folded frame (accepted, or the frame excluded)
+qualify: that proves the relay folds (not ``--no-fold``) and knows their frontend ids
+from the cycle's ``FoldOpen``. Everyone else gets a copy on its own route, as before.
+``bytes_out`` counts the copies actually sent: one per fan-out, one per direct rank.
+
 After the division the outer optimizer (``outer``: SlowMo / Nesterov, identity by
 default) turns the consensus into the global the ranks receive.
 
@@ -43,9 +52,13 @@ from flodl.wire import BadTensor, bf16_to_f32, f32_to_bf16, pack_round, pb, unpa
 from .folding import FoldPlan
 from .outer import OuterError, OuterOptimizer
 
-__all__ = ["BusReducer", "RoundResult", "RoundRefused"]
+__all__ = ["BusReducer", "RoundResult", "RoundRefused", "MIN_FAN_OUT"]
 
 log = logging.getLogger("flodl.reducer")
+
+# A relay is sent the consensus once for its ranks when it delivers to at least this many
+# (for one rank, its own route costs the same and keeps the path the rank already uses).
+MIN_FAN_OUT = 2
 
 
 class RoundRefused(Exception):
@@ -67,6 +80,21 @@ class RoundResult:
     total_weight: float
     contributors: tuple[int, ...]
     excluded: tuple[int, ...] = ()  # sent the consensus, but their work is not in it
+    # (relay route, ranks): one copy to the relay, which forwards it to those ranks.
+    fanout: tuple[tuple[tuple, tuple[int, ...]], ...] = ()
+
+    @property
+    def direct(self) -> tuple[int, ...]:
+        """The ranks of ``to`` that get their own copy on their own route."""
+        via = {r for _, ranks in self.fanout for r in ranks}
+        return tuple(r for r in self.to if r not in via)
+
+    def relay_header(self, ranks) -> pb.RoundHeader:
+        """The consensus header for a relay's fan-out: the same, plus ``deliver_to``."""
+        h = pb.RoundHeader()
+        h.CopyFrom(self.header)
+        h.deliver_to.extend(ranks)
+        return h
 
 
 @dataclass
@@ -84,6 +112,7 @@ class _Open:
     counted: dict[int, tuple[int, ...]] = field(default_factory=dict)  # rank -> key of its part
     gone: set[int] = field(default_factory=set)  # dropped (dead) during this round
     excluded: set[int] = field(default_factory=set)  # alive, but their folded frame left
+    via: dict[int, tuple] = field(default_factory=dict)  # rank -> relay whose folded frame carried it
     shapes: tuple[tuple[int, ...], ...] | None = None
 
 
@@ -146,10 +175,12 @@ class BusReducer:
             # The race: the fold left before the FoldDrop reached the relay. The dead
             # rank's work cannot be taken out of the sum: the frame leaves the round.
             self._exclude(o, ranks, f"rank {dead[0]} died after its relay's fold left")
+            o.via.update((r, relay) for r in ranks)
             return self._maybe_finish()
         for r in ranks:
             self._check_rank(o, who, r)
         self._accept(o, ranks, header, blobs, who)
+        o.via.update((r, relay) for r in ranks)
         self.folded_in += 1
         return self._maybe_finish()
 
@@ -243,9 +274,16 @@ class BusReducer:
             bf16=self.bf16_wire,
             contributing_ranks=contributors,
         )
+        groups: dict[tuple, list[int]] = {}
+        for r in to:
+            relay = o.via.get(r)
+            if relay is not None:
+                groups.setdefault(relay, []).append(r)
+        fanout = tuple((relay, tuple(rs)) for relay, rs in sorted(groups.items()) if len(rs) >= MIN_FAN_OUT)
+        copies = len(to) - sum(len(rs) for _, rs in fanout) + len(fanout)
         self.rounds_completed += 1
-        self.bytes_out += sum(len(b) for b in blobs) * len(to)
-        return RoundResult(o.cycle, to, header, blobs, total, contributors, excluded)
+        self.bytes_out += sum(len(b) for b in blobs) * copies
+        return RoundResult(o.cycle, to, header, blobs, total, contributors, excluded, fanout)
 
     def _outer_step(self, cycle: int, consensus: list[np.ndarray]) -> list[np.ndarray]:
         if not self.outer.enabled:

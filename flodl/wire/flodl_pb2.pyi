@@ -673,20 +673,22 @@ class TensorMeta(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., elided: _Optional[bool] = ..., blob_index: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class RoundHeader(_message.Message):
-    __slots__ = ("cycle", "phase", "kind", "weight", "tensors", "contributing_ranks")
+    __slots__ = ("cycle", "phase", "kind", "weight", "tensors", "contributing_ranks", "deliver_to")
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_TO_FIELD_NUMBER: _ClassVar[int]
     cycle: int
     phase: RoundPhase
     kind: RoundKind
     weight: float
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     contributing_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cycle: _Optional[int] = ..., phase: _Optional[_Union[RoundPhase, str]] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., weight: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., contributing_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    deliver_to: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cycle: _Optional[int] = ..., phase: _Optional[_Union[RoundPhase, str]] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., weight: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., contributing_ranks: _Optional[_Iterable[int]] = ..., deliver_to: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RelayMsg(_message.Message):
     __slots__ = ("hello", "rank_exit", "declare_dead", "fold_open", "fold_drop")

@@ -27,6 +27,14 @@ Pure state, no sockets: the relay loop (``relay``) hands it the coordinator's
   round. ``release`` (shutdown) hands back the raw messages of a fold in progress:
   forwarded untouched they are still valid individual contributions.
 
+Fan-out (the downstream twin): the coordinator sends the consensus of a cycle whose
+fold this relay carried ONCE, to the relay's own route, with ``RoundHeader.deliver_to``
+naming the ranks to hand it to. ``from_coordinator`` maps those ranks to the frontend
+ids of the latest ``FoldOpen`` (same cycle only: a consensus arrives before the next
+``FoldOpen`` on the FIFO pipe) and the relay sends the very same frames to each id
+(zero-copy; ``deliver_to`` is left in place, ranks ignore it). A rank it does not know,
+or a consensus of another cycle, is logged and not delivered.
+
 Zero-weight parts (a rank that did no work: elided tensors) add nothing but are named
 in ``contributing_ranks``, like the coordinator's own reducer does.
 """
@@ -80,6 +88,10 @@ class Folder:
         self.ranks_folded = 0
         self.parts_forwarded = 0  # parts that could not be folded and went up raw
         self.folds_discarded = 0
+        # (cycle, rank -> frontend id) of the latest FoldOpen: where a fan-out goes.
+        self._members: Optional[tuple[int, dict[int, bytes]]] = None
+        self.fanouts = 0  # consensus frames received once and forwarded to several ranks
+        self.fanout_copies = 0
         self._logged: set[str] = set()
 
     def _log_once(self, key: str, fmt: str, *args) -> None:
@@ -96,24 +108,50 @@ class Folder:
 
     def on_coordinator(self, payload: list) -> list[Message]:
         """Apply a ``[envelope]`` the coordinator sent the relay; returns frames for upstream."""
+        return self.from_coordinator(payload)[0]
+
+    def from_coordinator(self, payload: list) -> tuple[list[Message], list[bytes]]:
+        """Apply a ``[envelope, blobs...]`` the coordinator sent the relay's own route.
+
+        Returns (frames for upstream, frontend ids to send ``payload`` to unchanged).
+        """
         try:
             d = decode(payload, session=None)
         except WireError as e:
             self._log_once(e.reason, "dropped a frame from the coordinator: %s", e)
-            return []
+            return [], []
         env = d.envelope
+        if env.sender.kind == pb.Sender.KIND_COORDINATOR and d.kind == "round":
+            return [], self._fan_out(env.round)
         if env.sender.kind != pb.Sender.KIND_COORDINATOR or d.kind != "relay":
             self._log_once(f"unexpected:{d.kind}", "the coordinator sent the relay a %r frame: ignored", d.kind)
-            return []
+            return [], []
         msg = env.relay
         which = msg.WhichOneof("msg")
         if which == "fold_open":
             self.endpoint.session = env.session
-            return self._open(msg.fold_open)
+            return self._open(msg.fold_open), []
         if which == "fold_drop":
-            return self._drop(msg.fold_drop.cycle, msg.fold_drop.rank)
+            return self._drop(msg.fold_drop.cycle, msg.fold_drop.rank), []
         log.info("coordinator says %s: nothing to do", which)
-        return []
+        return [], []
+
+    def _fan_out(self, h: pb.RoundHeader) -> list[bytes]:
+        m = self._members
+        if m is None or m[0] != h.cycle:
+            log.warning("consensus of cycle %d to fan out to ranks %s, but the last fold was cycle %s: not delivered",
+                        h.cycle, list(h.deliver_to), None if m is None else m[0])
+            return []
+        ids = []
+        for r in h.deliver_to:
+            i = m[1].get(r)
+            if i is None:
+                log.warning("cycle %d: consensus for rank %d, which this relay did not fold: not delivered", h.cycle, r)
+            else:
+                ids.append(i)
+        self.fanouts += 1
+        self.fanout_copies += len(ids)
+        return ids
 
     def _open(self, m: pb.RelayMsg.FoldOpen) -> list[Message]:
         old = self._fold
@@ -125,6 +163,7 @@ class Folder:
         if len(m.ranks) != len(m.identities) or len(set(m.identities)) != len(m.identities):
             log.warning("FoldOpen for cycle %d is malformed (ranks and identities disagree): not folding", m.cycle)
             return []
+        self._members = (m.cycle, {int(r): bytes(i) for r, i in zip(m.ranks, m.identities)})
         if m.ranks:
             self._fold = _Fold(cycle=m.cycle, want={bytes(i): int(r) for r, i in zip(m.ranks, m.identities)})
         return []

@@ -166,3 +166,36 @@ def test_bf16_halves_the_bytes_both_ways_and_accumulates_f32():
         acc += a
     acc /= np.float32(10.0)
     np.testing.assert_array_equal(c16, bf16_to_f32(f32_to_bf16(acc)))
+
+
+def test_fan_out_one_copy_per_folding_relay_and_bytes_out_counts_copies():
+    """Ranks whose work came through a relay's fold get the consensus via that relay, once;
+    a relay left with one rank in ``to``, and unfolded ranks, get their own copies."""
+    red = opened(ranks=(0, 1, 2, 3, 5))
+    assert red.contribute_folded(A, *folded([0, 1], [1.0, 1.0], [1.0, 1.0])) is None
+    assert red.contribute(2, *single(1.0, 1.0)) is None  # relay b forwarded rank 2 unfolded (--no-fold)
+    assert red.contribute(3, *single(1.0, 1.0)) is None
+    res = red.contribute(5, *single(1.0, 1.0))
+    assert res.fanout == ((A, (0, 1)),) and res.direct == (2, 3, 5)
+    per_copy = sum(len(b) for b in res.blobs)
+    assert red.bytes_out == per_copy * 4  # 1 fan-out + 3 direct, not 5
+    h = res.relay_header((0, 1))
+    assert list(h.deliver_to) == [0, 1] and list(res.header.deliver_to) == []  # the shared header is untouched
+    assert list(h.contributing_ranks) == list(res.header.contributing_ranks) and h.cycle == res.header.cycle
+
+    # 2 ranks per relay, both folding: bytes out halve.
+    red = opened()
+    red.contribute_folded(A, *folded([0, 1], [1.0, 1.0], [1.0, 1.0]))
+    res = red.contribute_folded(B, *folded([2, 3], [1.0, 1.0], [1.0, 1.0]))
+    assert res.fanout == ((A, (0, 1)), (B, (2, 3))) and res.direct == ()
+    assert red.bytes_out == sum(len(b) for b in res.blobs) * 2
+
+
+def test_fan_out_leaves_out_the_dead_and_keeps_the_excluded():
+    red = opened(ranks=(0, 1, 2, 3), cycle=2)
+    assert red.contribute_folded(B, *folded([2, 3], [1.0, 1.0], [1.0, 1.0], cycle=2)) is None
+    res = red.drop(3)  # rank 3 dies after relay b's fold left: 2 is excluded, alone on b
+    assert res is None
+    res = red.contribute_folded(A, *folded([0, 1], [1.0, 1.0], [1.0, 1.0], cycle=2))
+    assert res.to == (0, 1, 2) and res.excluded == (2,)
+    assert res.fanout == ((A, (0, 1)),) and res.direct == (2,)

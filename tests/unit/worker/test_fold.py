@@ -202,3 +202,18 @@ def test_bf16_fold_accumulates_in_f32():
     header, blobs = decoded(up[0])
     assert all(m.dtype == pb.DTYPE_BF16 for m in header.tensors)
     np.testing.assert_array_equal(unpack_round(header, blobs)[0], np.full(SHAPES[0], 1.0625, np.float32))
+
+
+def test_fan_out_maps_deliver_to_onto_the_fold_s_frontend_ids():
+    f = Folder("relay-test-1")
+    fold_open(f, 4, [0, 1, 2])
+    header, blobs = pack_round([np.ones(s, np.float32) for s in SHAPES], cycle=4, weight=3.0, contributing_ranks=[0, 1])
+    header.deliver_to.extend([0, 1])
+    payload = COORD.frames("round", header, blobs)[1:]
+    up, ids = f.from_coordinator(payload)
+    assert up == [] and ids == [b"id-0", b"id-1"] and (f.fanouts, f.fanout_copies) == (1, 2)
+    header.deliver_to.append(7)  # a rank this relay never folded: not delivered, the others are
+    assert f.from_coordinator(COORD.frames("round", header, blobs)[1:]) == ([], [b"id-0", b"id-1"])
+    header.cycle = 3  # not the cycle of the last FoldOpen: nowhere to deliver
+    assert f.from_coordinator(COORD.frames("round", header, blobs)[1:]) == ([], [])
+    assert f.on_coordinator(payload) == []  # the old entry point: upstream frames only
