@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--max-failure", help="end the run once this many ranks died: N, or P%% of --ranks")
     r.add_argument("--liveness-timeout", type=float, default=10.0, help="seconds of silence = dead rank")
     r.add_argument("--no-fold", action="store_true", help="the relay forwards averaging rounds unfolded")
+    r.add_argument("--curve", action="store_true",
+                   help="CURVE on the coordinator's socket with throwaway keys made in the run's temp dir "
+                   "(the agent and its relay get a client key; loopback needs none, this exercises it)")
     r.add_argument("--bf16-wire", action="store_true", help="bf16 tensors on the bus (f32 accumulation)")
     r.add_argument("--outer-optimizer", choices=("none", "slowmo", "nesterov"),
                    help="outer step on the averaged parameters (default none)")
@@ -149,6 +153,10 @@ def _run_local(args) -> int:
     ]  # fmt: skip
     if args.journal:
         coord_cmd += ["--journal", args.journal]
+    agent_curve: list[str] = []
+    if args.curve:
+        coord_curve, agent_curve = _throwaway_keys(workdir)
+        coord_cmd += coord_curve
     if args.checkpoint_dir:
         coord_cmd += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir)]
         coord_cmd += ["--checkpoint-every", str(args.checkpoint_every)]
@@ -189,6 +197,7 @@ def _run_local(args) -> int:
             agent_cmd += ["--trace-dir", args.trace_dir]
         if args.no_fold:
             agent_cmd += ["--no-fold"]
+        agent_cmd += agent_curve
         agent_cmd += ["--", py, "-m", TASKS[args.task], *extra]
         agent = subprocess.Popen(agent_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         procs.append(agent)
@@ -205,6 +214,24 @@ def _run_local(args) -> int:
                 p.kill()
     wall = time.monotonic() - t0
     return _report(args, summary_path, rc, wall)
+
+
+def _throwaway_keys(workdir: str) -> tuple[list[str], list[str]]:
+    """CURVE certificates for one local run: (coordinator flags, agent flags)."""
+    from .curve import CurveError, keygen
+
+    keys = os.path.join(workdir, "curve")
+    allowed = os.path.join(keys, "allowed")
+    try:
+        server_public, server_secret = keygen(keys, "coordinator")
+        host_public, host_secret = keygen(keys, "host")
+        os.makedirs(allowed)
+        shutil.copy(host_public, allowed)  # the allowlist: the host's public certificate
+    except (CurveError, OSError, ImportError) as e:
+        raise LaunchError(f"--curve: cannot make keys: {e}") from None
+    coord = ["--curve-secret-key", server_secret, "--curve-allowed-keys", allowed]
+    agent = ["--curve-server-key", server_public, "--curve-secret-key", host_secret]
+    return coord, agent
 
 
 def _await_ready(proc, token: str, deadline: float) -> str:

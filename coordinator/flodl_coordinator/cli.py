@@ -2,6 +2,7 @@
 
     flodl-coordinator serve --world-size 3 --bind tcp://0.0.0.0:5555 [--config run.toml]
     flodl-coordinator replay run.journal
+    flodl-coordinator keygen DIR NAME
 """
 
 from __future__ import annotations
@@ -62,12 +63,26 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint-keep", type=int, help="keep only the newest N checkpoints (0 = all)")
     s.add_argument("--resume", help="resume from this checkpoint (its dir, meta.json, or a root with 'latest')")
     s.add_argument("--max-failure", help="end the run once this many ranks died: N, or P%% of the world size")
+    s.add_argument("--curve-secret-key", metavar="PATH",
+                   help="CURVE: this coordinator's secret certificate (NAME.key_secret); with "
+                   "--curve-allowed-keys, only allowlisted clients can connect (env FLODL_CURVE_SECRET_KEY)")
+    s.add_argument("--curve-allowed-keys", metavar="DIR",
+                   help="CURVE: directory of the allowed clients' public certificates (*.key) "
+                   "(env FLODL_CURVE_ALLOWED_KEYS)")
     for name, (typ, help_) in _RUN_FLAGS.items():
         s.add_argument("--" + name.replace("_", "-"), type=typ, help=help_)
     s.add_argument("--bf16-wire", action="store_const", const=True, help="bf16 tensors on the bus")
     s.add_argument("--no-final-eval", dest="final_eval", action="store_const", const=False)
     r = sub.add_parser("replay", help="rebuild the core state from a journal and print its summary")
     r.add_argument("journal")
+    k = sub.add_parser("keygen", help="write a CURVE certificate pair: DIR/NAME.key (public) and DIR/NAME.key_secret",
+                       description="Write a ZeroMQ CURVE certificate pair (zmq.auth.create_certificates): "
+                       "DIR/NAME.key is the public certificate (hand it out: the coordinator's goes to every "
+                       "client as --curve-server-key; a client's goes into the coordinator's "
+                       "--curve-allowed-keys directory), DIR/NAME.key_secret the secret one (mode 0600, "
+                       "stays on its host). Refuses to overwrite an existing pair.")
+    k.add_argument("dir")
+    k.add_argument("name")
     return p
 
 
@@ -75,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "replay":
         return _replay(args.journal)
+    if args.cmd == "keygen":
+        return _keygen(args.dir, args.name)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -82,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     service_keys = ["bind", "session", "journal", "summary", "http"]
     checkpoint_keys = ["checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume", "max_failure"]
-    flags = {k: getattr(args, k) for k in list(_RUN_FLAGS) + service_keys + checkpoint_keys}
+    curve_keys = ["curve_secret_key", "curve_allowed_keys"]
+    flags = {k: getattr(args, k) for k in list(_RUN_FLAGS) + service_keys + checkpoint_keys + curve_keys}
     flags["bf16_wire"] = args.bf16_wire
     flags["final_eval"] = args.final_eval
     flags["rotate_journal"] = args.rotate_journal
@@ -99,6 +117,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flodl-coordinator: {e}", file=sys.stderr)
         return 2
     return service.run()
+
+
+def _keygen(directory: str, name: str) -> int:
+    from flodl.curve import CurveError, keygen
+
+    try:
+        public, secret = keygen(directory, name)
+    except (CurveError, OSError) as e:
+        print(f"flodl-coordinator: keygen: {e}", file=sys.stderr)
+        return 2
+    print(f"public certificate: {public}\nsecret certificate: {secret}")
+    return 0
 
 
 def _replay(path: str) -> int:

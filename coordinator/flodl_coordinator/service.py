@@ -71,6 +71,7 @@ from flodl.wire import (
 
 from . import recovery
 from .checkpointing import Checkpointing
+from .curve import CurveServer, load_server_keys
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings
 from .status import StatusBoard
@@ -107,6 +108,7 @@ class CoordinatorService:
         self.clock = clock
         self._ready = ready or (lambda ep: print(f"COORDINATOR_READY {ep}", flush=True))
         self.config = settings.core_config()
+        self.curve_keys = load_server_keys(settings)  # None: no CURVE; a bad key file: SettingsError
         # An unfinished run in the journal is rebuilt by replay (``recovery``); else a fresh one.
         self.recovered = recovery.recover(settings, self.checkpointing)
         self.state = self.recovered.state if self.recovered else initial_state(self.config, self.checkpointing.point)
@@ -167,7 +169,12 @@ class CoordinatorService:
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.RCVHWM, RCVHWM)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
-        self._warn_if_insecure()
+        # CURVE: the ZAP handler runs in its own thread with its own socket (flodl_coordinator.curve).
+        curve = CurveServer(ctx, self.curve_keys) if self.curve_keys is not None else None
+        if curve is not None:
+            curve.secure(sock)
+        else:
+            self._warn_if_insecure()
         sock.bind(recovery.bind_address(self.settings, self.recovered))
         self.sock = sock
         ep = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -209,6 +216,8 @@ class CoordinatorService:
             if http is not None:
                 http.shutdown()
             sock.close(linger=LINGER_MS)
+            if curve is not None:
+                curve.stop()  # closes the ZAP socket before the context terminates
             ctx.term()
             wake_r.close()
             self._wake_w.close()
@@ -243,7 +252,8 @@ class CoordinatorService:
         if not loopback:
             log.warning(
                 "SECURITY: binding %s without CURVE keys: any host that can reach this port can "
-                "join or disturb the run. Bind to loopback or a private network.",
+                "join or disturb the run. Bind to loopback or a private network, or turn CURVE on "
+                "(curve_secret_key + curve_allowed_keys; see flodl-coordinator keygen).",
                 b,
             )
 
@@ -441,7 +451,12 @@ class CoordinatorService:
     def _send_round(self, result) -> None:
         if result is None:
             return
-        for rank in result.to:
+        # Fan-out: one copy per folding relay, which forwards the same frames to each of
+        # ``ranks`` (deliver_to). It rides the same FIFO pipe as those ranks' control
+        # frames, so each rank still sees the coordinator's frames in order.
+        for relay, ranks in result.fanout:
+            self._send_frames(self.endpoint.frames("round", result.relay_header(ranks), result.blobs, route=relay))
+        for rank in result.direct:
             route = self.state.route_of(rank)
             if route is None:
                 continue

@@ -36,6 +36,10 @@ class Settings:
     http: str = ""  # host:port for /status and /metrics; empty = off
     tick_interval_s: float = 0.05
     allow_insecure: bool = False  # permit a non-loopback bind without CURVE keys
+    # CURVE (flodl.curve): the coordinator's secret certificate and a directory of the
+    # allowed clients' public certificates (*.key). Both set = CURVE server + ZAP allowlist.
+    curve_secret_key: str = ""
+    curve_allowed_keys: str = ""
     # a journal holding a *finished* run is moved aside (J.<n>) and a new run starts; an
     # unfinished one is always recovered (flodl_coordinator.recovery)
     rotate_journal: bool = False
@@ -199,5 +203,24 @@ def load_settings(
         raise SettingsError("config error: outer_optimizer needs plane = bus (the coordinator applies it)")
     if s.bf16_wire and s.plane != "bus":
         raise SettingsError("config error: bf16_wire needs plane = bus (the collective plane all-reduces f32)")
+    _check_curve(s)
     s.core_config()  # validates the run fields with the core's own rules
     return s
+
+
+def _check_curve(s: Settings) -> None:
+    """Both CURVE keys or neither; the files must load (the service loads them again)."""
+    if not s.curve_secret_key and not s.curve_allowed_keys:
+        return
+    if not s.curve_secret_key or not s.curve_allowed_keys:
+        missing = "curve_secret_key" if not s.curve_secret_key else "curve_allowed_keys"
+        raise SettingsError(
+            f"config error: CURVE needs both curve_secret_key and curve_allowed_keys; {missing} is not set "
+            f"(flag --{missing.replace('_', '-')}, env FLODL_{missing.upper()})"
+        )
+    from flodl.curve import CurveError, server_keys
+
+    try:
+        server_keys(s.curve_secret_key, s.curve_allowed_keys)
+    except CurveError as e:
+        raise SettingsError(f"config error: {e}") from None

@@ -26,6 +26,13 @@ FLODL_STORE_HOST       no          collective plane: the address other ranks rea
                                    rank's TCPStore at, when it hosts one (default: what
                                    the host name resolves to, as gloo itself uses; set it
                                    on multi-host runs, with GLOO_SOCKET_IFNAME/NCCL_...)
+FLODL_CURVE_SERVER_KEY no          CURVE, only for a rank that dials the coordinator
+                                   directly over the network: the coordinator's public
+                                   certificate (NAME.key). Set with the next, or neither
+FLODL_CURVE_SECRET_KEY no          CURVE: this rank's own secret certificate
+                                   (NAME.key_secret), allowlisted at the coordinator.
+                                   A rank behind its host's relay needs neither (ipc /
+                                   loopback to the relay; the agent does not pass them)
 FLODL_FAULT            no          test failpoint, never in production:
                                    ``exit_in_collective:CYCLE[@RANK]`` SIGKILLs the rank
                                    (only RANK, if given) right after it launches the
@@ -40,6 +47,8 @@ import re
 import socket
 from dataclasses import dataclass
 from typing import Mapping
+
+from flodl.curve import ENV_SECRET_KEY, ENV_SERVER_KEY, ClientKeys, CurveError, client_keys
 
 __all__ = ["EnvError", "RankEnv", "DEFAULT_SESSION"]
 
@@ -95,6 +104,7 @@ class RankEnv:
     hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S
     store_host: str = ""  # FLODL_STORE_HOST ("" = resolve the host name)
     fault_exit_cycle: int | None = None  # FLODL_FAULT aimed at this rank: die in this cycle's all-reduce
+    curve: ClientKeys | None = None  # FLODL_CURVE_SERVER_KEY + FLODL_CURVE_SECRET_KEY, loaded
 
     @property
     def emulated_ms(self) -> float:
@@ -133,7 +143,19 @@ class RankEnv:
             else DEFAULT_HELLO_TIMEOUT_S,
             store_host=env.get("FLODL_STORE_HOST", "").strip(),
             fault_exit_cycle=_fault(env.get("FLODL_FAULT", "").strip(), rank),
+            curve=_curve(env),
         )
+
+
+def _curve(env: Mapping[str, str]) -> ClientKeys | None:
+    """The CURVE client keys named by FLODL_CURVE_SERVER_KEY / FLODL_CURVE_SECRET_KEY, or None."""
+    try:
+        return client_keys(
+            env.get(ENV_SERVER_KEY, "").strip(), env.get(ENV_SECRET_KEY, "").strip(),
+            names=(ENV_SERVER_KEY, ENV_SECRET_KEY),
+        )
+    except CurveError as e:
+        raise EnvError(str(e)) from None
 
 
 def _fault(value: str, rank: int) -> int | None:

@@ -48,6 +48,8 @@ import zmq
 
 from flodl.wire import Endpoint, SeqTracker, WireError, decode, pb, split_routing
 
+from flodl.curve import ENV_SECRET_KEY, ENV_SERVER_KEY, CurveError, client_keys
+
 from .relay import READY_PREFIX
 
 __all__ = ["AgentConfig", "Agent", "run_agent", "rank_env", "slowdown_for"]
@@ -77,6 +79,11 @@ class AgentConfig:
     no_relay: bool = False
     fold: bool = True  # the relay folds the host's averaging rounds (False: --no-fold)
     term_timeout_s: float = 10.0
+    # CURVE (flodl.curve): the coordinator's public certificate and this host's secret
+    # certificate. They secure the agent's own DEALER and the relay's uplink; with
+    # --no-relay the ranks get them as FLODL_CURVE_SERVER_KEY / FLODL_CURVE_SECRET_KEY.
+    curve_server_key: str | None = None
+    curve_secret_key: str | None = None
 
     @property
     def world(self) -> int:
@@ -126,6 +133,13 @@ def rank_env(cfg: AgentConfig, local: int, connect: str, base: dict[str, str]) -
         env["FLODL_BASE_MS"] = repr(cfg.base_ms)
     if cfg.trace_dir:
         env["FLODL_TRACE_DIR"] = cfg.trace_dir
+    # CURVE keys only for ranks that dial the coordinator itself; behind the relay (ipc /
+    # loopback, a plaintext frontend) inherited ones would make every handshake fail.
+    for var in (ENV_SERVER_KEY, ENV_SECRET_KEY):
+        env.pop(var, None)
+    if cfg.no_relay and cfg.curve_server_key and cfg.curve_secret_key:
+        env[ENV_SERVER_KEY] = os.path.abspath(cfg.curve_server_key)
+        env[ENV_SECRET_KEY] = os.path.abspath(cfg.curve_secret_key)
     # Like torchrun: N ranks each using every core would thrash. Respect an explicit value.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.ranks)))
     return env
@@ -163,10 +177,13 @@ class _Child:
 class Agent:
     def __init__(self, cfg: AgentConfig):
         self.cfg = cfg
+        curve = client_keys(cfg.curve_server_key, cfg.curve_secret_key)  # CurveError: one line, exit 2
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"agent-{cfg.host_name}-{os.getpid()}".encode()[:255])
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
+        if curve is not None:
+            curve.apply(self.sock)
         self.sock.connect(cfg.coordinator)
         self.ep = Endpoint(cfg.session, pb.Sender.KIND_AGENT, host=cfg.host_name, incarnation=secrets.randbits(63))
         self.seq = SeqTracker()
@@ -236,6 +253,9 @@ class Agent:
             bind = f"ipc://{self.tmpdir}/relay.sock"
         argv = [sys.executable, "-m", "flodl_worker", "relay", "--coordinator", self.cfg.coordinator,
                 "--bind", bind, "--host", self.cfg.host_name] + ([] if self.cfg.fold else ["--no-fold"])
+        if self.cfg.curve_server_key and self.cfg.curve_secret_key:
+            argv += ["--curve-server-key", os.path.abspath(self.cfg.curve_server_key),
+                     "--curve-secret-key", os.path.abspath(self.cfg.curve_secret_key)]
         self.relay = child = self._spawn("relay", argv, dict(os.environ, PYTHONUNBUFFERED="1"), None)
         fd = child.proc.stdout.fileno()
         deadline = time.monotonic() + RELAY_READY_TIMEOUT_S
@@ -444,6 +464,9 @@ def run_agent(cfg: AgentConfig) -> int:
     """Run the agent to the end; returns its exit code (0 all ranks 0, 1 otherwise, 2 setup)."""
     try:
         agent = Agent(cfg)
+    except CurveError as e:
+        print(f"flodl agent: {e}", file=sys.stderr, flush=True)
+        return 2
     except zmq.ZMQError as e:
         print(f"flodl agent: cannot dial the coordinator at {cfg.coordinator}: {e}", file=sys.stderr, flush=True)
         return 2

@@ -2,9 +2,11 @@
 
     flodl-worker agent --coordinator tcp://HEAD:5555 --ranks 2 -- python train.py [ARGS]
     flodl-worker relay --coordinator tcp://HEAD:5555 --bind ipc:///tmp/flodl/relay.sock
+    flodl-worker keygen DIR NAME
 
-Flags win over the environment (FLODL_COORDINATOR, FLODL_SESSION, FLODL_HOST). A bad
-flag is one line on stderr and exit code 2.
+Flags win over the environment (FLODL_COORDINATOR, FLODL_SESSION, FLODL_HOST,
+FLODL_CURVE_SERVER_KEY, FLODL_CURVE_SECRET_KEY). A bad flag or an unusable key file is
+one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def _parser() -> _Parser:
                 epilog="run 'flodl-worker agent --help' or 'flodl-worker relay --help' for their flags")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    type=str.upper, help="default INFO (logs go to stderr)")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{agent,relay}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{agent,relay,keygen}")
 
     a = sub.add_parser(
         "agent",
@@ -108,6 +110,8 @@ def _parser() -> _Parser:
                    help="the relay forwards averaging rounds untouched instead of folding them into one")
     a.add_argument("--term-timeout", metavar="SECONDS", type=_nonneg_float, default=10.0,
                    help="seconds ranks get after SIGTERM before SIGKILL (default 10)")
+    _curve_flags(a, "the agent's and the relay's connections to the coordinator (with --no-relay: "
+                 "the ranks' too, as FLODL_CURVE_SERVER_KEY / FLODL_CURVE_SECRET_KEY)")
 
     r = sub.add_parser(
         "relay",
@@ -124,7 +128,29 @@ def _parser() -> _Parser:
                    help="logical host name, used in the relay's identity (default the hostname)")
     r.add_argument("--no-fold", action="store_true",
                    help="forward averaging rounds untouched (default: fold the host's ranks into one frame)")
+    _curve_flags(r, "the relay's uplink (backend) to the coordinator; the frontend stays plaintext")
+
+    k = sub.add_parser(
+        "keygen",
+        help="write a CURVE certificate pair: DIR/NAME.key (public) and DIR/NAME.key_secret",
+        description="Write a ZeroMQ CURVE certificate pair (zmq.auth.create_certificates): DIR/NAME.key "
+        "is the public certificate (copy it into the coordinator's curve_allowed_keys directory), "
+        "DIR/NAME.key_secret the secret one (mode 0600; give it as --curve-secret-key on this host). "
+        "Refuses to overwrite an existing pair.",
+    )
+    k.add_argument("dir")
+    k.add_argument("name")
     return p
+
+
+def _curve_flags(p: argparse.ArgumentParser, what: str) -> None:
+    env = os.environ
+    p.add_argument("--curve-server-key", metavar="PATH", default=env.get("FLODL_CURVE_SERVER_KEY") or None,
+                   help=f"CURVE: the coordinator's public certificate (NAME.key); secures {what} "
+                   "(env FLODL_CURVE_SERVER_KEY; give --curve-secret-key too)")
+    p.add_argument("--curve-secret-key", metavar="PATH", default=env.get("FLODL_CURVE_SECRET_KEY") or None,
+                   help="CURVE: this host's own secret certificate (NAME.key_secret), allowlisted at the "
+                   "coordinator (env FLODL_CURVE_SECRET_KEY)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +163,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from flodl.curve import CurveError, client_keys, keygen
+
+    if args.cmd == "keygen":
+        try:
+            public, secret = keygen(args.dir, args.name)
+        except (CurveError, OSError) as e:
+            print(f"flodl-worker: keygen: {e}", file=sys.stderr)
+            return 2
+        print(f"public certificate: {public}\nsecret certificate: {secret}")
+        return 0
+    try:
+        curve = client_keys(args.curve_server_key, args.curve_secret_key)
+    except CurveError as e:
+        p.error(f"{args.cmd}: {e}")
     if args.coordinator is None:
         p.error(f"{args.cmd}: --coordinator is required (or set FLODL_COORDINATOR)")
     if args.cmd == "relay":
@@ -144,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("relay takes no command after --")
         from .relay import run_relay
 
-        return run_relay(args.coordinator, args.bind, args.host, fold=not args.no_fold)
+        return run_relay(args.coordinator, args.bind, args.host, fold=not args.no_fold, curve=curve)
 
     from .agent import AgentConfig, run_agent, slowdown_for
 
@@ -172,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         no_relay=args.no_relay,
         fold=not args.no_fold,
         term_timeout_s=args.term_timeout,
+        curve_server_key=args.curve_server_key if curve is not None else None,
+        curve_secret_key=args.curve_secret_key if curve is not None else None,
     )
     return run_agent(cfg)
 

@@ -148,6 +148,8 @@ class _Rank:
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
         self.sock.setsockopt(zmq.SNDTIMEO, int(DEFAULT_LIVENESS_S * 1000))
+        if cfg.curve is not None:  # dialing the coordinator directly, over CURVE
+            cfg.curve.apply(self.sock)
         try:
             self.sock.connect(cfg.connect)
         except zmq.ZMQError as e:

@@ -24,6 +24,12 @@ removes a rank that died, and the rest flushes. A message is only parsed while a
 still waits for the routing id that sent it; everything else is forwarded as it came
 (zero-copy frames), so control latency pays one dict lookup.
 
+Fan-out, the way down: the consensus of a cycle this relay folded comes ONCE, on the
+relay's own route, with ``deliver_to`` naming its ranks; the relay sends the very same
+frames (zero-copy) to each of their frontend ids (from that cycle's ``FoldOpen``). It is
+read from the same backend pipe, in order, as the ranks' own frames, so each rank still
+sees the coordinator's sequence numbers increase.
+
 It used to be libzmq's ``zmq_proxy_steerable``; folding needs to look at frames, so it
 is a Python loop now, kept lean and bounded:
 
@@ -182,7 +188,13 @@ class _Loop:
         if self.folder is None:
             return self._log_once("no-fold", "folding is off (--no-fold): the coordinator's fold messages are ignored",
                                   level=logging.INFO)
-        for m in self.folder.on_coordinator(payload):
+        up, deliver = self.folder.from_coordinator(payload)
+        for ident in deliver:  # fan-out: the very frames (zero-copy) to each of these ranks
+            try:
+                self.frontend.send_multipart([ident, b"", *payload], zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:
+                pass  # as for any frame to a rank: a stuck or vanished one is dropped
+        for m in up:
             self._up(m)
 
     def _up(self, msg) -> None:
@@ -260,11 +272,14 @@ def _signal_to_terminate(ctx: zmq.Context, heard: threading.Event, done: threadi
 
 
 def run_relay(
-    coordinator: str, bind: str, host: str | None = None, *, fold: bool = True, out: TextIO = sys.stdout
+    coordinator: str, bind: str, host: str | None = None, *, fold: bool = True, out: TextIO = sys.stdout,
+    curve=None,
 ) -> int:
     """Serve until SIGTERM/SIGINT. Returns the exit code (0 clean, 1 cannot bind/connect).
 
     Call from the main thread (it changes the signal mask of this process's threads).
+    ``curve`` (a ``flodl.curve.ClientKeys``) makes the backend a CURVE client; the
+    frontend (ipc / loopback, this host's ranks) stays plaintext.
     """
     host = host or socket.gethostname()
     # Before the context starts its I/O threads: every thread created later inherits it.
@@ -284,6 +299,8 @@ def run_relay(
         frontend.setsockopt(zmq.LINGER, 0)  # frames for ranks are worthless once we stop
         identity = relay_identity(host)
         backend.setsockopt(zmq.IDENTITY, identity)  # before connect
+        if curve is not None:  # flodl.curve.ClientKeys: the uplink is a CURVE client
+            curve.apply(backend)
         try:
             frontend.bind(bind)
         except zmq.ZMQError as e:
@@ -307,8 +324,8 @@ def run_relay(
             folder = Folder(identity.decode(errors="replace"))
         loop = _Loop(frontend, backend, control, folder)
         print(f"{READY_PREFIX} {endpoint}", file=out, flush=True)
-        log.info("relay for host %s: ranks at %s, coordinator at %s, folding %s",
-                 host, endpoint, coordinator, "on" if fold else "off")
+        log.info("relay for host %s: ranks at %s, coordinator at %s%s, folding %s",
+                 host, endpoint, coordinator, " (CURVE)" if curve is not None else "", "on" if fold else "off")
         loop.run()
         done.set()
         moved = loop.drain()
