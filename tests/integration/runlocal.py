@@ -1,12 +1,9 @@
 import json
-import os
 import socket
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
