@@ -36,7 +36,15 @@ averaging gate so the announcement precedes any ``RequestParams``), during TRAIN
 * the ACTIVE set differs from the generation's members (a death or a clean leave);
 * a member reported ``CollectiveFailed`` for the current generation (its group broke:
   a formation or all-reduce timeout, a peer's connection closed before the coordinator
-  heard of that peer's death). The members stay the same; only the generation moves.
+  heard of that peer's death). The members stay the same; only the generation moves;
+* the coordinator restarted on its journal (``on_restarted``, from ``_resync``): the
+  open round was abandoned, and a member may still have an all-reduce pending in the old
+  group for it -- or for a cycle whose ``RequestParams`` died with the old process and
+  that its peers will never join. Reusing the group would pair that op with the peers'
+  next one (gloo matches collectives by order, not by cycle: a silent mix of two
+  rounds). So the alive ranks re-form as a new generation, from a known state: every
+  member retires everything of the old one on the announcement (the rank's resync has
+  already dropped its pending work). The event is journaled, so a replay re-forms too.
 
 A ``StoreReady`` counts only for the current generation, from its store host, before the
 address is known, while every member is still ACTIVE (else a re-formation is due and
@@ -79,6 +87,7 @@ __all__ = [
     "settle",
     "on_store_ready",
     "on_failed",
+    "on_restarted",
     "dense_rank",
     "summary",
 ]
@@ -231,6 +240,17 @@ def on_failed(st: CoordinatorState, ev: CollectiveFailed, out: list[Command]) ->
             {"rank": ev.rank, "generation": ev.generation, "cycle": ev.cycle, "reason": ev.reason},
         )
     )
+
+
+def on_restarted(st: CoordinatorState) -> None:
+    """``CoordinatorRestarted``: the group of the current generation is re-formed (among
+    the alive ranks, by the next ``settle``) -- see the module doc. Nothing to do before
+    the world formed; a re-formation already due keeps its reason (and its blame)."""
+    cs = st.collective
+    if cs is None or cs.generation == 0 or cs.reform_reason:
+        return
+    cs.reform_reason = "coordinator restarted"
+    cs.host_failed = False
 
 
 def summary(cs: CollectiveState, config: Any) -> dict[str, Any]:

@@ -19,6 +19,10 @@ the gap; both are journaled and pure, so a journal holding a restart replays too
   folded (their batches are committed: those ranks applied a consensus holding them);
   the rest of the window is folded by the next round, which the gate opens normally;
 * the beacon timer is reset, so every rank hears the new incarnation at the next tick;
+* collective plane: the process group is re-formed as a new generation among the alive
+  ranks (``_collective.on_restarted``; the step's ``settle`` announces it before any
+  ``RequestParams``), so no all-reduce pending in the old group is ever paired with a
+  new round's;
 * every ACTIVE rank is *awaiting* resync; a JOINING rank gets its ``hello_ack`` again
   (a lost ack would otherwise leave it waiting; the rank drops a duplicate).
 
@@ -62,7 +66,7 @@ from typing import Any, Callable
 
 from flodl.wire import pb
 
-from . import _averaging, _coverage, _dispatch, _membership, _metrics
+from . import _averaging, _collective, _coverage, _dispatch, _membership, _metrics
 from ._commands import Command, Notice, Reply, Send
 from ._errors import RankViolation
 from ._events import EVENT_TYPES, BatchDone, ChunkDone, Event
@@ -198,6 +202,7 @@ def on_restarted(st: CoordinatorState, ev: CoordinatorRestarted, out: list[Comma
         if st.cadence is not None:
             st.cadence.barrier_at = None
     st.last_beacon = None
+    _collective.on_restarted(st)
     alive = st.alive_ranks()
     rs.awaiting = {r: ev.now for r in alive}
     rs.sent = {}

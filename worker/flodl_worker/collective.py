@@ -55,6 +55,15 @@ then hold work that is retrained by whoever gets those samples back, and a survi
 that failed keeps its credit and contributes its window again next round. The next
 round brings every survivor back to one consensus.
 
+Coordinator restart. The restarted coordinator abandoned the open round and re-forms
+the group as a new generation (``flodl.core._collective``). The rank's resync
+(``flodl_worker.resync``) calls ``on_coordinator_restart`` before handling the new
+incarnation's first frame: a reduce that already completed is applied and acked (the
+ack is stale for the new coordinator; the resync's ``folded_step`` carries it), every
+request and reduce still pending is dropped *without* an ack (its round is gone, like a
+bus snapshot; the credit stays) and its group's work is parked. The generation the
+coordinator announces next then retires the old group as usual.
+
 A formation that fails is reported the same way (``cycle`` 0); the coordinator then
 tries another store host, and ends the run once none works (``flodl.core._collective``)
 rather than letting it train on without ever averaging.
@@ -352,6 +361,26 @@ class CollectiveAverager(BusAverager):
             log.info("cycle %d: all-reduce abandoned (%s); keeping local parameters", op.cycle, why)
             self._park(op)
         # A formation still running finishes (or fails) in its thread; its result is dropped.
+
+    def on_coordinator_restart(self) -> int:
+        """The coordinator restarted (see the module doc): apply what already completed,
+        drop every pending request and reduce without an ack; returns how many cycles
+        were dropped."""
+        while self.ops and self.ops[0].done():
+            self._completed(self.ops.popleft())
+        dropped = len(self.snapshots)
+        for op in list(self.ops):
+            self.ops.remove(op)
+            self.stats.abandoned += 1
+            log.info("cycle %d: all-reduce abandoned (the coordinator restarted); keeping local parameters", op.cycle)
+            if not op.done():
+                self.parked.append(op)
+                if self.gen is not None and self.gen.backend == "nccl":
+                    _abort(op.group)
+        self.stats.skipped += len(self.requests)
+        self.requests.clear()
+        self.snapshots.clear()
+        return dropped
 
     # -- formation ----------------------------------------------------------------------
 

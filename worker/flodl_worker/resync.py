@@ -24,7 +24,9 @@ coordinator may have lost:
 
 It then drops its pending snapshots: their rounds died with the old reducer (a
 consensus for them can never come; the credit stays, since ``steps_since_avg`` is only
-reduced when a consensus is applied), and keeps training. A frame of an incarnation it
+reduced when a consensus is applied), and keeps training. On the collective plane the
+averager's ``on_coordinator_restart`` does it, abandoning the pending all-reduces with
+their snapshots (``flodl_worker.collective``). A frame of an incarnation it
 has already left behind is dropped (``stale_incarnation``).
 
 If the coordinator stays away, nothing changes: a rank waiting for it (for a plan, at a
@@ -108,13 +110,17 @@ class RankResync:
 
     def _report(self, inc: int) -> None:
         r = self.rank
-        folded = self._folded_step()
+        abandon = getattr(r.averager, "on_coordinator_restart", None)
+        if abandon is not None:  # collective plane: pending reduces go with their snapshots
+            dropped = abandon()
+        else:
+            snapshots = getattr(r.averager, "snapshots", None)
+            dropped = len(snapshots) if snapshots else 0
+            if snapshots:
+                snapshots.clear()  # their rounds died with the old coordinator's reducer
+        folded = self._folded_step()  # after the abandon: a reduce it applied counts
         batches = [b for b in self.unfolded if b.step_count > folded]
         held = self._held()
-        snapshots = getattr(r.averager, "snapshots", None)
-        dropped = len(snapshots) if snapshots else 0
-        if snapshots:
-            snapshots.clear()  # their rounds died with the old coordinator's reducer
         r._timing(
             resync=pb.Timing.Resync(
                 coordinator_incarnation=inc,

@@ -422,3 +422,66 @@ def test_replay_of_a_journal_with_a_restart_is_identical_and_deterministic():
     assert a == c.state == b
     assert any(isinstance(ev, CoordinatorRestarted) for ev in c.journal)
     assert not any(isinstance(ev, Tick) and ev.now < 0 for ev in c.journal)
+
+
+# -- collective plane ----------------------------------------------------------------------
+
+
+def _collective_crash_cluster(policy: str, **kw):
+    from .test_collective import CollectiveCluster
+
+    class CollectiveCrashCluster(CrashCluster, CollectiveCluster):
+        """Crash/restart on the collective plane; the store host answers its StoreReady."""
+
+    base = dict(world_size=3, total=120, batch_size=8, epochs=3, speeds=[10.0, 20.0, 30.0])
+    base.update(kw)
+    c = CollectiveCrashCluster(policy=policy, **base)
+    c.join_all()
+    return c
+
+
+@pytest.mark.parametrize("policy", ["sync", "cadence"])
+def test_collective_restart_reforms_a_new_generation_before_any_request(policy):
+    c = _collective_crash_cluster(policy, defer_acks=True)
+    c.run_until(lambda: c.state.rounds.phase is PENDING and c.state.rounds.cycle >= 2)
+    cycle, gen = c.state.rounds.cycle, c.state.collective.generation
+    assert gen == 1
+    journal = c.crash()
+    c.now += 1.0
+    mark = len(c.commands)
+    c.restart(journal)
+    cs = c.state.collective
+    # The open round is abandoned and the alive ranks re-form as generation 2, announced
+    # to every member before the first RequestParams of this incarnation.
+    assert c.state.resync.log[-1]["abandoned_cycle"] == cycle
+    assert (cs.generation, sorted(cs.members), cs.reforms) == (2, [0, 1, 2], 1)
+    after = [x for x in c.commands[mark:] if isinstance(x, Send)]
+    for r in range(3):
+        kinds = [x.kind for x in after if x.rank == r]
+        assert "rendezvous" in kinds
+        if "request_params" in kinds:
+            assert kinds.index("rendezvous") < kinds.index("request_params")
+    assert all(x.control.rendezvous.generation == 2 for x in after if x.kind == "rendezvous")
+    c.resync_all()
+    res = c.run()
+    assert res.ok, res.reason
+    _exact(res.summary, 120, 3)
+    assert c.trained_once()
+    assert res.summary["collective"]["generation"] == 2
+    # The journal (the restart and the re-formation in it) replays to the same state.
+    assert replay(c.config, c.journal) == c.state
+    assert replay(c.config, [from_record(to_record(ev)) for ev in c.journal]) == c.state
+
+
+def test_collective_restart_before_the_world_formed_or_with_a_reform_due_adds_none():
+    from flodl.core import _collective
+    from flodl.core._collective import CollectiveState
+
+    c = _collective_crash_cluster("sync")
+    st = c.state
+    st.collective = CollectiveState()  # no group yet: the world's formation comes first
+    _collective.on_restarted(st)
+    assert st.collective.reform_reason == ""
+    st.collective = CollectiveState(generation=3, reform_reason="rank 1: group failed", host_failed=True)
+    _collective.on_restarted(st)  # a re-formation already due keeps its reason and blame
+    assert (st.collective.reform_reason, st.collective.host_failed) == ("rank 1: group failed", True)

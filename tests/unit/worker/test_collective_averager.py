@@ -204,6 +204,63 @@ def test_a_newer_generation_abandons_a_pending_reduce_and_the_survivors_reform(c
         _close(avs)  # the abandoned gloo work is still pending: leaked, not waited for
 
 
+def test_a_coordinator_restart_abandons_pending_reduces_without_acks_and_a_new_generation_reduces(ctx):
+    """The old coordinator's RequestParams(1) reached ranks 0 and 1, not rank 2 (it died
+    with the process): their reduce can never complete in generation 1. On the restart
+    (the rank's resync) it is dropped without an ack, with its snapshot and the credit
+    kept; rank 2's queued request too. Generation 2 then reduces everyone's work."""
+    ranks, avs = _cluster(ctx, steps=[2, 4, 6])
+    try:
+        _form(ranks, avs, 1, [0, 1, 2])
+        _until(avs, lambda: all(av.gen.group is not None for av in avs), "generation 1 formed")
+        before = [[p.detach().numpy().copy() for p in r.params] for r in ranks]
+        avs[0].on_request(1)
+        avs[1].on_request(1)
+        for av in avs[:2]:
+            av.wait(0)
+        assert all(len(av.ops) == 1 for av in avs[:2])
+        assert [av.on_coordinator_restart() for av in avs] == [1, 1, 0]
+        for r, av, b in zip(ranks, avs, before):
+            assert not r.got("sync_ack") and not av.snapshots and not av.ops and not av.requests
+            assert r.steps_since_avg == [2, 4, 6][r.cfg.rank]
+            for p, x in zip(r.params, b):
+                assert np.array_equal(p.detach().numpy(), x)
+        assert [len(av.parked) for av in avs] == [1, 1, 0]
+        _form(ranks, avs, 2, [0, 1, 2])  # the restarted coordinator's new generation
+        for av in avs:
+            av.on_request(2)
+        _until(avs, lambda: all(_acks(r, 2) for r in ranks), "cycle 2 in generation 2")
+        assert not any(_acks(r, 1) for r in ranks)  # the dead round is never acked
+        want = [(2 * before[0][i] + 4 * before[1][i] + 6 * before[2][i]) / 12 for i in range(2)]
+        for r in ranks:
+            assert _acks(r, 2)[0].step_count == [2, 4, 6][r.cfg.rank]
+            for p, e in zip(r.params, want):
+                np.testing.assert_allclose(p.detach().numpy(), e, rtol=1e-5, atol=1e-6)
+    finally:
+        _close(avs)  # generation 1's abandoned work is still pending: leaked, not waited for
+
+
+def test_a_coordinator_restart_applies_a_reduce_that_already_completed(ctx):
+    ranks, avs = _cluster(ctx, steps=[1, 3])
+    try:
+        _form(ranks, avs, 1, [0, 1])
+        _until(avs, lambda: all(av.gen.group is not None for av in avs), "generation 1 formed")
+        for av in avs:
+            av.on_request(1)
+        # Completed (both launched, gloo finishes it in its threads) but not yet handled
+        # by the rank's pump.
+        assert all(len(av.ops) == 1 for av in avs)
+        for av in avs:
+            av.ops[0].future.wait()
+        assert [av.on_coordinator_restart() for av in avs] == [0, 0]
+        for r, av in zip(ranks, avs):
+            (ack,) = _acks(r, 1)
+            assert ack.step_count == r.local_step and av.folded_step == r.local_step
+            assert r.steps_since_avg == 0
+    finally:
+        _close(avs)
+
+
 def test_a_request_of_a_replaced_generation_is_acked_without_a_reduce(ctx):
     ranks, avs = _cluster(ctx, steps=[3])
     try:
