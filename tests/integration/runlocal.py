@@ -39,3 +39,30 @@ def traced_counts(trace: Path) -> dict[int, Counter]:
     return per_epoch
 
 
+def assert_exact_coverage(summary: dict, trace: Path, epochs: int, expected: int) -> None:
+    """Every epoch committed exactly once (summary) and trained exactly once (traces)."""
+    cov = summary["coverage"]
+    assert [c["epoch"] for c in cov] == list(range(epochs))
+    for c in cov:
+        assert (c["expected"], c["trained"], c["duplicates"], c["missing"]) == (expected, expected, 0, 0), c
+    # Independent audit: what each rank process itself wrote down, by sample id.
+    seen = traced_counts(trace)
+    assert sorted(seen) == list(range(epochs))
+    for e, counts in seen.items():
+        assert len(counts) == expected, f"epoch {e}: {len(counts)} distinct samples"
+        assert set(counts.values()) == {1}, f"epoch {e}: some sample trained twice"
+
+
+def read_journal(path: Path) -> list[dict]:
+    """The coordinator's journal records so far (a line still being written is skipped)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.split("\n"):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # empty, or the line being written
+    return out
