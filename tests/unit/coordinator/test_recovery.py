@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
-import sys
 from dataclasses import asdict, replace
 
 import pytest
@@ -18,19 +16,6 @@ from flodl_coordinator.cli import main
 from flodl_coordinator.recovery import HeldSends, agent_record, bind_address, continuing, recover
 from flodl_coordinator.service import CoordinatorService
 from flodl_coordinator.settings import Settings, SettingsError
-
-_CLUSTER = pathlib.Path(__file__).resolve().parents[1] / "core" / "cluster.py"
-
-
-def _cluster_cls():
-    name = "flodl_tests_core_cluster"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _CLUSTER)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name].Cluster
-
 
 def _settings(tmp_path, **over) -> Settings:
     base = dict(world_size=2, batch_size=8, epochs=3, policy="cadence", journal=str(tmp_path / "run.journal"))
@@ -45,8 +30,7 @@ def _write(settings: Settings, events, *, extra=(), finished=False, endpoint="tc
     return lines
 
 
-def _half_run(settings: Settings):
-    Cluster = _cluster_cls()
+def _half_run(Cluster, settings: Settings):
     c = Cluster(total=96, config=settings.core_config())
     c.join_all()
     c.run_until(lambda: c.state.metrics.last_aggregated == 0 and c.ranks[0].step > 14)
@@ -61,9 +45,9 @@ def test_no_journal_or_an_empty_one_is_a_fresh_run(tmp_path):
     assert recover(replace(s, journal=""), Checkpointing(s)) is None
 
 
-def test_an_unfinished_run_is_rebuilt_with_the_shells_own_state(tmp_path):
+def test_an_unfinished_run_is_rebuilt_with_the_shells_own_state(Cluster, tmp_path):
     s = _settings(tmp_path)
-    c = _half_run(s)
+    c = _half_run(Cluster, s)
     agent = agent_record((b"agent-gpu1",), pb.AgentMsg.AgentHello(host="gpu1", ranks=[1, 0]))
     assert agent == {"type": "_agent", "route": [b"agent-gpu1".hex()], "ranks": [0, 1], "host": "gpu1"}
     _write(s, c.journal, extra=[agent])
@@ -76,9 +60,9 @@ def test_an_unfinished_run_is_rebuilt_with_the_shells_own_state(tmp_path):
     assert rec.endpoint == "tcp://127.0.0.1:5999"
 
 
-def test_the_service_starts_from_the_journal(tmp_path):
+def test_the_service_starts_from_the_journal(Cluster, tmp_path):
     s = _settings(tmp_path, bind="tcp://127.0.0.1:0")
-    c = _half_run(s)
+    c = _half_run(Cluster, s)
     _write(s, c.journal)
     svc = CoordinatorService(s, clock=lambda: 1.0)  # a clock below the journal's: rebooted host
     assert svc.recovered is not None and svc.state == c.state
@@ -96,9 +80,9 @@ def test_the_service_starts_from_the_journal(tmp_path):
     [({"world_size": 3}, "world_size"), ({"policy": "sync"}, "policy"), ({"session": "other"}, "session"),
      ({"seed": 7}, "seed"), ({"epochs": 4}, "epochs")],
 )  # fmt: skip
-def test_a_journal_of_another_run_is_refused_naming_the_key(tmp_path, over, key):
+def test_a_journal_of_another_run_is_refused_naming_the_key(Cluster, tmp_path, over, key):
     s = _settings(tmp_path)
-    c = _half_run(s)
+    c = _half_run(Cluster, s)
     _write(s, c.journal)
     other = replace(s, **over)
     with pytest.raises(SettingsError, match=f"holds another run: {key} is"):
@@ -108,9 +92,8 @@ def test_a_journal_of_another_run_is_refused_naming_the_key(tmp_path, over, key)
     assert recover(same, Checkpointing(same)) is not None
 
 
-def test_a_finished_run_is_refused_or_rotated(tmp_path):
+def test_a_finished_run_is_refused_or_rotated(Cluster, tmp_path):
     s = _settings(tmp_path)
-    Cluster = _cluster_cls()
     c = Cluster(total=48, config=replace(s, epochs=1).core_config())
     s = replace(s, epochs=1)
     c.join_all()
@@ -124,9 +107,9 @@ def test_a_finished_run_is_refused_or_rotated(tmp_path):
     assert not pathlib.Path(s.journal).exists() and pathlib.Path(s.journal + ".1").exists()
 
 
-def test_a_torn_last_line_is_cut_off_and_a_torn_middle_refused(tmp_path):
+def test_a_torn_last_line_is_cut_off_and_a_torn_middle_refused(Cluster, tmp_path):
     s = _settings(tmp_path)
-    c = _half_run(s)
+    c = _half_run(Cluster, s)
     _write(s, c.journal)
     path = pathlib.Path(s.journal)
     good = path.read_bytes()
@@ -141,9 +124,8 @@ def test_a_torn_last_line_is_cut_off_and_a_torn_middle_refused(tmp_path):
         recover(s, Checkpointing(s))
 
 
-def test_a_journal_with_a_restart_replays_via_the_cli(tmp_path, capsys):
+def test_a_journal_with_a_restart_replays_via_the_cli(Cluster, tmp_path, capsys):
     s = _settings(tmp_path)
-    Cluster = _cluster_cls()
     s = replace(s, epochs=2)
     c = Cluster(total=48, config=s.core_config())
     c.join_all()

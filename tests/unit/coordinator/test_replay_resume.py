@@ -2,31 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 from dataclasses import asdict
 
 from flodl.core import checkpoint_meta, initial_state, resume_plan, to_record
 from flodl_coordinator.cli import main
 from flodl_coordinator.settings import Settings
 
-_CLUSTER = pathlib.Path(__file__).resolve().parents[1] / "core" / "cluster.py"
 
-
-def _cluster_cls():
-    name = "flodl_tests_core_cluster"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _CLUSTER)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name].Cluster
-
-
-def test_replay_uses_the_journal_resume_meta(tmp_path, capsys):
-    Cluster = _cluster_cls()
+def test_replay_uses_the_journal_resume_meta(Cluster, tmp_path, capsys):
     kw = dict(world_size=2, total=96, batch_size=8, epochs=4, policy="sync")
     first = Cluster(**kw)
     first.join_all()

@@ -1,7 +1,8 @@
-"""Shared helpers for the checkpoint tests.
+"""Shared fixtures of the unit tests.
 
-``cluster`` loads the core's in-memory ``Cluster`` (tests/unit/core/cluster.py) by path:
-the checkpoint tests drive the real core to a mid-epoch state, then read its meta.
+``Cluster`` is the core's in-memory cluster (tests/unit/core/cluster.py), loaded by path
+once: the checkpoint and coordinator tests drive the real core to a mid-run state (a
+checkpoint meta, a journal to recover) without a package import of tests/unit/core.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 import pytest
 
-_CLUSTER = pathlib.Path(__file__).resolve().parents[1] / "core" / "cluster.py"
+_CLUSTER = pathlib.Path(__file__).resolve().parent / "core" / "cluster.py"
 
 
 def _load_cluster_module():
