@@ -30,3 +30,27 @@ def _load_cluster_module():
 @pytest.fixture
 def Cluster():
     return _load_cluster_module().Cluster
+
+
+@pytest.fixture
+def serve():
+    """``serve(settings) -> (service, endpoint, zmq context)``: a coordinator service in a
+    thread (its loop owns its socket), stopped and joined at teardown."""
+    import zmq
+
+    from flodl_coordinator.service import CoordinatorService
+
+    started = []
+
+    def start(settings):
+        svc = CoordinatorService(settings)
+        ep, t = svc.start_thread()
+        ctx = zmq.Context()
+        started.append((svc, t, ctx))
+        return svc, ep, ctx
+
+    yield start
+    for svc, t, ctx in reversed(started):
+        svc.request_stop()
+        t.join(15)
+        ctx.destroy(0)

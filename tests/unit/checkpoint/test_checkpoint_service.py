@@ -17,7 +17,6 @@ from flodl.core import CoreConfig, initial_state
 from flodl.core import checkpoint_meta
 from flodl.wire import Endpoint, decode, pb, split_routing
 from flodl_coordinator.checkpoints import MODEL_FILE, CheckpointStore
-from flodl_coordinator.service import CoordinatorService
 from flodl_coordinator.settings import load_settings
 
 SESSION = "ckpt-svc-test"
@@ -36,19 +35,12 @@ def checkpoint(tmp_path):
 
 
 @pytest.fixture
-def resumed_service(checkpoint, tmp_path):
-    settings = load_settings(env={}, flags={
+def resumed_service(serve, checkpoint, tmp_path):
+    return serve(load_settings(env={}, flags={
         "world_size": 2, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 3, "seed": 7,
         "batch_size": 4, "policy": "sync", "liveness_timeout_s": 30.0, "resume": checkpoint,
         "journal": str(tmp_path / "journal"),
-    })  # fmt: skip
-    svc = CoordinatorService(settings)
-    ep, t = svc.start_thread()
-    ctx = zmq.Context()
-    yield svc, ep, ctx
-    svc.request_stop()
-    t.join(15)
-    ctx.destroy(0)
+    }))  # fmt: skip
 
 
 def hello(ctx, ep, rank: int, n: int) -> pb.HelloAck:

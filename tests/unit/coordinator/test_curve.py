@@ -44,16 +44,10 @@ def _settings(keys, **extra):
 
 
 @pytest.fixture
-def service(keys, caplog):
+def service(serve, keys, caplog):
     caplog.set_level(logging.INFO, logger="flodl.coordinator")
-    svc = CoordinatorService(_settings(keys))
-    ep, t = svc.start_thread()
-    ep = ep.replace("0.0.0.0", "127.0.0.1")  # bound on every interface, dialed on loopback
-    ctx = zmq.Context()
-    yield svc, ep, ctx
-    svc.request_stop()
-    t.join(15)
-    ctx.destroy(0)
+    svc, ep, ctx = serve(_settings(keys))
+    return svc, ep.replace("0.0.0.0", "127.0.0.1"), ctx  # bound on every interface, dialed on loopback
 
 
 class Client:

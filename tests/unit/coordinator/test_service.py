@@ -11,25 +11,17 @@ import pytest
 import zmq
 
 from flodl.wire import Endpoint, decode, pb, split_routing
-from flodl_coordinator.service import CoordinatorService
 from flodl_coordinator.settings import load_settings
 
 SESSION = "svc-test"
 
 
 @pytest.fixture
-def service():
-    settings = load_settings(env={}, flags={
+def service(serve):
+    return serve(load_settings(env={}, flags={
         "world_size": 2, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 1,
         "batch_size": 4, "liveness_timeout_s": 30.0,
-    })  # fmt: skip
-    svc = CoordinatorService(settings)
-    ep, t = svc.start_thread()
-    ctx = zmq.Context()
-    yield svc, ep, ctx
-    svc.request_stop()
-    t.join(15)
-    ctx.destroy(0)
+    }))  # fmt: skip
 
 
 class Peer:
