@@ -80,15 +80,7 @@ from typing import Optional
 from flodl.wire import pb
 
 from . import _averaging, _cadence, _coverage, _dispatch, _feedback
-from ._cadence import (
-    CadenceDispatcher,
-    _budget,
-    _held,
-    _send_plan,
-    _take,
-    chunk_batches,
-    window_steps,
-)
+from ._cadence import CadenceDispatcher, _held, offer_chunk
 from ._commands import Command, Notice
 from ._state import TRAINING, CoordinatorState
 
@@ -144,15 +136,7 @@ def _dispatch_next(st: CoordinatorState, rank: int, out: list[Command]) -> bool:
         return False
     if epoch not in st.cadence.pools:
         _open(st, epoch, rank, out)
-    pool = st.cadence.pools[epoch]
-    left = max(1, _budget(st, rank) - window_steps(st, rank))  # never cross the reduce
-    n = chunk_batches(st, rank, epoch)
-    n = min(n, left) if n > 0 else min(left, -(-pool.remaining() // st.config.batch_size))
-    got = _take(st, rank, epoch, n)
-    if got is None:
-        return False
-    _send_plan(st, rank, epoch, got, out)
-    return True
+    return offer_chunk(st, rank, epoch, st.cadence.pools[epoch], out)
 
 
 def wake(st: CoordinatorState, out: list[Command]) -> None:

@@ -309,7 +309,12 @@ def _dispatch_next(st: CoordinatorState, rank: int, out: list[Command]) -> bool:
     pool = _pool_of(st, rank)
     if pool is None or pool.remaining() == 0:
         return False  # epoch barrier: the next epoch opens when this one is aggregated
-    epoch = st.dispatch.rank_epoch[rank]
+    return offer_chunk(st, rank, st.dispatch.rank_epoch[rank], pool, out)
+
+
+def offer_chunk(st: CoordinatorState, rank: int, epoch: int, pool: ChunkPool, out: list[Command]) -> bool:
+    """Size the rank's next chunk of ``epoch`` (never past its reduce budget), take it from
+    ``pool`` and send it; False when nothing could be taken."""
     left = max(1, _budget(st, rank) - window_steps(st, rank))  # never cross the reduce
     n = chunk_batches(st, rank, epoch)
     n = min(n, left) if n > 0 else min(left, _batches(pool.remaining(), st.config.batch_size))
