@@ -126,7 +126,7 @@ class CoordinatorService:
         self._agent_ranks: dict[tuple, set[int]] = dict(self.recovered.agent_ranks) if self.recovered else {}
         self.finished: RunFinished | None = None
         self.status = StatusBoard()
-        self._journal = open(settings.journal, "a", encoding="utf-8") if settings.journal else None
+        self._journal = _open_journal(settings.journal) if settings.journal else None
         self._stop_signals = 0
         # Wakes the loop from outside it (signal handler, tests) without touching a socket.
         self._wake_r, self._wake_w = socket.socketpair()
@@ -304,10 +304,15 @@ class CoordinatorService:
             return self._drop(route, e)
         env = d.envelope
         try:
-            self.seq.check(env)
+            # Checked per (route, sender) and recorded only once the frame has passed the
+            # route checks: a foreign route claiming a rank's incarnation with seq 2**63
+            # must not make the real rank's next frames "out of sequence".
+            self.seq.verify(env, route)
             self._dispatch(now, route, d)
         except WireError as e:
-            self._drop(route, e)
+            return self._drop(route, e)
+        if env.sender.kind != pb.Sender.KIND_RANK or tuple(self.state.route_of(env.sender.rank) or ()) == route:
+            self.seq.accept(env, route)  # (a refused hello or a gone rank's frame records nothing)
 
     def _dispatch(self, now: float, route: tuple, d) -> None:
         env, kind = d.envelope, d.kind
@@ -492,6 +497,13 @@ class CoordinatorService:
         if self._journal is not None:
             self._journal.write(json.dumps(record, sort_keys=True) + "\n")
             self._journal.flush()
+
+
+def _open_journal(path: str):
+    """Open the journal for appending; a new one is created owner-only (0600): it holds
+    every rank's incarnation, which is what a forged frame would need to pass for that rank."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    return os.fdopen(fd, "a", encoding="utf-8")
 
 
 def _human(cmd: Notice, epochs: int) -> str:

@@ -101,28 +101,42 @@ def sender_key(env: pb.Envelope) -> tuple:
 
 
 class SeqTracker:
-    """Per-sender replay/order check: each (sender, incarnation) counts up strictly.
+    """Per-sender replay/order check: each (route, sender, incarnation) counts up strictly.
 
     A new incarnation (restarted process) starts a fresh counter; an old incarnation
     that speaks again after a newer one was seen is refused.
+
+    The counter is keyed by the route the frame came on as well as the sender it names:
+    a frame from a foreign route that claims another peer's sender and incarnation can
+    never move that peer's counter (one such frame with seq 2**63 would otherwise make
+    every later frame of the real peer "out of sequence"). A receiver that checks more
+    than the sequence splits the check in two: ``verify`` (raises, records nothing) before
+    its own checks, ``accept`` once the frame has passed them all; ``check`` does both.
     """
 
     def __init__(self) -> None:
         self._last: dict[tuple, tuple[int, int]] = {}
 
-    def check(self, env: pb.Envelope) -> None:
-        key = sender_key(env)
-        inc, seq = env.sender.incarnation, env.seq
+    def verify(self, env: pb.Envelope, route: tuple = ()) -> None:
+        """Raise ``OutOfSequence`` if ``env`` replays or reorders; record nothing."""
+        key = (tuple(route), sender_key(env))
         prev = self._last.get(key)
         if prev is not None:
             prev_inc, prev_seq = prev
-            if inc == prev_inc and seq <= prev_seq:
-                raise OutOfSequence(f"seq {seq} after {prev_seq} from {key}")
-        self._last[key] = (inc, seq)
+            if env.sender.incarnation == prev_inc and env.seq <= prev_seq:
+                raise OutOfSequence(f"seq {env.seq} after {prev_seq} from {key[1]}")
 
-    def forget(self, env_or_key) -> None:
+    def accept(self, env: pb.Envelope, route: tuple = ()) -> None:
+        """Record ``env`` as the latest of its (route, sender): call only after ``verify``."""
+        self._last[(tuple(route), sender_key(env))] = (env.sender.incarnation, env.seq)
+
+    def check(self, env: pb.Envelope, route: tuple = ()) -> None:
+        self.verify(env, route)
+        self.accept(env, route)
+
+    def forget(self, env_or_key, route: tuple = ()) -> None:
         key = env_or_key if isinstance(env_or_key, tuple) else sender_key(env_or_key)
-        self._last.pop(key, None)
+        self._last.pop((tuple(route), key), None)
 
 
 class Endpoint:

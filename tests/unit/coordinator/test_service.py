@@ -91,3 +91,41 @@ def test_an_illegal_batch_report_is_refused_and_the_service_goes_on(service):
     r1.send("timing", pb.Timing(rank=1, heartbeat=pb.Timing.Heartbeat(step_count=0)))
     assert r1.recv(5000).kind == "control"
     assert svc.finished is None
+
+
+def _until(cond, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)  # polling a condition the service thread sets, with a deadline
+    return cond()
+
+
+def test_a_forged_frame_with_a_huge_seq_does_not_poison_the_real_ranks_sequence(service):
+    svc, ep, ctx = service
+    r0, r1 = Peer(ctx, ep, 0, 1), Peer(ctx, ep, 1, 2)
+    assert r0.hello(0).accepted and r1.hello(1).accepted
+    forged = Peer(ctx, ep, 1, 2)  # rank 1's incarnation, from another route
+    forged.me._seq = 2**63 - 1
+    forged.send("timing", pb.Timing(rank=1, heartbeat=pb.Timing.Heartbeat(step_count=1)))
+    assert _until(lambda: svc.dropped.get("route_mismatch", 0) == 1), dict(svc.dropped)
+    seen = svc.state.ranks[1].last_seen
+    r1.send("timing", pb.Timing(rank=1, heartbeat=pb.Timing.Heartbeat(step_count=1)))
+    assert _until(lambda: svc.state.ranks[1].last_seen > seen), dict(svc.dropped)
+    assert svc.dropped.get("out_of_sequence", 0) == 0, dict(svc.dropped)
+
+
+def test_the_journal_is_created_owner_only(tmp_path):
+    import os
+
+    from flodl_coordinator.service import CoordinatorService
+
+    journal = tmp_path / "run.journal"
+    old = os.umask(0o022)
+    try:
+        svc = CoordinatorService(load_settings(env={}, flags={
+            "world_size": 2, "bind": "tcp://127.0.0.1:0", "session": SESSION, "journal": str(journal),
+        }))  # fmt: skip
+    finally:
+        os.umask(old)
+    svc._journal.close()
+    assert journal.stat().st_mode & 0o777 == 0o600

@@ -100,3 +100,18 @@ def test_seq_tracker_refuses_replay_and_accepts_new_incarnation():
 
 def test_delimiter_is_empty_bytes():
     assert DELIMITER == b""
+
+
+def test_seq_tracker_keeps_one_counter_per_route_and_verify_records_nothing():
+    real, forged = _rank_endpoint(inc=3), _rank_endpoint(inc=3)  # same rank, same incarnation
+    forged._seq = 2**63 - 1  # its next frame carries seq 2**63
+    t = SeqTracker()
+    env = lambda ep: decode(split_routing(ep.frames("timing", _batch()))[1], session="s1").envelope  # noqa: E731
+    t.check(env(real), (b"real",))
+    big = env(forged)
+    t.check(big, (b"rogue",))  # recorded for the rogue's own route only
+    t.check(env(real), (b"real",))  # the real rank's seq 2 still counts up from its own 1
+    t.verify(env(forged), (b"real",))  # verify alone never records...
+    t.check(env(real), (b"real",))  # ...so seq 3 on the real route still passes
+    with pytest.raises(OutOfSequence):
+        t.check(big, (b"rogue",))  # a replay on the rogue's own route is still refused
