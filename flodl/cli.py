@@ -22,6 +22,8 @@ import tempfile
 import threading
 import time
 
+from flodl import strictjson
+
 __all__ = ["main"]
 
 TASKS = {
@@ -285,7 +287,7 @@ def _report(args, summary_path: str, rc: int, wall: float) -> int:
     summary.setdefault("samples_per_s", round(committed / train_wall, 2) if train_wall else 0.0)
     if args.summary:
         with open(args.summary, "w", encoding="utf-8") as fh:
-            json.dump(summary, fh, indent=2, sort_keys=True)
+            fh.write(strictjson.dumps(summary, indent=2, sort_keys=True))
     _print_summary(summary)
     ok = bool(summary.get("ok")) and rc == 0
     return 0 if ok else (rc or 1)

@@ -45,6 +45,7 @@ import shutil
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Optional
 
+from flodl import strictjson
 from flodl.fsutil import atomic_write, fsync_dir
 from flodl.fsutil import sha256_file as _sha256_file
 from flodl.core import CoreConfig
@@ -116,7 +117,7 @@ def write_text_atomic(path: str, text: str) -> None:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+    write_text_atomic(path, strictjson.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
 def sha256_file(path: str) -> str:

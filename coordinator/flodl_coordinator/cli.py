@@ -31,6 +31,8 @@ _RUN_FLAGS = {
     "heartbeat_interval_s": (float, "coordinator beacon / rank heartbeat interval (default 1)"),
     "liveness_timeout_s": (float, "silence after which a rank is declared dead (default 10)"),
     "reduce_stall_s": (float, "an averaging round pending this long ends the run (default 300)"),
+    "form_timeout_s": (float, "the world must form within this long or the run fails naming who is missing (300; 0 = wait)"),
+    "model_signature": (str, "hex sha256 every rank's model must match (logged at world_formed); empty = the cohort's"),
     "anchor": (int, "cadence: initial batches of the slowest rank per window (default 4)"),
     "min_anchor": (int, "cadence: growth floor; 0 = the initial anchor"),
     "max_anchor": (int, "cadence: growth ceiling (default 1000)"),

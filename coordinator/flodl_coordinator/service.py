@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import secrets
+import re
 import signal
 import socket
 import threading
@@ -72,6 +73,8 @@ from flodl.wire import (
 from . import recovery
 from .checkpointing import Checkpointing
 from .curve import CurveServer, load_server_keys
+from flodl import strictjson
+
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings
 from .status import StatusBoard
@@ -129,6 +132,7 @@ class CoordinatorService:
         self._journal = _open_journal(settings.journal) if settings.journal else None
         self._stop_signals = 0
         # Wakes the loop from outside it (signal handler, tests) without touching a socket.
+        self._refusals_logged: dict[tuple, float] = {}  # (refused|deferred, reason kind) -> last logged
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -271,7 +275,7 @@ class CoordinatorService:
         if self.settings.summary:
             tmp = self.settings.summary + ".tmp"
             with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(summary, fh, indent=2, sort_keys=True)
+                fh.write(strictjson.dumps(summary, indent=2, sort_keys=True))  # never bare NaN
             os.replace(tmp, self.settings.summary)
         log.info("run finished: ok=%s reason=%s", f.ok, f.reason)
         return 0 if f.ok else 1
@@ -442,6 +446,8 @@ class CoordinatorService:
                 self._send_frames(self.endpoint.frames("relay", msg, route=relay))
             self._send_round(self.reducer.open(cmd.cycle, cmd.ranks))
         elif isinstance(cmd, ForgetRank):
+            if not ack.accepted:
+                self._log_refusal(cmd.route, ack)
             log.warning("rank %d forgotten: %s", cmd.rank, cmd.reason)
             fold_drop = self.reducer.folds.drop(self.reducer.open_cycle, cmd.rank)
             if fold_drop is not None:  # its relay stops waiting for it; the rest flush
@@ -463,6 +469,19 @@ class CoordinatorService:
             self._send_frames(self.endpoint.frames("round", result.relay_header(ranks), result.blobs, route=relay))
         for rank in result.direct:
             route = self.state.route_of(rank)
+    def _log_refusal(self, route: tuple, ack: pb.HelloAck) -> None:
+        """Every refused (or deferred) hello is counted and said, with its reason. A
+        peer that repeats one is said once per minute per kind of reason (digits aside),
+        so a flood of hellos cannot flood the log."""
+        what = "deferred" if ack.deferred else "refused"
+        self.dropped[f"hello_{what}"] += 1
+        kind = (what, re.sub(r"\d+", "N", ack.reason)[:80])
+        now = self.clock()
+        if now - self._refusals_logged.get(kind, -1e18) < 60.0:
+            return
+        self._refusals_logged[kind] = now
+        log.log(logging.INFO if ack.deferred else logging.WARNING, "hello %s (from %s): %s", what, _route_str(route), ack.reason)
+
             if route is None:
                 continue
             frames = self.endpoint.frames("round", result.header, result.blobs, route=tuple(route))

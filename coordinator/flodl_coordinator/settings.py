@@ -69,6 +69,8 @@ class Settings:
     min_anchor: int = 0  # 0: the initial anchor
     max_anchor: int = 1000
     overhead_target: float = 0.05
+    form_timeout_s: float = 300.0  # the world must form within this long, or the run fails naming who is missing; 0 = wait
+    model_signature: str = ""  # hex sha256 every rank's model must match (logged when the world forms); "" = the cohort's
     max_batch_diff: int = 0  # 0: no cap on how far counts move per window
     guard: str = "level"
     meta_controller: bool = True
@@ -105,6 +107,8 @@ class Settings:
                 max_anchor=self.max_anchor,
                 overhead_target=self.overhead_target,
                 max_batch_diff=self.max_batch_diff or None,
+                form_timeout_s=self.form_timeout_s,
+                model_signature=_hex_signature(self.model_signature),
                 guard=self.guard,
                 meta_controller=self.meta_controller,
                 probe_batches=self.probe_batches or None,
@@ -123,6 +127,16 @@ _FIELDS = {f.name: f for f in fields(Settings)}
 def _coerce(key: str, value: Any, source: str) -> Any:
     want = type(getattr(Settings(), key))
     try:
+def _hex_signature(text: str) -> bytes:
+    try:
+        sig = bytes.fromhex(text.strip())
+    except ValueError:
+        raise ValueError(f"model_signature {text!r} is not hex (64 hex digits of a sha256)") from None
+    if sig and len(sig) != 32:
+        raise ValueError(f"model_signature {text!r} must be 64 hex digits (a sha256), got {len(sig) * 2}")
+    return sig
+
+
         if want is bool:
             if isinstance(value, bool):
                 return value

@@ -7,9 +7,10 @@ or a socket.
 
 from __future__ import annotations
 
-import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from flodl import strictjson
 
 __all__ = ["StatusBoard"]
 
@@ -66,7 +67,7 @@ class StatusBoard:
                 if self.path.startswith("/metrics"):
                     body, ctype = board.prometheus().encode(), "text/plain; version=0.0.4"
                 elif self.path.startswith("/status"):
-                    body, ctype = json.dumps(board.snapshot(), default=str).encode(), "application/json"
+                    body, ctype = strictjson.dumps(board.snapshot(), default=str).encode(), "application/json"
                 else:
                     self.send_error(404, "try /status or /metrics")
                     return

@@ -49,6 +49,14 @@ class CoreConfig:
     liveness_timeout_s: float = 10.0
     # A Pending averaging round older than this ends the run (ShutdownWithSave ReduceStall).
     reduce_stall_s: float = 300.0
+    # The world must form (every slot admitted) within this long of the run's first event,
+    # or the run fails naming who is missing and why (a rank refused at hello, one that
+    # died before the start, one never heard from). 0: wait forever.
+    form_timeout_s: float = 300.0
+    # The model signature every rank must present (sha256 from
+    # ``flodl_worker.params.model_signature``). Empty: the first admitted rank's, released
+    # again if every rank holding it leaves before the world forms (no squatting).
+    model_signature: bytes = b""
     # Whether to run the final canonical eval on the eval role before Shutdown.
     final_eval: bool = True
     # -- Cadence (ElChe) ---------------------------------------------------------------
@@ -111,6 +119,10 @@ class CoreConfig:
             raise ValueError("heartbeat_interval_s and liveness_timeout_s must be > 0")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if not self.form_timeout_s >= 0:
+            raise ValueError(f"form_timeout_s must be >= 0 (0: no deadline), got {self.form_timeout_s}")
+        if self.model_signature and len(self.model_signature) != 32:
+            raise ValueError(f"model_signature must be 32 bytes (sha256), got {len(self.model_signature)}")
         max_failure_limit(self.max_failure, self.world_size)
         parse_policy(self.epoch_callback_policy)
         self._check_cadence()

@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 from flodl.wire import pb
 
-from ._commands import Command, Reply
+from ._commands import Command, ForgetRank, Notice, Reply
 from ._errors import next_phase
 from ._events import RankHello
 from ._state import (
@@ -70,6 +70,9 @@ __all__ = [
     "beacon",
     "exit_reason",
     "run_spec",
+    "cohort_conflict",
+    "on_slot_reopened",
+    "refuse_deferred",
 ]
 
 TRANSITIONS: dict[tuple[Any, str], Any] = {
@@ -112,15 +115,31 @@ def refusal(st: CoordinatorState, ev: RankHello) -> Optional[str]:
         return None  # a retransmit of the admitted hello
     if rec.phase is DEAD or rec.phase is LEFT:
         return f"rank {ev.rank} already left the run ({rec.phase!r}: {rec.reason}); rejoin is not supported"
-    if st.cohort_sig is not None and ev.model_sig != st.cohort_sig:
-        return f"model signature differs from the cohort's ({_sig(ev.model_sig)} vs {_sig(st.cohort_sig)})"
+    if cfg.model_signature and ev.model_sig != cfg.model_signature:
+        return (
+            f"model signature {_sig(ev.model_sig)} differs from the configured model_signature "
+            f"{_sig(cfg.model_signature)} (another model or architecture)"
+        )
     if cfg.total_samples > 0 and ev.dataset_len != cfg.total_samples:
         return f"dataset_len {ev.dataset_len} differs from total_samples {cfg.total_samples}"
-    if st.cohort_len is not None and ev.dataset_len != st.cohort_len:
-        return f"dataset_len {ev.dataset_len} differs from the cohort's {st.cohort_len}"
     if ev.dataset_len < 1:
         return f"dataset_len {ev.dataset_len} < 1"
+    return cohort_conflict(st, ev)
+
+
+def cohort_conflict(st: CoordinatorState, ev: RankHello) -> Optional[str]:
+    """Why this hello does not fit the cohort the admitted ranks set (model, dataset)."""
+    if st.cohort_sig is not None and ev.model_sig != st.cohort_sig:
+        return f"model signature differs from the cohort's ({_sig(ev.model_sig)} vs {_sig(st.cohort_sig)})"
+    if st.cohort_len is not None and ev.dataset_len != st.cohort_len:
+        return f"dataset_len {ev.dataset_len} differs from the cohort's {st.cohort_len}"
     return None
+
+
+def _cohort_key(st: CoordinatorState, ev: RankHello) -> tuple:
+    # What decides the cohort when nothing pins it: the model, and the dataset length
+    # unless total_samples fixes that.
+    return (ev.model_sig, ev.dataset_len if st.config.total_samples == 0 else 0)
 
 
 def run_spec(st: CoordinatorState, dataset_len: int) -> pb.RunSpec:
@@ -143,9 +162,13 @@ def run_spec(st: CoordinatorState, dataset_len: int) -> pb.RunSpec:
 
 
 def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
-    """Admit, re-ack or refuse. World formation is ``_run``'s move, not ours."""
+    """Admit, re-ack, defer or refuse. World formation is ``_run``'s move, not ours."""
     reason = refusal(st, ev)
+    if reason is not None and _deferred(st, ev, reason, out):
+        return
     if reason is not None:
+        if st.run.phase is FORMING and 0 <= ev.rank < st.config.world_size:
+            st.run.not_admitted[ev.rank] = f"refused: {reason}"
         out.append(Reply(ev.route, pb.HelloAck(accepted=False, reason=reason)))
         return
     rec = st.ranks[ev.rank]
@@ -156,10 +179,62 @@ def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
         rec.last_seen = ev.now
         if st.cohort_sig is None:
             st.cohort_sig, st.cohort_len = ev.model_sig, ev.dataset_len
+        st.run.not_admitted.pop(ev.rank, None)
+        st.run.cohort_votes.pop(ev.rank, None)
     else:
         st.count_ignored("hello retransmit")
         touch(st, ev.rank, ev.now)
     out.append(Reply(ev.route, pb.HelloAck(accepted=True, run=run_spec(st, ev.dataset_len))))
+
+
+def _deferred(st: CoordinatorState, ev: RankHello, reason: str, out: list[Command]) -> bool:
+    """Cohort squatting: before the world forms, a hello that only conflicts with the
+    cohort the first admitted rank set is not refused (one early foreign hello would get
+    every real rank refused for good). It gets no answer -- the rank resends its hello --
+    and counts as a vote for its own cohort; once the voters (distinct slots) outnumber
+    the ranks holding the cohort, the holders are evicted, the cohort is released and
+    this hello is admitted. A configured ``model_signature`` pins the cohort instead."""
+    if st.run.phase is not FORMING or cohort_conflict(st, ev) != reason:
+        return False
+    key = _cohort_key(st, ev)
+    st.run.cohort_votes[ev.rank] = (key, ev.route)
+    st.run.not_admitted[ev.rank] = f"hello deferred: {reason}"
+    voters = sum(1 for k, _ in st.run.cohort_votes.values() if k == key)
+    holders = [rec.rank for rec in st.ranks if rec.phase is JOINING]
+    if voters <= len(holders):
+        why = f"{reason}; waiting for the world to form (deferred, not refused: {voters} vs {len(holders)} admitted)"
+        out.append(Reply(ev.route, pb.HelloAck(accepted=False, deferred=True, reason=why)))
+        out.append(Notice("hello_deferred", {"rank": ev.rank, "reason": reason, "voters": voters, "holders": len(holders)}))
+        return True
+    why = f"evicted before the world formed: {voters} rank(s) present another model/dataset ({reason})"
+    for r in holders:
+        rec = st.ranks[r]
+        st.send(out, r, shutdown=pb.Control.Shutdown(reason=why))
+        transition(rec, "lost")
+        rec.reason = why
+        rec.route, rec.incarnation = (), 0
+        out.append(ForgetRank(r, why))
+        st.run.not_admitted[r] = why
+    out.append(Notice("cohort_evicted", {"ranks": holders, "voters": voters, "reason": reason}))
+    st.cohort_sig = st.cohort_len = None
+    on_hello(st, ev, out)  # the cohort is free now: admit this one
+    return True
+
+
+def refuse_deferred(st: CoordinatorState, reason: str, out: list[Command]) -> None:
+    """The run ends before forming: the deferred hellos get their refusal at last."""
+    for rank, (_, route) in sorted(st.run.cohort_votes.items()):
+        out.append(Reply(route, pb.HelloAck(accepted=False, reason=reason)))
+    st.run.cohort_votes.clear()
+
+
+def on_slot_reopened(st: CoordinatorState, rank: int, reason: str) -> None:
+    """A JOINING rank was lost or left before the world formed: note why, and release
+    the cohort (model, dataset) once no admitted rank holds it -- a squatter that
+    vanishes takes its claim with it."""
+    st.run.not_admitted[rank] = f"admitted, then lost before the world formed: {reason}"
+    if not any(rec.phase is JOINING or rec.phase is ACTIVE for rec in st.ranks):
+        st.cohort_sig = st.cohort_len = None
 
 
 def touch(st: CoordinatorState, rank: int, now: float) -> None:

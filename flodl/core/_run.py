@@ -9,11 +9,15 @@ The run's phase moves by this table (``TRANSITIONS``)::
     SHUTTING_DOWN --finish--> FINISHED        (ok: every rank left or died)
     FORMING/TRAINING/FINAL_EVAL --stop--> STOPPING --finish--> FINISHED (not ok)
     TRAINING/FINAL_EVAL --fail--> FINISHED    (all ranks lost, reduce stall)
+    FORMING --fail--> FINISHED                (form_timeout_s passed)
 
 ``advance`` is one rule of the step's fixed point; each call makes at most one move
 and says whether it did:
 
-* FORMING: when every slot is JOINING the world forms (all ACTIVE).
+* FORMING: when every slot is JOINING the world forms (all ACTIVE). When
+  ``form_timeout_s`` (> 0) has passed since the run's first event, the run fails
+  instead, naming each missing slot and why (``formation_report``: its last refusal,
+  how it was lost, or "never said hello"); the admitted ranks get ``Shutdown``.
 * TRAINING, no round pending: dispatch the next epoch once the previous one has
   aggregated (epoch 0 right after forming). After the last epoch: if an ACTIVE rank
   still has unfolded steps, open a final round first (even with one rank left, so the
@@ -97,6 +101,7 @@ TRANSITIONS: dict[tuple[Any, str], Any] = {
     (TRAINING, "stop"): STOPPING,
     (FINAL_EVAL, "stop"): STOPPING,
     (STOPPING, "finish"): FINISHED,
+    (FORMING, "fail"): FINISHED,  # form_timeout_s passed (``_fail_formation``)
     (TRAINING, "fail"): FINISHED,
     (FINAL_EVAL, "fail"): FINISHED,
 }
@@ -112,7 +117,37 @@ def _form(st: CoordinatorState, out: list[Command]) -> None:
     _transition(st, "form")
     st.run.formed_at = st.now
     hosts = [rec.host for rec in st.ranks]
-    out.append(Notice("world_formed", {"world_size": len(st.ranks), "total_samples": st.total_samples, "hosts": hosts}))
+    sig = (st.cohort_sig or b"").hex()  # what an operator pins as model_signature
+    out.append(
+        Notice(
+            "world_formed",
+            {"world_size": len(st.ranks), "total_samples": st.total_samples, "hosts": hosts, "model_signature": sig},
+        )
+    )
+
+
+def formation_report(st: CoordinatorState) -> str:
+    """Who is missing from a world that has not formed, and why (one line)."""
+    missing = [
+        f"rank {rec.rank}: {st.run.not_admitted.get(rec.rank, 'never said hello')}"
+        for rec in st.ranks
+        if rec.phase is not JOINING
+    ]
+    admitted = [rec.rank for rec in st.ranks if rec.phase is JOINING]
+    return f"{'; '.join(missing)} (admitted: {admitted or 'none'})"
+
+
+def _fail_formation(st: CoordinatorState, out: list[Command]) -> None:
+    """``form_timeout_s`` passed with slots still empty: end the run, naming them. The
+    admitted ranks are told to leave (plain Shutdown: there is nothing to save yet)."""
+    reason = f"the world did not form within {st.config.form_timeout_s:g}s: {formation_report(st)}"
+    for r in st.addressable_ranks():
+        st.send(out, r, shutdown=pb.Control.Shutdown(reason=reason))
+    _membership.refuse_deferred(st, reason, out)
+    out.append(Notice("formation_failed", {"detail": reason}))
+    _transition(st, "fail")
+    st.run.ok, st.run.reason = False, reason
+    out.append(RunFinished(False, reason, summary(st)))
 
 
 def _begin_shutdown(st: CoordinatorState, out: list[Command]) -> None:
@@ -215,6 +250,12 @@ def advance(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) ->
     if ph is FORMING:
         if all(rec.phase is JOINING for rec in st.ranks):
             _form(st, out)
+            return True
+        if st.run.forming_since is None:
+            st.run.forming_since = st.now
+        limit = st.config.form_timeout_s
+        if limit > 0 and st.now - st.run.forming_since > limit:
+            _fail_formation(st, out)
             return True
         return False
     if ph is TRAINING:

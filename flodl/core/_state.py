@@ -220,6 +220,11 @@ class RunState:
     stop_reason: str = ""
     ok: Optional[bool] = None
     reason: str = ""
+    # FORMING: the first event's time (the formation deadline counts from it), and why
+    # each slot that is not admitted is not (its last refusal, or how it was lost).
+    forming_since: Optional[float] = None
+    not_admitted: dict[int, str] = field(default_factory=dict)
+    cohort_votes: dict[int, tuple] = field(default_factory=dict)  # rank -> ((sig, len), route) of its deferred hello
 
 
 def _plain(x: Any) -> Any:

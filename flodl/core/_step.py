@@ -176,6 +176,7 @@ def forget_rank(st: CoordinatorState, rank: int, trigger: str, reason: str, out:
     out.append(ForgetRank(rank, reason))
     if not was_active:  # a JOINING slot reopens; nothing was assigned to it
         rec.route, rec.incarnation = (), 0
+        _membership.on_slot_reopened(st, rank, reason)
         return
     discarded = _coverage.discard(st.coverage, rank)
     _dispatch.dispatcher_for(st).reassign(st, rank, out)

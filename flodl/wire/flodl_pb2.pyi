@@ -185,14 +185,16 @@ class RunSpec(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ...) -> None: ...
 
 class HelloAck(_message.Message):
-    __slots__ = ("accepted", "reason", "run")
+    __slots__ = ("accepted", "reason", "run", "deferred")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     run: RunSpec
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ...) -> None: ...
+    deferred: bool
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., deferred: _Optional[bool] = ...) -> None: ...
 
 class EpochPlan(_message.Message):
     __slots__ = ("epoch", "partition_offset", "partition_size")

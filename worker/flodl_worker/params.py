@@ -16,10 +16,16 @@ __all__ = ["model_signature", "f32", "param_digest", "gamma_mass", "l2_norm", "a
 
 
 def model_signature(model: torch.nn.Module) -> bytes:
-    """sha256 over ``name shape dtype`` of every parameter, in ``named_parameters`` order."""
+    """sha256 over the model's structure: every module's name and type (a Tanh where the
+    cohort has a ReLU is another model, though its parameters look the same), then
+    ``name shape dtype`` of every parameter and buffer, in registration order."""
     h = hashlib.sha256()
+    for name, m in model.named_modules():
+        h.update(f"module|{name}|{type(m).__module__}.{type(m).__qualname__}\n".encode())
     for name, p in model.named_parameters():
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
+    for name, b in model.named_buffers():
+        h.update(f"buffer|{name}|{tuple(b.shape)}|{b.dtype}\n".encode())
     return h.digest()
 
 

@@ -164,6 +164,8 @@ class _Rank:
         self.spec: pb.RunSpec | None = None
         self.model: torch.nn.Module | None = None
         self.optimizer = None
+        self._hello_deadline = float("inf")  # set by hello(); a deferred ack moves it
+        self._deferred_reason = ""
         self.params: list[torch.Tensor] = []
         self.heartbeat_s = DEFAULT_HEARTBEAT_S
         self.liveness_s = DEFAULT_LIVENESS_S
@@ -279,7 +281,8 @@ class _Rank:
             task=self.task,
         )
         self._send("hello", hello)
-        deadline = time.monotonic() + self.cfg.hello_timeout_s
+        self._hello_deadline = time.monotonic() + self.cfg.hello_timeout_s
+        self._deferred_reason = ""
         resend = time.monotonic() + HELLO_RESEND_S
         while self.spec is None:
             now = time.monotonic()
@@ -288,6 +291,7 @@ class _Rank:
                 resend = now + HELLO_RESEND_S
             left = min(deadline, resend) - now
             if deadline <= now:
+            deadline = self._hello_deadline  # a deferred answer moves it
                 raise _Abort(
                     f"no hello_ack from the coordinator at {self.cfg.connect} within "
                     f"{self.cfg.hello_timeout_s:g}s (FLODL_HELLO_TIMEOUT_S): is it running, and are "
@@ -301,6 +305,14 @@ class _Rank:
             return
         if not ack.accepted:
             raise _Refused(f"the coordinator refused this rank: {ack.reason or '(no reason given)'}")
+        if not ack.accepted and ack.deferred:
+            # The coordinator is there and will decide once the world forms (cohort
+            # conflict): say why once, keep resending, and do not time the hello out.
+            if ack.reason != self._deferred_reason:
+                log.warning("admission deferred by the coordinator: %s", ack.reason)
+                self._deferred_reason = ack.reason
+            self._hello_deadline = time.monotonic() + self.cfg.hello_timeout_s
+            return
         spec = ack.run
         if spec.batch_size < 1:
             raise _Refused(f"RunSpec.batch_size={spec.batch_size} must be >= 1")

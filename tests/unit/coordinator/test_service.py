@@ -53,6 +53,7 @@ def test_second_claim_of_a_rank_and_a_foreign_model_are_refused_by_name(service)
     assert not dup.accepted and "already" in dup.reason
     other = Peer(ctx, ep, 1, 3).hello(1, sig=b"b" * 32)
     assert not other.accepted and "model" in other.reason
+    assert other.deferred  # before the world forms a cohort conflict waits for a quorum
     short = Peer(ctx, ep, 1, 4).hello(1, n=99)
     assert not short.accepted and "dataset" in short.reason
 

@@ -74,17 +74,105 @@ def test_hello_refused_rank_already_admitted_other_incarnation():
     assert "already admitted" in _refused(c.hello(0, incarnation=5))
 
 
-def test_hello_refused_model_signature_differs():
+def test_hello_with_another_model_is_deferred_not_refused_before_the_world_forms():
+    # One early foreign hello must not get every real rank refused for good (squatting):
+    # a cohort conflict before formation is answered "deferred" and the rank keeps asking.
     c = Cluster(policy="sync", world_size=2)
     c.hello(0)
-    reason = _refused(c.hello(1, model_sig=b"\x01\x02"))
-    assert reason.startswith("model signature differs from the cohort's (0102 vs 5a5a")
+    ack = _ack(c.hello(1, model_sig=b"\x01\x02"))
+    assert not ack.accepted and ack.deferred
+    assert ack.reason.startswith("model signature differs from the cohort's (0102 vs 5a5a")
+    assert c.state.ranks[1].phase is VACANT
+    assert c.state.run.not_admitted[1].startswith("hello deferred: model signature differs")
 
 
-def test_hello_refused_dataset_len_differs_from_cohort():
+def test_hello_with_another_dataset_len_is_deferred_before_the_world_forms():
     c = Cluster(policy="sync", world_size=2, total=100)
     c.hello(0)
-    assert _refused(c.hello(1, dataset_len=99)) == "dataset_len 99 differs from the cohort's 100"
+    ack = _ack(c.hello(1, dataset_len=99))
+    assert ack.deferred and ack.reason.startswith("dataset_len 99 differs from the cohort's 100")
+
+
+def test_configured_model_signature_refuses_another_model_outright():
+    c = Cluster(policy="sync", world_size=2, model_signature=b"\x5a" * 32)
+    ack = _ack(c.hello(0))  # the Cluster's ranks present 8 bytes of 0x5a: not the pinned sha256
+    assert not ack.accepted and not ack.deferred
+    assert "differs from the configured model_signature 5a5a5a5a5a5a" in ack.reason
+    ok = _ack(c.hello(1, model_sig=b"\x5a" * 32))
+    assert ok.accepted
+
+
+def test_squatter_that_vanishes_releases_the_cohort():
+    # A foreign hello takes slot 0 and fixes the cohort; it never speaks again. When its
+    # liveness runs out the slot reopens and the cohort is released: the real ranks form.
+    c = Cluster(policy="sync", world_size=2)
+    c.hello(0, model_sig=b"evil", route=(b"squatter",), incarnation=99)
+    assert _ack(c.hello(1)).deferred
+    c.feed(HeartbeatSeen(now=10.5, rank=0))  # (the squatter's slot: silent from now on)
+    c.feed(Tick(now=21.0))
+    assert c.state.ranks[0].phase is VACANT and c.state.cohort_sig is None
+    assert "admitted, then lost before the world formed" in c.state.run.not_admitted[0]
+    c.now = 21.0
+    c.ranks[0].forgotten = False  # (the scripted rank 0 is the real one; the squatter was forgotten)
+    assert _ack(c.hello(1)).accepted
+    assert _ack(c.hello(0)).accepted
+    assert all(r.phase is ACTIVE for r in c.state.ranks)
+
+
+def test_quorum_of_deferred_hellos_evicts_a_squatting_minority():
+    c = Cluster(policy="sync", world_size=3)
+    c.hello(0, model_sig=b"evil", route=(b"squatter",), incarnation=99)
+    assert _ack(c.hello(1)).deferred  # 1 voter vs 1 holder: not yet
+    cmds = c.hello(2)  # 2 voters > 1 holder: the squatter is evicted, rank 2 admitted
+    assert ForgetRank(0, c.state.ranks[0].reason) in cmds
+    assert c.state.ranks[0].phase is VACANT and "evicted before the world formed" in c.state.ranks[0].reason
+    assert any(isinstance(x, Send) and x.kind == "shutdown" and x.rank == 0 for x in cmds)
+    assert c.state.ranks[2].phase is JOINING and c.state.cohort_sig == b"\x5a" * 8
+    c.ranks[0].forgotten = False  # (the scripted rank 0 is the real one; the squatter was forgotten)
+    assert _ack(c.hello(1)).accepted and _ack(c.hello(0)).accepted  # the real ones' resends
+    assert all(r.phase is ACTIVE for r in c.state.ranks)
+
+
+def test_world_that_does_not_form_in_time_fails_naming_who_is_missing_and_why():
+    c = Cluster(policy="sync", world_size=4, form_timeout_s=30.0)
+    c.feed(Tick(now=0.0))
+    c.hello(0)
+    c.hello(1, dataset_len=7)  # deferred: another dataset
+    c.hello(2, world_size=9)  # refused outright
+    c.feed(HeartbeatSeen(now=25.0, rank=0))
+    c.feed(Tick(now=30.0))
+    assert c.finished is None  # not strictly over the deadline yet
+    cmds = c.feed(Tick(now=30.5))  # (any event past the deadline ends it)
+    assert c.finished is not None and not c.finished.ok
+    r = c.finished.reason
+    assert r.startswith("the world did not form within 30s: ")
+    assert "rank 1: hello deferred: dataset_len 7 differs from the cohort's 100" in r
+    assert "rank 2: refused: world_size 9 differs from the coordinator's 4" in r
+    assert "rank 3: never said hello" in r and "(admitted: [0])" in r
+    assert any(isinstance(x, Send) and x.kind == "shutdown" and x.rank == 0 for x in cmds)
+    deferred_answer = [x for x in cmds if isinstance(x, Reply) and x.route == c.ranks[1].route]
+    assert deferred_answer and not deferred_answer[0].ack.accepted and not deferred_answer[0].ack.deferred
+
+
+def test_rank_lost_before_the_world_forms_is_named_at_the_deadline():
+    c = Cluster(policy="sync", world_size=2, form_timeout_s=5.0, agent_reports_exit=True)
+    c.feed(Tick(now=0.0))
+    c.hello(0)
+
+    c.feed(RankExitReported(now=1.0, rank=0, code=-9))
+    c.feed(Tick(now=6.0))
+    assert c.finished is not None and not c.finished.ok
+    assert "rank 0: admitted, then lost before the world formed: killed by signal 9" in c.finished.reason
+    assert "rank 1: never said hello" in c.finished.reason
+
+
+def test_form_timeout_zero_waits_forever():
+    c = Cluster(policy="sync", world_size=2, form_timeout_s=0.0)
+    c.feed(Tick(now=0.0))
+    c.hello(0)
+    c.feed(HeartbeatSeen(now=1e6, rank=0))
+    c.feed(Tick(now=1e6))
+    assert c.finished is None
 
 
 def test_hello_refused_dataset_len_differs_from_config_total():
@@ -110,9 +198,9 @@ def test_hello_refusal_order_world_size_before_signature():
 
 def test_hello_refusal_changes_nothing_but_the_reply():
     c = Cluster(policy="sync", world_size=2)
-    c.hello(0)
+    c.join_all()
     before = copy.deepcopy(c.state)
-    cmds = c.hello(1, model_sig=b"other")
+    cmds = c.hello(1, route=(b"other",))
     assert [type(x) for x in cmds] == [Reply]
     assert c.state == before
 

@@ -82,7 +82,10 @@ def test_58_staleness_unblocks_the_cycle_full_sequence():
 
 
 def test_60_before_the_world_forms_time_kills_nobody():
-    st = initial_state(CoreConfig(world_size=2, batch_size=4, policy="sync", liveness_timeout_s=1.0))
+    # (form_timeout_s=0: no formation deadline, the reference's behaviour; with one, the
+    # run fails after it instead -- test_membership's formation tests.)
+    cfg = CoreConfig(world_size=2, batch_size=4, policy="sync", liveness_timeout_s=1.0, form_timeout_s=0.0)
+    st = initial_state(cfg)
     for now in (0.0, 5.0, 1e6):
         st, cmds = step(st, Tick(now=now))
         assert cmds == []
