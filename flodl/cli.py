@@ -87,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--trace-dir", help="ranks write the sample ids they train here (coverage audit)")
     r.add_argument("--max-failure", help="end the run once this many ranks died: N, or P%% of --ranks")
     r.add_argument("--liveness-timeout", type=float, default=10.0, help="seconds of silence = dead rank")
+    r.add_argument("--form-timeout", type=float, default=120.0,
+                   help="the world must form within this many seconds or the run fails naming who is missing")
     r.add_argument("--no-fold", action="store_true", help="the relay forwards averaging rounds unfolded")
     r.add_argument("--curve", action="store_true",
                    help="CURVE on the coordinator's socket with throwaway keys made in the run's temp dir "
@@ -151,6 +153,7 @@ def _run_local(args) -> int:
         "--plane", args.plane,
         "--seed", str(args.seed),
         "--liveness-timeout-s", str(args.liveness_timeout),
+        "--form-timeout-s", str(args.form_timeout),
         "--summary", summary_path,
     ]  # fmt: skip
     if args.journal:
