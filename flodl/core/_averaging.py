@@ -32,7 +32,8 @@ Finish (``poll``, §5.4-5.5): once every participant still ACTIVE has acked (los
 are excused -- the reducer was told by ``ForgetRank``), ``version += 1``,
 ``global_step += window``; the dispatcher's ``on_round_finished`` runs the policy's
 feedback and returns each rank's folded next chunk; ``Update{version, cycle,
-next_plan?}`` to each surviving participant, then ``SetGlobalStep``, then the
+next_plan?}`` to each surviving participant, then ``SetGlobalStep``, then a
+checkpoint deferred to this round (``_checkpointing.on_round_finished``), then the
 dispatcher's ``after_round`` (wake idle ranks). A round pending longer than ``reduce_stall_s`` is a stall:
 ``poll`` reports it and ``_run`` ends the run with ``ShutdownWithSave(REDUCE_STALL)``.
 
@@ -48,7 +49,7 @@ from typing import Any, Callable, Optional
 
 from flodl.wire import pb
 
-from . import _coverage
+from . import _checkpointing, _coverage
 from ._commands import Command, OpenRound
 from ._dispatch import dispatcher_for
 from ._errors import LocalViolation, next_phase
@@ -185,4 +186,5 @@ def _finish(st: CoordinatorState, out: list[Command]) -> None:
         st.send(out, r, update=upd)
     for r in alive:
         st.send(out, r, set_global_step=pb.Control.SetGlobalStep(global_step=rs.global_step))
+    _checkpointing.on_round_finished(st, out)  # a save deferred to this round's consensus
     dispatcher.after_round(st, out)

@@ -12,8 +12,13 @@ rank if it is gone) and ``Notice("checkpoint_meta", {"version", "meta"})`` with
   ``e`` aggregated, when ``(e + 1) % N == 0``. Every rank then holds the last consensus
   and has not stepped since: the epoch's coverage is complete, so every batch was folded,
   and the next epoch is dispatched only after this (same step, later commands: FIFO).
-  The cycle named is the last *finished* round's (``cycle - 1`` while a round is open);
-  a rank that no longer holds it answers an error and the failover below applies.
+  The cycle named is the last finished round's. While a round is open the save is
+  *deferred* to its finish (``on_round_finished``, at its cycle): acks of the open round
+  may already have committed batches only its consensus holds (that is often what
+  completed the epoch), so no finished consensus matches this instant's coverage. Under
+  Cadence the ranks train on while a round is open and after it, so the rank keeps the
+  last consensus it applied (``flodl_worker.checkpoint_duty``) and saves that; a rank
+  that no longer holds the cycle answers an error and the failover below applies.
   A pending checkpoint intent (``IntentRaised("checkpoint")``) makes the next
   aggregation save too, when checkpoints are configured (``configured``); otherwise it
   is dropped with ``Notice("intent_dropped")``.
@@ -49,6 +54,7 @@ from ._state import ACTIVE, FINAL_EVAL, IDLE, TRAINING, CoordinatorState, EpochC
 __all__ = [
     "META_NOTICE",
     "on_epoch_aggregated",
+    "on_round_finished",
     "on_done",
     "on_rank_gone",
     "on_failure",
@@ -97,12 +103,35 @@ def on_epoch_aggregated(st: CoordinatorState, epoch: int, out: list[Command]) ->
         return False
     if regular:
         ck.armed_epoch = epoch
+    if rs.phase is not IDLE:
+        # A round is open: the acks it has had already committed batches (maybe the
+        # ones that completed this epoch) that only *its* consensus holds, and the ranks
+        # may have applied that consensus already. Neither the last finished cycle (it
+        # lacks those batches) nor the open one (not finished) matches the coverage of
+        # this instant: save at the open round's finish, at its cycle, with the meta of
+        # that moment (``on_round_finished``).
+        ck.deferred = "checkpoint"
+        return True
     role = _role(st)
     if role is None or rs.version == ck.last_version or rs.version in ck.pending:
         return False  # nothing new since the last save (or nobody to save it)
-    cycle = rs.cycle if rs.phase is IDLE else rs.cycle - 1  # the last finished round
-    _save(st, out, role, rs.version, cycle, "checkpoint")
+    _save(st, out, role, rs.version, rs.cycle, "checkpoint")
     return True
+
+
+def on_round_finished(st: CoordinatorState, out: list[Command]) -> None:
+    """A round just finished (``_averaging._finish``, after its ``Update`` commands, before any
+    later ``RequestParams``): take the checkpoint deferred to it, at its cycle. The
+    role rank has applied this consensus and holds it until its next one
+    (``flodl_worker.checkpoint_duty``)."""
+    ck, rs = st.checkpoints, st.rounds
+    reason, ck.deferred = ck.deferred, None
+    if reason is None:
+        return
+    role = _role(st)
+    if role is None or rs.version == ck.last_version or rs.version in ck.pending:
+        return
+    _save(st, out, role, rs.version, rs.cycle, reason)
 
 
 def _failover(st: CoordinatorState, version: int, out: list[Command], why: str) -> None:
@@ -111,6 +140,7 @@ def _failover(st: CoordinatorState, version: int, out: list[Command], why: str) 
     if nxt is None:
         del st.checkpoints.pending[version]
         st.checkpoints.given_up += 1
+        st.checkpoints.abandoned.append(version)
         out.append(Notice("checkpoint_abandoned", {"version": version, "tried": list(tried), "detail": why}))
         return
     st.checkpoints.pending[version] = (cycle, tried + (nxt,))

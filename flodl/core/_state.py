@@ -311,6 +311,11 @@ class CheckpointState:
     last_version: Optional[int] = None  # the latest version a save was decided for
     pending: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     given_up: int = 0
+    # A checkpoint due while a round was open (some of its acks may already have
+    # committed batches that only its consensus holds): taken when that round finishes,
+    # at its cycle (``_checkpointing.on_round_finished``). The value is the reason.
+    deferred: Optional[str] = None
+    abandoned: list[int] = field(default_factory=list)  # versions given up (no rank could save them)
     resume_epoch: Optional[int] = None
     resume_holes: tuple[tuple[int, int], ...] = ()
 

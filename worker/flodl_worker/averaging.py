@@ -112,6 +112,9 @@ class BusAverager:
             post = self._apply(arrays, snap)
             r.steps_since_avg = max(0, r.steps_since_avg - snap.n)
             self.folded_step = acked_step = snap.step_count
+        hold = getattr(getattr(r, "checkpoints", None), "hold", None)
+        if hold is not None:  # held until the next consensus: a later Checkpoint{cycle} saves it
+            hold(cycle, arrays)
         post_norm = l2_norm(post)
         diff = l2_norm([b - a for a, b in zip(snap.pre, post)])
         r._timing(

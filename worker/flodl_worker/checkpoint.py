@@ -37,14 +37,19 @@ class CheckpointLoadError(Exception):
     """``model.pt`` cannot be loaded into this model; ``str(e)`` is one line."""
 
 
-def save_model_file(path: str, model: torch.nn.Module, optimizer: Any, **info: Any) -> bytes:
-    """Write model + optimizer state to ``path`` atomically; return the file's sha256."""
+def save_model_file(
+    path: str, model: torch.nn.Module, optimizer: Any, *, model_state: dict | None = None, **info: Any
+) -> bytes:
+    """Write model + optimizer state to ``path`` atomically; return the file's sha256.
+
+    ``model_state``: the state dict to save instead of ``model.state_dict()`` (the
+    consensus the rank holds, ``flodl_worker.checkpoint_duty``)."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     payload = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "model": model.state_dict(),
+        "model": model.state_dict() if model_state is None else model_state,
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         **info,
     }

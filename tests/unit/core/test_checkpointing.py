@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 
 import pytest
@@ -13,6 +14,7 @@ from flodl.core import (
     Notice,
     Send,
     StopRequested,
+    SyncAcked,
     checkpoint_meta,
     initial_state,
     resume_plan,
@@ -101,6 +103,73 @@ def test_cadence_checkpoints_when_every_rank_holds_the_last_consensus(speeds):
     assert c.run().ok
     assert seen == [("IDLE", [0] * ws, True)] * 3
     assert all("elche" in m["meta"]["policy_state"] for m in metas(c))
+
+
+def _acks_out_of_step(seed: int, policy: str) -> Cluster:
+    """A run whose acks straggle (each rank acks a consensus at a random later pump), so
+    an epoch can complete -- and aggregate -- while a round is half acked."""
+    rng = random.Random(seed)
+    ws = rng.choice([2, 3])
+    speeds = [rng.choice([5.0, 10.0, 40.0]) for _ in range(ws)]
+    c = Cluster(world_size=ws, total=rng.choice([64, 150]) * ws, batch_size=8, epochs=3, policy=policy,
+                checkpoint_every=1, speeds=speeds, defer_acks=True)  # fmt: skip
+    c.join_all()
+    for _ in range(20000):
+        if c.finished is not None:
+            break
+        order = list(range(ws))
+        rng.shuffle(order)
+        for r in order:
+            while c.deliver_one(r):
+                pass
+            if rng.random() < 0.4:
+                c.send_ack(r)
+            c.send_chunk(r)
+            c.train_one(r)
+        c.advance(c.dt)
+    assert c.finished is not None and c.finished.ok
+    return c
+
+
+@pytest.mark.parametrize("seed,policy", [(0, "async"), (26, "async"), (3, "cadence"), (7, "cadence")])
+def test_a_checkpoint_covers_exactly_what_the_consensus_it_names_folded(seed, policy):
+    """Issue 9: an epoch that completed on the first acks of a round was checkpointed at
+    the *previous* cycle while the meta already counted the open round's acked batches
+    as covered: a resume from it would never train them (lost quietly). The save is now
+    deferred to that round's finish, at its cycle."""
+    c = _acks_out_of_step(seed, policy)
+    acks: list[SyncAcked] = []
+    checked = 0
+    for ev, cmds in c.trace:
+        if isinstance(ev, SyncAcked):
+            acks.append(ev)
+        for i, x in enumerate(cmds):
+            if not (isinstance(x, Send) and x.kind == "checkpoint"):
+                continue
+            cycle = x.control.checkpoint.cycle
+            meta = next(n.data["meta"] for n in cmds[i:] if isinstance(n, Notice) and n.kind == "checkpoint_meta")
+            assert meta["cycle"] == cycle
+            folded: dict[int, int] = {}  # rank -> the last step consensus `cycle` holds
+            for a in acks:
+                if a.cycle <= cycle:
+                    folded[a.rank] = max(folded.get(a.rank, 0), a.step_count)
+            last = meta["last_aggregated_epoch"]
+            in_weights = {
+                (e, p)
+                for r in c.ranks
+                for (e, off, n, stp) in r.trained
+                if stp <= folded.get(r.rank, 0) and e > last
+                for p in range(off, off + n)
+            }
+            covered = {
+                (row["epoch"], p)
+                for row in meta["coverage"]["epochs"]
+                for off, size in row["covered"]
+                for p in range(off, off + size)
+            }
+            assert covered == in_weights, f"v{x.control.checkpoint.version} (cycle {cycle})"
+            checked += 1
+    assert checked == 3
 
 
 # -- answers and failover -----------------------------------------------------------------

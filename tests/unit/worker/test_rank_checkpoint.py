@@ -128,12 +128,20 @@ def test_rank_saves_the_consensus_on_checkpoint_and_a_new_rank_resumes_from_it(c
     checkpoint(coordinator, route, 3, tmp_path / "b" / "model.pt", cycle=1)
     assert not expect_result(coordinator).HasField("error")
     assert_same(load(tmp_path / "b" / "model.pt")["model"], saved["model"])
-    # One more step, then the same request is refused by name (the weights moved on).
+    # One more step (Cadence trains on after a round): cycle 1 is still the consensus the
+    # rank holds, so the same request saves it -- those weights, not the stepped ones.
     train_epoch(coordinator, route, 0, 16)
     checkpoint(coordinator, route, 4, tmp_path / "c" / "model.pt", cycle=1)
     res = expect_result(coordinator)
-    assert res.HasField("error") and "no longer held" in res.error and "1 step(s) since" in res.error
-    assert not (tmp_path / "c" / "model.pt").exists()
+    assert not res.HasField("error"), res.error
+    assert_same(load(tmp_path / "c" / "model.pt")["model"], saved["model"])
+    # After the next consensus, cycle 1 is refused by name (no longer held).
+    consensus2 = [c + 1.0 for c in consensus]
+    average(coordinator, route, 2, consensus2)
+    checkpoint(coordinator, route, 5, tmp_path / "e" / "model.pt", cycle=1)
+    res = expect_result(coordinator)
+    assert res.HasField("error") and "no longer held" in res.error and "last applied cycle 2" in res.error
+    assert not (tmp_path / "e" / "model.pt").exists()
     coordinator.control(route, shutdown=pb.Control.Shutdown(reason="done"))
     coordinator.expect("timing", "exiting")
     code, err = wait_exit(proc)

@@ -1,0 +1,110 @@
+"""flodl_worker.checkpoint_duty against a fake rank (no process, no socket).
+
+Issue 9: the coordinator asks for the consensus of cycle c after the round finished,
+and under Cadence the rank has trained on meanwhile: it must still save exactly that
+consensus (it holds it until the next one lands), and refuse by name a cycle it no
+longer holds.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from flodl.wire import pb
+from flodl_worker.averaging import BusAverager, Snapshot
+from flodl_worker.checkpoint_duty import CheckpointDuty
+
+
+class FakeRank:
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.params = list(self.model.parameters())
+        self.cfg = SimpleNamespace(rank=0)
+        self.spec = pb.RunSpec(policy=pb.POLICY_CADENCE, gamma=1.0)
+        self.local_step = 0
+        self.steps_since_avg = 0
+        self.global_step = 0
+        self.timings: list = []
+        self.checkpoints = CheckpointDuty(self)
+        self.averager = BusAverager(self)
+
+    def _timing(self, **event) -> None:
+        self.timings.append(event)
+
+    def step(self) -> None:
+        x = torch.randn(8, 4)
+        loss = self.model(x).pow(2).mean()
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        self.local_step += 1
+        self.steps_since_avg += 1
+
+    def apply(self, cycle: int, consensus: list[np.ndarray]) -> None:
+        """What ``round{cycle}`` does: snapshot, conclude with ``consensus``, after_consensus."""
+        pre = [p.detach().numpy().copy() for p in self.params]
+        snap = Snapshot(n=self.steps_since_avg, step_count=self.local_step, pre=pre, weight=1.0)
+        self.checkpoints.after_consensus(self.averager.conclude(cycle, snap, consensus))
+
+    def results(self) -> list[pb.Timing.CheckpointResult]:
+        return [t["checkpoint_result"] for t in self.timings if "checkpoint_result" in t]
+
+
+def consensus_for(r: FakeRank, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(tuple(p.shape)).astype(np.float32) for p in r.params]
+
+
+def ask(r: FakeRank, version: int, cycle: int, path) -> pb.Timing.CheckpointResult:
+    r.checkpoints.on_command(pb.Control.Checkpoint(version=version, target_rank=0, path=str(path), cycle=cycle))
+    return r.results()[-1]
+
+
+def test_the_consensus_asked_after_steps_since_is_saved_exactly(tmp_path):
+    r = FakeRank()
+    r.step()
+    c1 = consensus_for(r, 1)
+    r.apply(1, c1)
+    for _ in range(3):  # Cadence: the next window trains before the Checkpoint arrives
+        r.step()
+    assert not np.allclose(r.params[0].detach().numpy(), c1[0])
+    res = ask(r, 5, 1, tmp_path / "a" / "model.pt")
+    assert not res.HasField("error"), res.error
+    saved = torch.load(tmp_path / "a" / "model.pt", map_location="cpu", weights_only=True)
+    names = [n for n, _ in r.model.named_parameters()]
+    assert [saved["model"][n].numpy().tolist() for n in names] == [a.tolist() for a in c1]
+    # the buffers and the optimizer state are the rank's, as they are now
+    assert torch.equal(saved["model"]["1.running_mean"], r.model[1].running_mean)
+    assert int(saved["model"]["1.num_batches_tracked"]) == 4
+    assert len(saved["optimizer"]["state"]) == len(r.params)
+    # the model itself is untouched by the save
+    assert not np.allclose(r.params[0].detach().numpy(), c1[0])
+
+
+def test_a_cycle_no_longer_held_is_refused_by_name(tmp_path):
+    r = FakeRank()
+    r.step()
+    r.apply(1, consensus_for(r, 1))
+    r.step()
+    r.apply(2, consensus_for(r, 2))
+    res = ask(r, 6, 1, tmp_path / "b" / "model.pt")
+    assert res.HasField("error") and "consensus of cycle 1 is no longer held" in res.error
+    assert "last applied cycle 2" in res.error
+    assert not (tmp_path / "b" / "model.pt").exists()
+
+
+def test_a_rank_whose_weights_are_not_in_the_consensus_holds_nothing(tmp_path):
+    r = FakeRank()
+    r.step()
+    r.apply(1, consensus_for(r, 1))
+    r.step()
+    pre = [p.detach().numpy().copy() for p in r.params]
+    r.checkpoints.after_consensus(r.averager.conclude(2, Snapshot(n=1, step_count=2, pre=pre, weight=0.0), None))
+    r.step()  # moved on from its own weights: cycle 2 is not held as a consensus
+    res = ask(r, 7, 2, tmp_path / "c" / "model.pt")
+    assert res.HasField("error") and "no longer held" in res.error
