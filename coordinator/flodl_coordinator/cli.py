@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="a journal holding a finished run is moved aside (J.N) and a new run starts")
     s.add_argument("--summary", help="write the run summary JSON here at the end")
     s.add_argument("--http", help="serve /status and /metrics on host:port")
+    s.add_argument("--max-message-bytes", type=int, metavar="N",
+                   help="largest message part (one tensor) a peer may send; a bigger one disconnects it "
+                   "(ZeroMQ MAXMSGSIZE; default 2 GiB; 0 = no limit)")
     s.add_argument("--log-level", default="INFO")
     s.add_argument("--checkpoint-dir", help="write consensus checkpoints under this directory (shared storage)")
     s.add_argument("--checkpoint-every", type=int, help="a consensus checkpoint every N epochs (0 = off)")
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
-    service_keys = ["bind", "session", "journal", "summary", "http"]
+    service_keys = ["bind", "session", "journal", "summary", "http", "max_message_bytes"]
     checkpoint_keys = ["checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume", "max_failure"]
     curve_keys = ["curve_secret_key", "curve_allowed_keys"]
     flags = {k: getattr(args, k) for k in list(_RUN_FLAGS) + service_keys + checkpoint_keys + curve_keys}

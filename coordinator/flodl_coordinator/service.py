@@ -7,7 +7,8 @@ a timeout equal to the time left until the next tick, then:
 
 1. drains what arrived: split route | envelope | blobs, decode (version, session,
    sequence), check the route owns the rank it claims, and translate into one core
-   event — or drop the frame, count it under its reason and log it once per peer;
+   event — or drop the frame, count it under its reason and log the first of each
+   reason, then at most a summary line a minute per reason (``droplog``);
 2. journals the event (JSON lines) and runs ``step(state, event)``;
 3. executes the commands in order: ``Send`` encodes a Control for the rank's route
    (ROUTER_MANDATORY: an unroutable peer raises, and the core hears ``SendFailed``),
@@ -58,9 +59,11 @@ from flodl.core import (
     step,
     to_record,
 )
+from flodl.limits import zmq_maxmsgsize
 from flodl.wire import (
     Endpoint,
     MalformedFrame,
+    Oversized,
     RouteMismatch,
     SeqTracker,
     VersionMismatch,
@@ -73,12 +76,13 @@ from flodl.wire import (
 from . import recovery
 from .checkpointing import Checkpointing
 from .curve import CurveServer, load_server_keys
+from .droplog import DropLog
 from flodl import strictjson
 
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings
 from .status import StatusBoard
-from .translate import hello_event, metrics_event, timing_event
+from .translate import hello_event, hello_oversized, metrics_event, timing_event
 
 __all__ = ["CoordinatorService"]
 
@@ -124,7 +128,7 @@ class CoordinatorService:
         self.reducer = BusReducer(bf16_wire=settings.bf16_wire, outer=self.checkpointing.outer)
         self.seq = SeqTracker()
         self.dropped: Counter[str] = Counter()
-        self._logged_drops: set[tuple] = set()
+        self._drop_log = DropLog(log)  # first of each reason, then a summary a minute
         self._pending: deque = deque()  # internal events produced while executing commands
         self._agent_ranks: dict[tuple, set[int]] = dict(self.recovered.agent_ranks) if self.recovered else {}
         self.finished: RunFinished | None = None
@@ -173,6 +177,8 @@ class CoordinatorService:
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.RCVHWM, RCVHWM)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
+        # Per message part (one tensor): a bigger one disconnects its peer (flodl.limits).
+        sock.setsockopt(zmq.MAXMSGSIZE, zmq_maxmsgsize(self.settings.max_message_bytes))
         # CURVE: the ZAP handler runs in its own thread with its own socket (flodl_coordinator.curve).
         curve = CurveServer(ctx, self.curve_keys) if self.curve_keys is not None else None
         if curve is not None:
@@ -213,8 +219,10 @@ class CoordinatorService:
                     if self.held:
                         self.held.retry(self._send_held)
                     self._feed(Tick(now=self.clock()))
+                    self._drop_log.flush(self.clock())
                     next_tick = self.clock() + self.settings.tick_interval_s
         finally:
+            self._drop_log.close(self.clock())
             for s, h in old.items():
                 signal.signal(s, h)
             if http is not None:
@@ -323,6 +331,11 @@ class CoordinatorService:
         if kind == "hello":
             if env.sender.kind != pb.Sender.KIND_RANK or env.sender.rank != env.hello.rank:
                 raise RouteMismatch("hello's sender is not the rank it names")
+            why = hello_oversized(env.hello)
+            if why:  # never journaled: refused with the reason, then dropped and counted
+                ack = pb.HelloAck(accepted=False, reason=why)
+                self._send_frames(self.endpoint.frames("hello_ack", ack, route=route))
+                raise Oversized(why)
             return self._feed(hello_event(now, route, env))
         if kind == "agent":
             return self._on_agent(now, route, env)
@@ -399,11 +412,8 @@ class CoordinatorService:
             self._send_frames(self.endpoint.frames("hello_ack", ack, route=route))
 
     def _drop(self, route: tuple, err: WireError) -> None:
-        self.dropped[err.reason] += 1
-        key = (route, err.reason)
-        if key not in self._logged_drops:
-            self._logged_drops.add(key)
-            log.warning("dropped frame from %s: %s", _route_str(route), err)
+        self.dropped[err.reason] += 1  # every frame counts; the log is rate-limited per reason
+        self._drop_log.drop(err.reason, f"{_route_str(route)}: {err}", self.clock())
 
     # -- core --------------------------------------------------------------------
 

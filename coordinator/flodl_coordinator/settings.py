@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 from flodl.core import CoreConfig
+from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, max_message_bytes_problem
 
 from .outer import validate_outer
 
@@ -36,6 +37,9 @@ class Settings:
     http: str = ""  # host:port for /status and /metrics; empty = off
     tick_interval_s: float = 0.05
     allow_insecure: bool = False  # permit a non-loopback bind without CURVE keys
+    # ZeroMQ MAXMSGSIZE of the ROUTER: the largest message *part* (one tensor) a peer may
+    # send; a bigger one disconnects it (flodl.limits). 0 = no limit.
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # CURVE (flodl.curve): the coordinator's secret certificate and a directory of the
     # allowed clients' public certificates (*.key). Both set = CURVE server + ZAP allowlist.
     curve_secret_key: str = ""
@@ -204,6 +208,8 @@ def load_settings(
         raise SettingsError(f"config error: bind {s.bind!r} must start with tcp://, ipc:// or inproc://")
     if s.tick_interval_s <= 0:
         raise SettingsError("config error: tick_interval_s must be > 0")
+    if max_message_bytes_problem(s.max_message_bytes):
+        raise SettingsError(f"config error: max_message_bytes {max_message_bytes_problem(s.max_message_bytes)}")
     if s.checkpoint_every < 0 or s.checkpoint_keep < 0:
         raise SettingsError("config error: checkpoint_every and checkpoint_keep must be >= 0")
     if s.checkpoint_every > 0 and not s.checkpoint_dir:

@@ -19,11 +19,30 @@ from flodl.core import (
 )
 from flodl.wire import pb
 
-__all__ = ["hello_event", "timing_event", "metrics_event"]
+__all__ = ["hello_event", "hello_oversized", "timing_event", "metrics_event", "MAX_SIG_BYTES", "MAX_HOST_CHARS",
+           "MAX_TASK_CHARS"]
+
+# What a hello may carry into the journal. A model signature is a sha256 (32 bytes);
+# a host name is at most 253 characters (DNS). A hello over either is refused by name,
+# never journaled (anyone who knows the session can send one).
+MAX_SIG_BYTES = 64
+MAX_HOST_CHARS = 255
+MAX_TASK_CHARS = 255
 
 
 def _opt(msg, name):
     return getattr(msg, name) if msg.HasField(name) else None
+
+
+def hello_oversized(h: pb.RankHello) -> str:
+    """Why this hello is too big to keep (journal, status), or ''."""
+    if len(h.model_sig) > MAX_SIG_BYTES:
+        return f"hello refused: model_sig of {len(h.model_sig)} bytes exceeds {MAX_SIG_BYTES}"
+    if len(h.host) > MAX_HOST_CHARS:
+        return f"hello refused: host name of {len(h.host)} characters exceeds {MAX_HOST_CHARS}"
+    if len(h.task) > MAX_TASK_CHARS:
+        return f"hello refused: task of {len(h.task)} characters exceeds {MAX_TASK_CHARS}"
+    return ""
 
 
 def hello_event(now: float, route: tuple[bytes, ...], env: pb.Envelope) -> RankHello:

@@ -7,8 +7,10 @@ lists of frames and get lists of frames back.
 
 from . import flodl_pb2 as pb
 from ._codec import (
+    DEFAULT_MAX_MESSAGE_BYTES,
     DELIMITER,
     MAX_BLOBS,
+    MAX_ENVELOPE_BYTES,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     Decoded,
@@ -22,6 +24,7 @@ from ._errors import (
     BadTensor,
     MalformedFrame,
     OutOfSequence,
+    Oversized,
     RouteMismatch,
     VersionMismatch,
     WireError,
@@ -35,6 +38,8 @@ __all__ = [
     "PROTOCOL_MINOR",
     "DELIMITER",
     "MAX_BLOBS",
+    "MAX_ENVELOPE_BYTES",
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "Decoded",
     "Endpoint",
     "SeqTracker",
@@ -48,6 +53,7 @@ __all__ = [
     "OutOfSequence",
     "RouteMismatch",
     "BadTensor",
+    "Oversized",
     "pack_round",
     "unpack_round",
     "f32_to_bf16",

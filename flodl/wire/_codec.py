@@ -13,14 +13,17 @@ from typing import Sequence
 
 from google.protobuf.message import DecodeError
 
+from ..limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_ENVELOPE_BYTES  # see flodl.limits
 from . import flodl_pb2 as pb
-from ._errors import MalformedFrame, OutOfSequence, VersionMismatch, WrongSession
+from ._errors import MalformedFrame, OutOfSequence, Oversized, VersionMismatch, WrongSession
 
 __all__ = [
     "PROTOCOL_MAJOR",
     "PROTOCOL_MINOR",
     "DELIMITER",
     "MAX_BLOBS",
+    "MAX_ENVELOPE_BYTES",
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "Decoded",
     "Endpoint",
     "split_routing",
@@ -69,6 +72,8 @@ def decode(payload: Sequence, *, session: str | None) -> Decoded:
     if not payload:
         raise MalformedFrame("empty payload (no envelope frame)")
     raw = payload[0]
+    if len(raw) > MAX_ENVELOPE_BYTES:
+        raise Oversized(f"envelope of {len(raw)} bytes exceeds {MAX_ENVELOPE_BYTES}")
     env = pb.Envelope()
     try:
         env.ParseFromString(bytes(raw))

@@ -12,6 +12,7 @@ __all__ = [
     "OutOfSequence",
     "RouteMismatch",
     "BadTensor",
+    "Oversized",
 ]
 
 
@@ -47,3 +48,9 @@ class RouteMismatch(WireError):
 
 class BadTensor(WireError):
     reason = "bad_tensor"
+
+
+class Oversized(WireError):
+    """A frame, or a field the receiver would keep (journal, logs), exceeds its limit."""
+
+    reason = "oversized"

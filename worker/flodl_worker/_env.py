@@ -33,6 +33,10 @@ FLODL_CURVE_SECRET_KEY no          CURVE: this rank's own secret certificate
                                    (NAME.key_secret), allowlisted at the coordinator.
                                    A rank behind its host's relay needs neither (ipc /
                                    loopback to the relay; the agent does not pass them)
+FLODL_MAX_MESSAGE_BYTES no         the largest message part (one tensor) this rank
+                                   accepts (ZeroMQ MAXMSGSIZE; default 2 GiB, 0 = no
+                                   limit; flodl.limits). Same variable as the
+                                   coordinator's max_message_bytes
 FLODL_FAULT            no          test failpoint, never in production:
                                    ``exit_in_collective:CYCLE[@RANK]`` SIGKILLs the rank
                                    (only RANK, if given) right after it launches the
@@ -49,6 +53,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from flodl.curve import ENV_SECRET_KEY, ENV_SERVER_KEY, ClientKeys, CurveError, client_keys
+from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, ENV_MAX_MESSAGE_BYTES, parse_max_message_bytes
 
 __all__ = ["EnvError", "RankEnv", "DEFAULT_SESSION"]
 
@@ -105,6 +110,7 @@ class RankEnv:
     store_host: str = ""  # FLODL_STORE_HOST ("" = resolve the host name)
     fault_exit_cycle: int | None = None  # FLODL_FAULT aimed at this rank: die in this cycle's all-reduce
     curve: ClientKeys | None = None  # FLODL_CURVE_SERVER_KEY + FLODL_CURVE_SECRET_KEY, loaded
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # FLODL_MAX_MESSAGE_BYTES (0 = no limit)
 
     @property
     def emulated_ms(self) -> float:
@@ -144,7 +150,16 @@ class RankEnv:
             store_host=env.get("FLODL_STORE_HOST", "").strip(),
             fault_exit_cycle=_fault(env.get("FLODL_FAULT", "").strip(), rank),
             curve=_curve(env),
+            max_message_bytes=_max_message_bytes(env),
         )
+
+
+def _max_message_bytes(env: Mapping[str, str]) -> int:
+    text = env.get(ENV_MAX_MESSAGE_BYTES, "").strip()
+    try:
+        return parse_max_message_bytes(text) if text else DEFAULT_MAX_MESSAGE_BYTES
+    except ValueError as e:
+        raise EnvError(str(e)) from None
 
 
 def _curve(env: Mapping[str, str]) -> ClientKeys | None:

@@ -49,6 +49,7 @@ import zmq
 from flodl.wire import Endpoint, SeqTracker, WireError, decode, pb, split_routing
 
 from flodl.curve import ENV_SECRET_KEY, ENV_SERVER_KEY, CurveError, client_keys
+from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, ENV_MAX_MESSAGE_BYTES, MAX_ENVELOPE_BYTES
 
 from .relay import READY_PREFIX
 
@@ -84,6 +85,8 @@ class AgentConfig:
     # --no-relay the ranks get them as FLODL_CURVE_SERVER_KEY / FLODL_CURVE_SECRET_KEY.
     curve_server_key: str | None = None
     curve_secret_key: str | None = None
+    # ZeroMQ MAXMSGSIZE (per part) of the relay's and the ranks' sockets (flodl.limits)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     @property
     def world(self) -> int:
@@ -126,6 +129,7 @@ def rank_env(cfg: AgentConfig, local: int, connect: str, base: dict[str, str]) -
         FLODL_HOST=cfg.host_name,
         PYTHONUNBUFFERED="1",
     )
+    env[ENV_MAX_MESSAGE_BYTES] = str(cfg.max_message_bytes)
     factor = slowdown_for(cfg.slowdown, local, rank, cfg.ranks, cfg.world)
     if factor is not None:
         env["FLODL_SLOWDOWN"] = repr(factor)
@@ -182,6 +186,7 @@ class Agent:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"agent-{cfg.host_name}-{os.getpid()}".encode()[:255])
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_ENVELOPE_BYTES)  # it only ever gets control frames
         if curve is not None:
             curve.apply(self.sock)
         self.sock.connect(cfg.coordinator)
@@ -252,7 +257,8 @@ class Agent:
             self.tmpdir = tempfile.mkdtemp(prefix="flodl-")  # 0700: only this user can dial it
             bind = f"ipc://{self.tmpdir}/relay.sock"
         argv = [sys.executable, "-m", "flodl_worker", "relay", "--coordinator", self.cfg.coordinator,
-                "--bind", bind, "--host", self.cfg.host_name] + ([] if self.cfg.fold else ["--no-fold"])
+                "--bind", bind, "--host", self.cfg.host_name,
+                "--max-message-bytes", str(self.cfg.max_message_bytes)] + ([] if self.cfg.fold else ["--no-fold"])
         if self.cfg.curve_server_key and self.cfg.curve_secret_key:
             argv += ["--curve-server-key", os.path.abspath(self.cfg.curve_server_key),
                      "--curve-secret-key", os.path.abspath(self.cfg.curve_secret_key)]

@@ -5,8 +5,8 @@
     flodl-worker keygen DIR NAME
 
 Flags win over the environment (FLODL_COORDINATOR, FLODL_SESSION, FLODL_HOST,
-FLODL_CURVE_SERVER_KEY, FLODL_CURVE_SECRET_KEY). A bad flag or an unusable key file is
-one line on stderr and exit code 2.
+FLODL_CURVE_SERVER_KEY, FLODL_CURVE_SECRET_KEY, FLODL_MAX_MESSAGE_BYTES). A bad flag or
+an unusable key file is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -56,6 +56,24 @@ def _nonneg_float(s: str) -> float:
     if not math.isfinite(x) or x < 0:
         raise argparse.ArgumentTypeError(f"{s!r} must be a finite number >= 0")
     return x
+
+
+def _max_message_bytes(s: str) -> int:
+    from flodl.limits import parse_max_message_bytes
+
+    try:
+        return parse_max_message_bytes(s, "--max-message-bytes")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _max_message_flag(p: argparse.ArgumentParser, what: str) -> None:
+    from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, ENV_MAX_MESSAGE_BYTES
+
+    p.add_argument("--max-message-bytes", metavar="N", type=_max_message_bytes,
+                   default=os.environ.get(ENV_MAX_MESSAGE_BYTES) or str(DEFAULT_MAX_MESSAGE_BYTES),
+                   help=f"largest message part (one tensor) {what} accepts; a peer sending a bigger one is "
+                   f"disconnected (ZeroMQ MAXMSGSIZE; env {ENV_MAX_MESSAGE_BYTES}, default 2 GiB, 0 = no limit)")
 
 
 def _factors(s: str) -> tuple[float, ...]:
@@ -112,6 +130,7 @@ def _parser() -> _Parser:
                    help="seconds ranks get after SIGTERM before SIGKILL (default 10)")
     _curve_flags(a, "the agent's and the relay's connections to the coordinator (with --no-relay: "
                  "the ranks' too, as FLODL_CURVE_SERVER_KEY / FLODL_CURVE_SECRET_KEY)")
+    _max_message_flag(a, "the relay and the ranks (as FLODL_MAX_MESSAGE_BYTES)")
 
     r = sub.add_parser(
         "relay",
@@ -129,6 +148,7 @@ def _parser() -> _Parser:
     r.add_argument("--no-fold", action="store_true",
                    help="forward averaging rounds untouched (default: fold the host's ranks into one frame)")
     _curve_flags(r, "the relay's uplink (backend) to the coordinator; the frontend stays plaintext")
+    _max_message_flag(r, "the relay (from its ranks and from the coordinator)")
 
     k = sub.add_parser(
         "keygen",
@@ -184,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error("relay takes no command after --")
         from .relay import run_relay
 
-        return run_relay(args.coordinator, args.bind, args.host, fold=not args.no_fold, curve=curve)
+        return run_relay(args.coordinator, args.bind, args.host, fold=not args.no_fold, curve=curve,
+                         max_message_bytes=args.max_message_bytes)
 
     from .agent import AgentConfig, run_agent, slowdown_for
 
@@ -214,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         term_timeout_s=args.term_timeout,
         curve_server_key=args.curve_server_key if curve is not None else None,
         curve_secret_key=args.curve_secret_key if curve is not None else None,
+        max_message_bytes=args.max_message_bytes,
     )
     return run_agent(cfg)
 

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 import zmq
 
+from flodl.limits import zmq_maxmsgsize
 from flodl.shuffle import epoch_permutation
 from flodl.wire import (
     Endpoint,
@@ -147,6 +148,7 @@ class _Rank:
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, zmq_maxmsgsize(cfg.max_message_bytes))  # per part (flodl.limits)
         self.sock.setsockopt(zmq.SNDTIMEO, int(DEFAULT_LIVENESS_S * 1000))
         if cfg.curve is not None:  # dialing the coordinator directly, over CURVE
             cfg.curve.apply(self.sock)

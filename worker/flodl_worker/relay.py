@@ -75,6 +75,8 @@ from typing import TextIO
 
 import zmq
 
+from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, zmq_maxmsgsize  # numpy-free
+
 # No numpy here, nor anything that imports it (flodl.wire, .fold): OpenBLAS starts its
 # threads at import, and a thread that exists before ``run_relay`` blocks SIGTERM would
 # take the signal with its default action (observed: the relay killed by -15 instead of
@@ -273,13 +275,14 @@ def _signal_to_terminate(ctx: zmq.Context, heard: threading.Event, done: threadi
 
 def run_relay(
     coordinator: str, bind: str, host: str | None = None, *, fold: bool = True, out: TextIO = sys.stdout,
-    curve=None,
+    curve=None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> int:
     """Serve until SIGTERM/SIGINT. Returns the exit code (0 clean, 1 cannot bind/connect).
 
     Call from the main thread (it changes the signal mask of this process's threads).
     ``curve`` (a ``flodl.curve.ClientKeys``) makes the backend a CURVE client; the
-    frontend (ipc / loopback, this host's ranks) stays plaintext.
+    frontend (ipc / loopback, this host's ranks) stays plaintext. ``max_message_bytes``:
+    both sockets' ZeroMQ MAXMSGSIZE, per message part (``flodl.limits``; 0 = no limit).
     """
     host = host or socket.gethostname()
     # Before the context starts its I/O threads: every thread created later inherits it.
@@ -296,6 +299,7 @@ def run_relay(
             s.setsockopt(zmq.SNDHWM, HWM)
             s.setsockopt(zmq.RCVHWM, HWM)
             s.setsockopt(zmq.LINGER, LINGER_MS)
+            s.setsockopt(zmq.MAXMSGSIZE, zmq_maxmsgsize(max_message_bytes))  # per part: one tensor
         frontend.setsockopt(zmq.LINGER, 0)  # frames for ranks are worthless once we stop
         identity = relay_identity(host)
         backend.setsockopt(zmq.IDENTITY, identity)  # before connect

@@ -130,3 +130,55 @@ def test_the_journal_is_created_owner_only(tmp_path):
         os.umask(old)
     svc._journal.close()
     assert journal.stat().st_mode & 0o777 == 0o600
+
+
+def _settings(**over):
+    flags = {"world_size": 2, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 1, "batch_size": 4,
+             "liveness_timeout_s": 30.0}
+    return load_settings(env={}, flags={**flags, **over})
+
+
+def test_an_oversized_hello_is_refused_by_name_and_never_journaled(serve, tmp_path):
+    journal = tmp_path / "run.journal"
+    svc, ep, ctx = serve(_settings(journal=str(journal)))
+    huge = Peer(ctx, ep, 0, 1)
+    huge.send("hello", pb.RankHello(rank=0, world_size=2, model_sig=b"a" * 32, dataset_len=100, host="h" * 100_000))
+    ack = huge.recv().envelope.hello_ack
+    assert not ack.accepted and "host name of 100000 characters" in ack.reason
+    sig = Peer(ctx, ep, 0, 2)
+    sig.send("hello", pb.RankHello(rank=0, world_size=2, model_sig=b"s" * 4096, dataset_len=100))
+    ack = sig.recv().envelope.hello_ack
+    assert not ack.accepted and "model_sig of 4096 bytes" in ack.reason
+    assert Peer(ctx, ep, 0, 3).hello(0).accepted  # the slot is still free for the honest rank
+    assert svc.dropped["oversized"] == 2, dict(svc.dropped)
+    text = journal.read_text()
+    assert "hhhh" not in text and ("73" * 64) not in text
+    assert max(len(line) for line in text.splitlines()) < 20_000
+
+
+def test_a_message_part_over_max_message_bytes_disconnects_its_peer_unread(serve):
+    from flodl.limits import MIN_MAX_MESSAGE_BYTES
+
+    svc, ep, ctx = serve(_settings(max_message_bytes=MIN_MAX_MESSAGE_BYTES))
+    big = Peer(ctx, ep, 0, 1)  # a well-formed hello, but one blob part over the limit
+    hello = pb.RankHello(rank=0, world_size=2, model_sig=b"a" * 32, dataset_len=100)
+    big.sock.send_multipart(big.me.frames("hello", hello, blobs=[b"\0" * (MIN_MAX_MESSAGE_BYTES + 1)]))
+    assert not big.sock.poll(1500), "the oversized message was read and answered"
+    assert svc.state.route_of(0) is None
+    assert Peer(ctx, ep, 0, 2).hello(0).accepted  # never admitted: the slot is free
+
+
+def test_drop_warnings_are_per_reason_not_per_route(service, caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="flodl.coordinator")
+    svc, ep, ctx = service
+    for _ in range(30):  # a new connection (a new route) per bad frame
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 1000)
+        s.connect(ep)
+        s.send_multipart([b"", b"\xff\x00garbage"])
+        s.close()
+    assert _until(lambda: svc.dropped.get("malformed", 0) == 30), dict(svc.dropped)
+    lines = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("dropped frame from "), lines

@@ -115,3 +115,15 @@ def test_seq_tracker_keeps_one_counter_per_route_and_verify_records_nothing():
     t.check(env(real), (b"real",))  # ...so seq 3 on the real route still passes
     with pytest.raises(OutOfSequence):
         t.check(big, (b"rogue",))  # a replay on the rogue's own route is still refused
+
+
+def test_an_envelope_over_the_limit_is_refused_before_it_is_parsed():
+    from flodl.wire import MAX_ENVELOPE_BYTES, Oversized
+
+    ep = _rank_endpoint()
+    hello = pb.RankHello(rank=1, world_size=2, model_sig=b"a" * 32, host="h" * MAX_ENVELOPE_BYTES)
+    _, payload = split_routing(ep.frames("hello", hello))
+    with pytest.raises(Oversized, match="exceeds"):
+        decode(payload, session="s1")
+    _, payload = split_routing(ep.frames("hello", pb.RankHello(rank=1, world_size=2, host="h" * 1000)))
+    assert decode(payload, session="s1").envelope.hello.host == "h" * 1000
