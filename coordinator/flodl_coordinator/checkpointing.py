@@ -21,6 +21,13 @@ shell stamps them onto the outgoing frames.
 * ``lingering(now)``: a ``ShutdownWithSave`` ends the core's run in the same step that
   asks the role rank to save, so the service keeps its loop alive -- at most
   ``liveness_timeout_s`` -- until the save is answered and committed.
+* ``missing(state)``: nothing is lost quietly. Every version whose meta the core
+  decided (``asked``) must end committed; one that does not -- every rank refused or
+  failed it (``checkpoint_abandoned``, also kept in the core's replayed
+  ``checkpoints.abandoned``), its save was never answered, its commit failed (a full
+  disk) -- or a save the core deferred to a round that never finished, is *missing*,
+  with the last reason seen. The run summary (``checkpoints.missing``), ``/status`` and
+  the exit code report it: the run is not ok (``service``).
 
 Resume is resolved at construction: a bad ``--resume`` (torn, foreign, newer schema,
 other seed / world / batch / dataset size / policy, nothing left to train) raises
@@ -58,6 +65,8 @@ class Checkpointing:
         self.resumed: Optional[Checkpoint] = None
         self.point = None  # flodl.core.ResumePoint of a resumed run
         self._linger_until: Optional[float] = None
+        self.asked: set[int] = set()  # versions whose meta the core decided (each must commit)
+        self._why: dict[int, str] = {}  # version -> the last reason it did not commit
         # The bus reducer's outer optimizer lives here: its state is saved with every
         # checkpoint (``outer.npz``) and restored on resume, before the reducer exists.
         self.outer = OuterOptimizer(
@@ -131,6 +140,7 @@ class Checkpointing:
         if self.store is None:
             log.warning("checkpoint v%d decided but no checkpoint_dir is set: ignored", version)
             return True
+        self.asked.add(version)
         meta = cmd.data["meta"]
         self._report(self.store.stage_meta(version, meta, sidecars=self._outer_sidecar(version, meta)))
         return True
@@ -158,7 +168,14 @@ class Checkpointing:
             if isinstance(o, Committed):
                 log.info("checkpoint v%d committed: %s (model saved by rank %d)", o.version, o.path, o.rank)
             else:
+                self._why[o.version] = o.reason
                 log.warning("checkpoint v%d not saved by rank %d: %s", o.version, o.rank, o.reason)
+
+    def on_abandoned(self, cmd: Notice) -> None:
+        """The core's ``checkpoint_abandoned``: no rank left to ask for this version."""
+        version = int(cmd.data.get("version", -1))
+        self._why[version] = f"abandoned after ranks {cmd.data.get('tried')} (last: {cmd.data.get('detail')})"
+        log.error("checkpoint v%d cannot be made: %s", version, self._why[version])
 
     # -- end of run ----------------------------------------------------------------------
 
@@ -172,14 +189,52 @@ class Checkpointing:
         if now < self._linger_until:
             return True
         log.warning("checkpoint save not answered within %gs: abandoned", self.settings.liveness_timeout_s)
+        for v in self.asked:
+            self._why.setdefault(v, f"the save was not answered within {self.settings.liveness_timeout_s:g}s")
         self.store.forget()
         return False
 
-    def summary(self) -> dict[str, Any]:
+    def missing(self, state=None) -> list[dict[str, Any]]:
+        """Every asked checkpoint that was not committed, with why (empty = all made)."""
+        if self.store is None:
+            return []
+        done = {c.version for c in self.store.committed}
+        ck = getattr(state, "checkpoints", None)
+        abandoned = set(getattr(ck, "abandoned", ()) or ())
+        out = []
+        for v in sorted((self.asked | abandoned) - done):
+            why = self._why.get(v) or ("abandoned: no rank could save it" if v in abandoned else "never answered")
+            out.append({"version": v, "reason": why})
+        if ck is not None and getattr(ck, "deferred", None) is not None:
+            cycle = state.rounds.cycle
+            out.append({"version": None, "reason": f"a checkpoint was due while round {cycle} was open, "
+                                                   f"and that round never finished"})
+        return out
+
+    def missing_reason(self, missing: list[dict[str, Any]]) -> str:
+        names = ", ".join(f"v{m['version']}" if m["version"] is not None else "one deferred" for m in missing)
+        first = missing[0]["reason"]
+        return f"{len(missing)} asked checkpoint(s) not committed ({names}): {first}"
+
+    def summary(self, state=None) -> dict[str, Any]:
         s = self.store
         return {
             "dir": s.root if s else None,
+            "asked": sorted(self.asked),
             "committed": [{"version": c.version, "rank": c.rank, "path": c.path} for c in (s.committed if s else [])],
             "failed": [{"version": f.version, "rank": f.rank, "reason": f.reason} for f in (s.failed if s else [])],
+            "missing": self.missing(state),  # asked, never committed: the run is not ok
             "resumed_from": self.resumed.path if self.resumed else None,
+        }
+
+    def status(self, state=None) -> dict[str, Any]:
+        """The ``/status`` view: counts and what is missing so far (pending saves are not)."""
+        s = self.store
+        pending = set(getattr(getattr(state, "checkpoints", None), "pending", {}) or {})
+        missing = [m for m in self.missing(state) if m["version"] not in pending and m["version"] is not None]
+        return {
+            "asked": len(self.asked),
+            "committed": len(s.committed) if s else 0,
+            "latest": s.committed[-1].path if s and s.committed else None,
+            "missing": missing,
         }

@@ -274,8 +274,14 @@ class CoordinatorService:
         if f is None:
             return 1
         summary = dict(f.summary)
-        summary.update(ok=f.ok, reason=f.reason, dropped_frames=dict(self.dropped))
-        summary["checkpoints"] = self.checkpointing.summary()
+        ok, reason = f.ok, f.reason
+        missing = self.checkpointing.missing(self.state)
+        if missing:  # an asked checkpoint that was not made is a failed run, never a quiet one
+            ok, why = False, self.checkpointing.missing_reason(missing)
+            reason = why if not f.ok or reason == "completed" else f"{reason}; {why}"
+            log.error("%s", why)
+        summary.update(ok=ok, reason=reason, dropped_frames=dict(self.dropped))
+        summary["checkpoints"] = self.checkpointing.summary(self.state)
         summary.setdefault("bus", {})
         summary["bus"].update(
             rounds=self.reducer.rounds_completed, bytes_in=self.reducer.bytes_in, bytes_out=self.reducer.bytes_out
@@ -432,7 +438,7 @@ class CoordinatorService:
                 continue
             for cmd in commands:
                 self._execute(cmd)
-        self.status.update(self.state, self.dropped, self.reducer)
+        self.status.update(self.state, self.dropped, self.reducer, checkpoints=self.checkpointing.status(self.state))
 
     def _execute(self, cmd) -> None:
         if isinstance(cmd, Send):
@@ -518,6 +524,8 @@ class CoordinatorService:
     def _notice(self, cmd: Notice) -> None:
         decisions.debug(json.dumps({"kind": cmd.kind, **cmd.data}, sort_keys=True, default=str))
         self.status.notice(cmd)
+        if cmd.kind == "checkpoint_abandoned":
+            self.checkpointing.on_abandoned(cmd)
         # Per-window decisions are frequent: the operator log gets them at DEBUG.
         level = logging.DEBUG if cmd.kind == "window" else logging.INFO
         log.log(level, "%s", _human(cmd, self.config.num_epochs))

@@ -25,7 +25,7 @@ class StatusBoard:
         if cmd.kind == "epoch":
             self._last_epoch = dict(cmd.data)
 
-    def update(self, state, dropped, reducer) -> None:
+    def update(self, state, dropped, reducer, checkpoints: dict | None = None) -> None:
         self._events += 1
         summary = getattr(state, "status", None)
         core = summary() if callable(summary) else {}
@@ -36,6 +36,7 @@ class StatusBoard:
             "bus_bytes_in": reducer.bytes_in,
             "bus_bytes_out": reducer.bytes_out,
             "last_epoch": self._last_epoch,
+            "checkpoints": checkpoints or {},  # asked / committed / missing (flodl_coordinator.checkpointing)
             "core": core,
         }
 

@@ -74,3 +74,21 @@ def test_checkpoint_stop_resume_trains_exactly_the_uncovered_samples(tmp_path, p
     for row in summary["coverage"]:
         assert (row["duplicates"], row["missing"]) == (0, 0), row
     assert os.path.isdir(ck.path)
+
+
+def test_every_asked_checkpoint_is_committed_on_unequal_fast_ranks(tmp_path):
+    """Issue 9, item 1: 3 ranks at 1,2,4 with no emulated delay (fast ranks run ahead, as
+    on real GPUs) and a checkpoint every epoch. It used to commit 11-14 of 15 and say ok:
+    the rank was asked for a consensus it no longer held. Every epoch now has its
+    checkpoint, each loadable and holding that epoch's trajectory."""
+    ck_dir = tmp_path / "ck"
+    proc, summary, _ = run_local(
+        tmp_path, "--ranks", "3", "--task", "digits", "--slowdown", "1,2,4", "--base-ms", "0", "--epochs", "15",
+        "--checkpoint-dir", str(ck_dir), "--checkpoint-every", "1", "--quiet",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cks = summary["checkpoints"]
+    assert summary["ok"] is True and cks["missing"] == [], cks
+    assert len(cks["committed"]) == len(cks["asked"]) == 15
+    epochs = sorted(load_checkpoint(c["path"]).meta["last_aggregated_epoch"] for c in cks["committed"])
+    assert epochs == list(range(15))
