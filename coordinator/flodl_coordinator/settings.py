@@ -8,12 +8,14 @@ message is one line naming the key and where it came from.
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 from flodl.core import CoreConfig
+from flodl.envvars import WORKER_ENV
 from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, max_message_bytes_problem
 
 from .outer import validate_outer
@@ -67,14 +69,14 @@ class Settings:
     heartbeat_interval_s: float = 1.0
     liveness_timeout_s: float = 10.0
     reduce_stall_s: float = 300.0
+    form_timeout_s: float = 300.0  # the world must form within this long, or the run fails naming who is missing; 0 = wait
+    model_signature: str = ""  # hex sha256 every rank's model must match (logged when the world forms); "" = the cohort's
     final_eval: bool = True
     # cadence (ElChe)
     anchor: int = 4
     min_anchor: int = 0  # 0: the initial anchor
     max_anchor: int = 1000
     overhead_target: float = 0.05
-    form_timeout_s: float = 300.0  # the world must form within this long, or the run fails naming who is missing; 0 = wait
-    model_signature: str = ""  # hex sha256 every rank's model must match (logged when the world forms); "" = the cohort's
     max_batch_diff: int = 0  # 0: no cap on how far counts move per window
     guard: str = "level"
     meta_controller: bool = True
@@ -105,14 +107,14 @@ class Settings:
                 heartbeat_interval_s=self.heartbeat_interval_s,
                 liveness_timeout_s=self.liveness_timeout_s,
                 reduce_stall_s=self.reduce_stall_s,
+                form_timeout_s=self.form_timeout_s,
+                model_signature=_hex_signature(self.model_signature),
                 final_eval=self.final_eval,
                 anchor=self.anchor,
                 min_anchor=self.min_anchor or None,
                 max_anchor=self.max_anchor,
                 overhead_target=self.overhead_target,
                 max_batch_diff=self.max_batch_diff or None,
-                form_timeout_s=self.form_timeout_s,
-                model_signature=_hex_signature(self.model_signature),
                 guard=self.guard,
                 meta_controller=self.meta_controller,
                 probe_batches=self.probe_batches or None,
@@ -125,12 +127,6 @@ class Settings:
             raise SettingsError(f"config error: {e}") from None
 
 
-_FIELDS = {f.name: f for f in fields(Settings)}
-
-
-def _coerce(key: str, value: Any, source: str) -> Any:
-    want = type(getattr(Settings(), key))
-    try:
 def _hex_signature(text: str) -> bytes:
     try:
         sig = bytes.fromhex(text.strip())
@@ -141,6 +137,12 @@ def _hex_signature(text: str) -> bytes:
     return sig
 
 
+_FIELDS = {f.name: f for f in fields(Settings)}
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    want = type(getattr(Settings(), key))
+    try:
         if want is bool:
             if isinstance(value, bool):
                 return value
@@ -165,13 +167,37 @@ def _hex_signature(text: str) -> bytes:
         ) from None
 
 
+def _did_you_mean(key: str, prefix: str = "") -> str:
+    """' (did you mean X?)' for the closest known key, or '' (difflib)."""
+    close = difflib.get_close_matches(key.lower(), list(_FIELDS), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{close[0].upper() if prefix else close[0]}?)" if close else ""
+
+
 def _merge(base: dict, items: Mapping[str, Any], source: str) -> None:
     for key, value in items.items():
         k = key.replace("-", "_")
         if k not in _FIELDS:
             known = ", ".join(sorted(_FIELDS))
-            raise SettingsError(f"config error: unknown key {key!r} in {source} (known: {known})")
+            raise SettingsError(f"config error: unknown key {key!r} in {source}{_did_you_mean(k)} (known: {known})")
         base[k] = _coerce(k, value, source)
+
+
+def _env_items(env: Mapping[str, str]) -> dict[str, str]:
+    """The coordinator keys in ``env`` (``FLODL_<KEY>``). Any other ``FLODL_*`` variable is
+    refused as a typo, except the worker side's own (``flodl.envvars.WORKER_ENV``)."""
+    items = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = name[len(ENV_PREFIX):].lower()
+        if key in _FIELDS:
+            items[key] = value
+        elif name not in WORKER_ENV:
+            raise SettingsError(
+                f"config error: unknown variable {name} in the environment{_did_you_mean(key, ENV_PREFIX)}; "
+                f"FLODL_<KEY> must name a coordinator key (README, Configuration) or a worker variable"
+            )
+    return items
 
 
 def load_settings(
@@ -192,12 +218,7 @@ def load_settings(
             raise SettingsError(f"config error: [coordinator] in {config_path} must be a table")
         _merge(values, table, config_path)
     env = os.environ if env is None else env
-    env_items = {
-        k[len(ENV_PREFIX):].lower(): v
-        for k, v in env.items()
-        if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() in _FIELDS
-    }
-    _merge(values, env_items, "the environment")
+    _merge(values, _env_items(env), "the environment")
     _merge(values, {k: v for k, v in (flags or {}).items() if v is not None}, "the command line")
     s = replace(Settings(), **values)
     if s.world_size < 1:
