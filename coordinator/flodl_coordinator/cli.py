@@ -121,7 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         print(f"flodl-coordinator: {e}", file=sys.stderr)
         return 2
-    return service.run()
+    logging.getLogger("flodl.coordinator").info("settings: %s", describe(service.settings))
+    try:
+        return service.run()
+    except SettingsError as e:  # BindError: a busy or bad bind / http address
+        print(f"flodl-coordinator: {e}", file=sys.stderr)
+        return 2
+
+
+def describe(settings: Settings) -> str:
+    """The effective configuration as one line of ``key=value`` (empty: ``key=``)."""
+    from dataclasses import asdict
+
+    return " ".join(f"{k}={v}" for k, v in asdict(settings).items())
 
 
 def _keygen(directory: str, name: str) -> int:

@@ -28,6 +28,7 @@ in ``HeldSends`` instead of failing as unroutable.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -80,7 +81,7 @@ from .droplog import DropLog
 from flodl import strictjson
 
 from .reducer import BusReducer, RoundRefused
-from .settings import Settings
+from .settings import Settings, SettingsError
 from .status import StatusBoard
 from .translate import hello_event, hello_oversized, metrics_event, timing_event
 
@@ -185,13 +186,12 @@ class CoordinatorService:
             curve.secure(sock)
         else:
             self._warn_if_insecure()
-        sock.bind(recovery.bind_address(self.settings, self.recovered))
+        http = self._bind(ctx, sock, curve)  # a busy or bad address: BindError (one line, exit 2)
         self.sock = sock
         ep = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         wake_r = self._wake_r
         sigs = (signal.SIGTERM, signal.SIGINT) if install_signals else ()
         old = {s: signal.signal(s, self._on_signal()) for s in sigs}
-        http = self.status.serve(self.settings.http) if self.settings.http else None
         start = {"type": "_start", "settings": _settings_record(self.settings), "endpoint": ep}
         if self.checkpointing.resumed is not None:  # replay must resume from the same point
             start["resume_meta"] = self.checkpointing.resumed.meta
@@ -236,6 +236,33 @@ class CoordinatorService:
             if self._journal:
                 self._journal.close()
         return self._finish()
+
+    def _bind(self, ctx, sock, curve):
+        """Bind the ROUTER, then the HTTP status port (returned, or None). Either failing
+        (a port another process holds, an address this host lacks) is a ``BindError``
+        naming the address and the fix, with everything opened so far closed again."""
+        addr = recovery.bind_address(self.settings, self.recovered)
+        try:
+            try:
+                sock.bind(addr)
+            except zmq.ZMQError as e:
+                raise BindError(_bind_problem(f"bind {addr}", e, "bind")) from None
+            if not self.settings.http:
+                return None
+            try:
+                return self.status.serve(self.settings.http)
+            except (OSError, ValueError, OverflowError) as e:
+                raise BindError(_bind_problem(f"serve http on {self.settings.http}", e, "http")) from None
+        except BindError:
+            sock.close(linger=0)
+            if curve is not None:
+                curve.stop()
+            ctx.term()
+            self._wake_r.close()
+            self._wake_w.close()
+            if self._journal:
+                self._journal.close()
+            raise
 
     def _on_signal(self):
         def handler(signum, _frame):
@@ -541,6 +568,20 @@ def _open_journal(path: str):
     every rank's incarnation, which is what a forged frame would need to pass for that rank."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     return os.fdopen(fd, "a", encoding="utf-8")
+
+
+class BindError(SettingsError):
+    """The service cannot bind its endpoint or HTTP port: one line, exit 2 (not restarted)."""
+
+
+def _bind_problem(what: str, err: Exception, key: str) -> str:
+    flag = f"--{key}, FLODL_{key.upper()} or key {key}"
+    reason = zmq.strerror(err.errno) if isinstance(err, zmq.ZMQError) else getattr(err, "strerror", None) or str(err)
+    busy = getattr(err, "errno", None) == errno.EADDRINUSE
+    if busy:
+        return (f"cannot {what}: {reason}: another process holds that port (a coordinator of an "
+                f"earlier run still running?); stop it, or choose another port ({flag})")
+    return f"cannot {what}: {reason}; fix the address ({flag})"
 
 
 def _human(cmd: Notice, epochs: int) -> str:
