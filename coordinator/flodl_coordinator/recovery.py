@@ -13,8 +13,9 @@ what systemd's ``Restart=on-failure`` does -- the journal holds everything it de
    tick, checkpoint_keep -- may differ), and a resumed run the same checkpoint; else a
    ``SettingsError`` names the key (``serve`` exits 2). A torn last line (the process died
    mid-write: that event was never stepped) is cut off. The events are replayed through
-   ``flodl.core.step`` with their commands discarded (no I/O); service records (``_agent``:
-   which ranks an agent announced, so its exit reports are still believed; ``_restart``)
+   ``flodl.core.step`` with their commands discarded (no I/O); service records (``_agent``
+   and ``_rank_agent``: which ranks an agent announced and which of them vouched for it,
+   so its exit reports are still believed, ``flodl_coordinator.agents``; ``_restart``)
    rebuild the shell's own state. A finished run is refused (nothing to recover), unless
    ``rotate_journal`` is set: then J is moved aside to ``J.<n>`` and a new run starts.
 2. The service binds the journal's endpoint when its own ``bind`` says port 0 (the ranks
@@ -81,6 +82,7 @@ class Recovered:
     path: str
     state: Any  # flodl.core.CoordinatorState
     agent_ranks: dict[tuple, set[int]] = field(default_factory=dict)
+    agent_records: list[dict] = field(default_factory=list)  # _agent / _rank_agent, in order (agents.AgentBook)
     endpoint: str = ""
     last_now: float = 0.0
     events: int = 0
@@ -103,9 +105,15 @@ class Recovered:
         }
 
 
-def agent_record(route: tuple, hello) -> dict:
-    """The journal record of an agent's hello (not a core event: the shell's own state)."""
-    return {"type": "_agent", "route": [h.hex() for h in route], "ranks": sorted(hello.ranks), "host": hello.host}
+def agent_record(route: tuple, hello, *, ranks=None, token: str = "", key: str = "") -> dict:
+    """The journal record of an agent's hello (not a core event: the shell's own state).
+
+    ``ranks``: the ranks its claim holds (default: all it named); ``token``: the digest of
+    its token, ``key``: its CURVE client key (``agents``), each only when set."""
+    rec = {"type": "_agent", "route": [h.hex() for h in route], "ranks": sorted(hello.ranks if ranks is None else ranks),
+           "host": hello.host}  # fmt: skip
+    rec.update({k: v for k, v in (("token", token), ("key", key)) if v})
+    return rec
 
 
 def _lines(path: str) -> tuple[list[dict], int]:
@@ -181,6 +189,8 @@ def recover(settings: Settings, checkpointing) -> Optional[Recovered]:
         kind = r.get("type", "")
         if kind == "_agent":
             rec.agent_ranks[tuple(bytes.fromhex(h) for h in r["route"])] = set(r["ranks"])
+        if kind in ("_agent", "_rank_agent"):  # which agent may report which rank (agents.AgentBook)
+            rec.agent_records.append(r)
             continue
         if kind == "_restart":
             rec.restarts += 1

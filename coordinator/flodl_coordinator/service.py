@@ -75,6 +75,7 @@ from flodl.wire import (
 )
 
 from . import recovery
+from .agents import AgentBook
 from .checkpointing import Checkpointing
 from .curve import CurveServer, load_server_keys
 from .droplog import DropLog
@@ -131,7 +132,11 @@ class CoordinatorService:
         self.dropped: Counter[str] = Counter()
         self._drop_log = DropLog(log)  # first of each reason, then a summary a minute
         self._pending: deque = deque()  # internal events produced while executing commands
-        self._agent_ranks: dict[tuple, set[int]] = dict(self.recovered.agent_ranks) if self.recovered else {}
+        # Which agent may report which rank's exit: only the one the rank itself named (agents).
+        self.agents = AgentBook(self.config.world_size)
+        for record in self.recovered.agent_records if self.recovered else ():
+            self.agents.restore(record)
+        self._peer_key = ""  # the CURVE client key (ZAP User-Id) of the frame being handled
         self.finished: RunFinished | None = None
         self.status = StatusBoard()
         self._journal = _open_journal(settings.journal) if settings.journal else None
@@ -341,6 +346,7 @@ class CoordinatorService:
             return self._drop((), e)
         if self.held and route:
             self.held.heard(route[0], self._send_held)  # a peer back after a restart
+        self._peer_key = _user_id(frames[-1]) if self.curve_keys is not None else ""
         try:
             d = decode(payload, session=self.settings.session)
         except VersionMismatch as e:
@@ -369,7 +375,12 @@ class CoordinatorService:
                 ack = pb.HelloAck(accepted=False, reason=why)
                 self._send_frames(self.endpoint.frames("hello_ack", ack, route=route))
                 raise Oversized(why)
-            return self._feed(hello_event(now, route, env))
+            self._feed(hello_event(now, route, env))
+            if tuple(self.state.route_of(env.hello.rank) or ()) == route:  # admitted: whom it vouches for
+                record = self.agents.rank_admitted(env.hello.rank, env.hello.agent_token)
+                if record is not None:
+                    self._journal_write(record)  # a restart still knows (recovery)
+            return
         if kind == "agent":
             return self._on_agent(now, route, env)
         if kind == "relay":
@@ -411,13 +422,18 @@ class CoordinatorService:
         msg = env.agent
         which = msg.WhichOneof("msg")
         if which == "hello":
-            self._agent_ranks[route] = set(msg.hello.ranks)
-            self._journal_write(recovery.agent_record(route, msg.hello))  # a restart needs it
-            log.info("agent on %s supervises ranks %s", msg.hello.host, list(msg.hello.ranks))
+            record, note = self.agents.hello(route, msg.hello, self._peer_key)
+            if record is None:
+                raise RouteMismatch(note)
+            self._journal_write(record)  # a restart needs it
+            if note:
+                log.warning("%s", note)
+            log.info("agent on %s supervises ranks %s", msg.hello.host, record["ranks"])
         elif which == "rank_exited":
             r = msg.rank_exited
-            if r.rank not in self._agent_ranks.get(route, set()):
-                raise RouteMismatch(f"agent reports rank {r.rank} it did not announce")
+            why = self.agents.report_refusal(route, r.rank, r.token, self._peer_key)
+            if why:  # a forged (or misrouted) report: the rank lives on, its own frames decide
+                raise RouteMismatch(why)
             self._feed(RankExitReported(now=now, rank=r.rank, code=r.code))
 
     def _on_round(self, rank: int | None, header: pb.RoundHeader, blobs, *, relay: tuple = ()) -> None:
@@ -598,6 +614,14 @@ def _human(cmd: Notice, epochs: int) -> str:
         )
     fields = " ".join(f"{k}={v}" for k, v in sorted(d.items()))
     return f"{cmd.kind}: {fields}"
+
+
+def _user_id(frame) -> str:
+    """The ZAP User-Id of a received frame (with CURVE: the client's z85 public key), or ''."""
+    try:
+        return frame.get("User-Id") or ""
+    except (AttributeError, zmq.ZMQError):  # a bytes copy, or no ZAP handler
+        return ""
 
 
 def _route_str(route: tuple) -> str:

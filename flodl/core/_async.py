@@ -168,6 +168,12 @@ class AsyncDispatcher(CadenceDispatcher):
         super().reassign(st, rank, out)
         wake(st, out)
 
+    def give_back(self, st: CoordinatorState, rank: int, lost, out: list[Command]) -> None:
+        # Cadence's: a refused window's positions go back to their pools; then idle
+        # ranks are woken from the oldest epoch with work.
+        super().give_back(st, rank, lost, out)
+        wake(st, out)
+
     def wake_idle(self, st: CoordinatorState, out: list[Command]) -> None:
         # Cadence's batch bookkeeping calls this: oldest epoch first, streaming.
         wake(st, out)

@@ -28,6 +28,15 @@ to ``step_count`` are folded (``folded_step``), their batches are committed in t
 coverage ledger, and ``step_count - previous folded`` is added to the round's window.
 An ack for another cycle, from a non-participant, or a second ack is ignored (counted).
 
+Refused contributions (bus): ``ContributionRefused`` (the shell's reducer would not sum the
+rank's frame: non-finite, malformed, a forged weight, too far) marks the participant
+``refused``; the round completes without its work and the rank, sent the consensus,
+resets to it. Its ack then *discards* the window instead of folding it: steps up to
+``step_count`` count as folded but add nothing to the round's window, the batches are
+discarded in the coverage ledger (not committed) and the dispatcher's ``give_back`` hands
+their positions out again (Sync: ``ExtendPartition``; Cadence/Async: back into the pool).
+The rank stays ACTIVE and keeps getting work.
+
 Finish (``poll``, §5.4-5.5): once every participant still ACTIVE has acked (lost ranks
 are excused -- the reducer was told by ``ForgetRank``), ``version += 1``,
 ``global_step += window``; the dispatcher's ``on_round_finished`` runs the policy's
@@ -50,10 +59,10 @@ from typing import Any, Callable, Optional
 from flodl.wire import pb
 
 from . import _checkpointing, _coverage
-from ._commands import Command, OpenRound
+from ._commands import Command, Notice, OpenRound
 from ._dispatch import dispatcher_for
 from ._errors import LocalViolation, next_phase
-from ._events import SyncAcked
+from ._events import ContributionRefused, SyncAcked
 from ._state import ACTIVE, IDLE, PENDING, TRAINING, CoordinatorState, RoundState
 
 __all__ = [
@@ -63,6 +72,7 @@ __all__ = [
     "gate_for",
     "trigger",
     "on_ack",
+    "on_refused",
     "poll",
     "waiting_for",
 ]
@@ -119,8 +129,9 @@ def trigger(st: CoordinatorState, out: list[Command]) -> None:
     rs.divergence = {}
     rs.window = {}
     rs.window_steps = 0
+    rs.refused = {}
     rs.opened_at = st.now
-    out.append(OpenRound(rs.cycle, rs.ranks))
+    out.append(OpenRound(rs.cycle, rs.ranks, tuple(st.unfolded(r) for r in rs.ranks)))
     dispatcher = dispatcher_for(st)
     dispatcher.on_trigger(st, list(rs.ranks), out)
     for r in rs.ranks:
@@ -130,7 +141,17 @@ def trigger(st: CoordinatorState, out: list[Command]) -> None:
             st.send(out, r, throttle=pb.Control.Throttle())
 
 
-def on_ack(st: CoordinatorState, ev: SyncAcked) -> None:
+def on_refused(st: CoordinatorState, ev: ContributionRefused) -> None:
+    """The reducer refused the rank's contribution to the open round: its ack will name
+    the window it discarded (``on_ack``)."""
+    rs = st.rounds
+    if rs.phase is not PENDING or ev.cycle != rs.cycle or ev.rank not in rs.ranks or ev.rank in rs.acked:
+        st.count_ignored("ContributionRefused for a round that is not open")
+        return
+    rs.refused.setdefault(ev.rank, ev.reason)
+
+
+def on_ack(st: CoordinatorState, ev: SyncAcked, out: list[Command]) -> None:
     rs = st.rounds
     if rs.phase is not PENDING or ev.cycle != rs.cycle or ev.rank not in rs.ranks:
         st.count_ignored("SyncAcked for a round that is not open")
@@ -140,6 +161,9 @@ def on_ack(st: CoordinatorState, ev: SyncAcked) -> None:
         return
     rec = st.ranks[ev.rank]
     rs.acked[ev.rank] = ev.step_count
+    if ev.rank in rs.refused:
+        _discard_window(st, ev, out)
+        return
     folded = max(0, ev.step_count - rec.folded_step)
     rs.window[ev.rank] = folded
     rs.window_steps += folded
@@ -148,6 +172,32 @@ def on_ack(st: CoordinatorState, ev: SyncAcked) -> None:
     if ev.divergence is not None:
         rs.divergence[ev.rank] = ev.divergence
         rec.divergence = ev.divergence
+
+
+def _discard_window(st: CoordinatorState, ev: SyncAcked, out: list[Command]) -> None:
+    """A refused rank reset to the consensus: the window up to its ack is thrown away.
+
+    Its steps up to ``step_count`` count as folded (the rank starts counting afresh from
+    the consensus), but nothing is committed and the round gets no steps from it: the
+    batches are ``discarded`` in the coverage ledger and their positions go back to the
+    dispatcher (``give_back``) to be trained again -- by anyone, the rank included."""
+    rs, rec = st.rounds, st.ranks[ev.rank]
+    rs.window[ev.rank] = 0
+    rec.folded_step = max(rec.folded_step, ev.step_count)
+    lost = _coverage.discard_upto(st.coverage, ev.rank, ev.step_count)
+    if lost:
+        dispatcher_for(st).give_back(st, ev.rank, lost, out)
+    out.append(
+        Notice(
+            "window_discarded",
+            {
+                "rank": ev.rank,
+                "cycle": ev.cycle,
+                "reason": rs.refused[ev.rank],
+                "discarded_samples": sum(n for _, _, n in lost),
+            },
+        )
+    )
 
 
 def waiting_for(st: CoordinatorState) -> list[int]:

@@ -423,6 +423,26 @@ class CadenceDispatcher:
         wake(st, out)
         _note_barrier(st)
 
+    def give_back(
+        self, st: CoordinatorState, rank: int, lost: list[tuple[int, int, int]], out: list[Command]
+    ) -> None:
+        """A live rank's refused window: its batches leave its assignment and go back to
+        their epoch's pool (``ChunkPool.give_back``); the plan is re-pinned and idle
+        ranks are woken, as after a death (the rank keeps its chunk in flight)."""
+        cad, d = st.cadence, st.dispatch
+        for epoch, ranges in _dispatch.lost_by_epoch(lost).items():
+            ec = st.coverage.epochs.get(epoch)
+            pool = cad.pools.get(epoch)
+            if ec is None or ec.frozen or pool is None:
+                continue
+            per_rank = d.assigned.setdefault(epoch, {})
+            per_rank[rank] = _dispatch.subtract_ranges(per_rank.get(rank, []), ranges)
+            pool.give_back(ranges)
+        if d.last_dispatched in cad.pools and st.alive_ranks():
+            _pin(st, d.last_dispatched)
+        wake(st, out)
+        _note_barrier(st)
+
     def idle(self, st: CoordinatorState, rank: int) -> bool:
         return quiesced(st, rank)
 

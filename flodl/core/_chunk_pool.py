@@ -261,6 +261,19 @@ class ChunkPool:
                 queued += int(size)
         return queued
 
+    def give_back(self, holes: Sequence[Range]) -> int:
+        """Positions a live rank trained in a window the coordinator discarded (its
+        contribution was refused) are handed out again: ``holes`` go to the back of
+        ``reclaimed``; the rank's own books (dispatched, completed, in flight) are left
+        as they are. Returns the samples queued. Contract as ``reopen``: every hole was
+        completed by that rank."""
+        queued = 0
+        for off, size in holes:
+            if size > 0:
+                self._reclaimed.append((int(off), int(size)))
+                queued += int(size)
+        return queued
+
     def mark_completed(self, rank: int, samples: int) -> None:
         """Credit completions (clamped to dispatched: a falsely-declared-dead rank may
         report after its chunks were forfeited) and consume outstanding front-first."""

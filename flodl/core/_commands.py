@@ -42,10 +42,17 @@ class Reply(Command):
 
 @dataclass(frozen=True, slots=True)
 class OpenRound(Command):
-    """Bus plane: the reducer should expect parameter contributions for ``cycle`` from ``ranks``."""
+    """Bus plane: the reducer should expect parameter contributions for ``cycle`` from ``ranks``.
+
+    ``steps[i]``: the steps of ``ranks[i]`` that no consensus had folded when the round
+    opened -- a floor on the ``n`` its snapshot counts (it snapshots after the trigger),
+    so its weight ``n**gamma`` is at least ``steps[i]**gamma``; the reducer checks a
+    contribution's claimed weight against it (``flodl_coordinator.reducer``). Not part
+    of equality: it is derived from the state, like the ranks' order."""
 
     cycle: int
     ranks: tuple[int, ...]
+    steps: tuple[int, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,8 @@ into the consensus (ARCHITECTURE §6). The ledger follows that definition litera
    silently idempotent.
 3. ``discard``: when a rank dies or leaves, its pending batches were trained and
    thrown away (``discarded``); their positions are simply not committed, so they are
-   part of the remainder that ``_dispatch`` hands to survivors.
+   part of the remainder that ``_dispatch`` hands to survivors. ``discard_upto`` does
+   the same for a live rank's window whose contribution the reducer refused.
 4. ``freeze``: once an epoch is aggregated its bitmap is released (a bytearray per
    *live* epoch keeps memory at one byte per sample of the epoch in flight); its
    counters stay for the summary.
@@ -37,6 +38,7 @@ __all__ = [
     "record_batch",
     "commit",
     "discard",
+    "discard_upto",
     "is_complete",
     "uncommitted",
     "freeze",
@@ -98,6 +100,19 @@ def discard(cov: CoverageState, rank: int) -> int:
     for epoch, _offset, samples, _s in cov.pending.pop(rank, []):
         cov.epochs[epoch].discarded += samples
         lost += samples
+    return lost
+
+
+def discard_upto(cov: CoverageState, rank: int, step: int) -> list[tuple[int, int, int]]:
+    """Throw away the rank's pending batches with ``step_count <= step`` (a live rank
+    whose contribution was refused); returns their ``(epoch, offset, samples)``."""
+    pending = cov.pending.get(rank)
+    if not pending:
+        return []
+    lost = [(e, o, n) for e, o, n, s in pending if s <= step]
+    cov.pending[rank] = [item for item in pending if item[3] > step]
+    for epoch, _offset, samples in lost:
+        cov.epochs[epoch].discarded += samples
     return lost
 
 

@@ -59,6 +59,8 @@ __all__ = [
     "equal_sizes",
     "contiguous_plans",
     "split_ranges",
+    "subtract_ranges",
+    "lost_by_epoch",
     "role_rank",
     "announce_role",
     "check_batch",
@@ -108,6 +110,39 @@ def split_ranges(ranges: list[tuple[int, int]], n: int) -> list[list[tuple[int, 
                 queue[0] = (off + take, size - take)
         out.append(mine)
     return out
+
+
+def subtract_ranges(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` (in order) without the positions of ``holes``."""
+    out = list(ranges)
+    for h_off, h_size in holes:
+        h_end = h_off + h_size
+        nxt: list[tuple[int, int]] = []
+        for off, size in out:
+            end = off + size
+            if h_end <= off or end <= h_off:
+                nxt.append((off, size))
+                continue
+            if off < h_off:
+                nxt.append((off, h_off - off))
+            if h_end < end:
+                nxt.append((h_end, end - h_end))
+        out = nxt
+    return out
+
+
+def lost_by_epoch(lost: list[tuple[int, int, int]]) -> dict[int, list[tuple[int, int]]]:
+    """``(epoch, offset, samples)`` batches as sorted, coalesced ranges per epoch."""
+    per: dict[int, list[tuple[int, int]]] = {}
+    for epoch, off, n in sorted(lost):
+        if n <= 0:
+            continue
+        ranges = per.setdefault(epoch, [])
+        if ranges and ranges[-1][0] + ranges[-1][1] == off:
+            ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
+        else:
+            ranges.append((off, n))
+    return per
 
 
 def role_rank(st: CoordinatorState) -> Optional[int]:
@@ -166,6 +201,10 @@ class Dispatcher(Protocol):
     def reassign(self, st: CoordinatorState, rank: int, out: list[Command]) -> None: ...
 
     def idle(self, st: CoordinatorState, rank: int) -> bool: ...
+
+    def give_back(
+        self, st: CoordinatorState, rank: int, lost: list[tuple[int, int, int]], out: list[Command]
+    ) -> None: ...
 
     def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None: ...
 
@@ -275,6 +314,31 @@ class SyncDispatcher:
                 d.extensions += 1
             if ranges:
                 d.rank_epoch[r] = epoch
+
+    def give_back(
+        self, st: CoordinatorState, rank: int, lost: list[tuple[int, int, int]], out: list[Command]
+    ) -> None:
+        """A live rank's refused window: its ``(epoch, offset, samples)`` batches leave its
+        assignment and are split equally among the alive ranks (it included), as
+        ``ExtendPartition`` -- the same path as a death's remainder."""
+        d = st.dispatch
+        for epoch, ranges in lost_by_epoch(lost).items():
+            ec = st.coverage.epochs.get(epoch)
+            if ec is None or ec.frozen:
+                continue
+            per_rank = d.assigned.setdefault(epoch, {})
+            per_rank[rank] = subtract_ranges(per_rank.get(rank, []), ranges)
+            reported = d.reported.setdefault(epoch, {})
+            reported[rank] = max(0, reported.get(rank, 0) - sum(n for _, n in ranges))
+            alive = st.alive_ranks()
+            for r, mine in zip(alive, split_ranges(ranges, len(alive))):
+                for off, size in mine:
+                    ext = pb.Control.ExtendPartition(epoch=epoch, partition_offset=off, partition_size=size)
+                    st.send(out, r, extend_partition=ext)
+                    per_rank.setdefault(r, []).append((off, size))
+                    d.extensions += 1
+                if mine:
+                    d.rank_epoch[r] = epoch
 
     def idle(self, st: CoordinatorState, rank: int) -> bool:
         d = st.dispatch

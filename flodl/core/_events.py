@@ -38,6 +38,7 @@ __all__ = [
     "StopRequested",
     "StoreReady",
     "CollectiveFailed",
+    "ContributionRefused",
     "EVENT_TYPES",
     "to_record",
     "from_record",
@@ -206,6 +207,19 @@ class CollectiveFailed(Event):
     reason: str = ""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContributionRefused(Event):
+    """Bus plane: the reducer refused ``rank``'s contribution to the open round ``cycle``
+    (non-finite or malformed tensors, a weight its steps do not explain, too far from the
+    last consensus: ``reason``). The round completes without it and the rank is sent the
+    consensus to reset to; the window its ack names is discarded, not committed: its
+    positions go back to be trained again (``_averaging.on_ack``). The rank stays in."""
+
+    rank: int
+    cycle: int
+    reason: str = ""
+
+
 EVENT_TYPES = {
     cls.__name__: cls
     for cls in (
@@ -225,6 +239,7 @@ EVENT_TYPES = {
         StopRequested,
         StoreReady,
         CollectiveFailed,
+        ContributionRefused,
     )
 }
 

@@ -171,6 +171,7 @@ class RoundState:
     window: dict[int, int] = field(default_factory=dict)  # rank -> steps its ack folded
     gate_reason: str = ""  # why the gate last said no (or yes)
     open_s: float = 0.0  # total time rounds were open (trigger -> finish): averaging overhead
+    refused: dict[int, str] = field(default_factory=dict)  # open round: rank -> why its contribution was refused
 
 
 @dataclass(slots=True)

@@ -90,6 +90,7 @@ from ._events import (
     Tick,
     StoreReady,
     CollectiveFailed,
+    ContributionRefused,
 )
 from ._state import ACTIVE, FINAL_EVAL, FINISHED, TRAINING, CoordinatorState, RankRecord
 
@@ -267,7 +268,15 @@ def _on_batch(st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
 
 def _on_ack(st: CoordinatorState, ev: SyncAcked, out: list[Command]) -> None:
     if _from_rank(st, ev):
-        _averaging.on_ack(st, ev)
+        _averaging.on_ack(st, ev, out)
+
+
+def _on_contribution_refused(st: CoordinatorState, ev: ContributionRefused, out: list[Command]) -> None:
+    # The shell's verdict on the rank's round frame, not a frame from the rank: no liveness.
+    if not st.addressable(ev.rank):
+        st.count_ignored("ContributionRefused for a rank that is not in the run")
+        return
+    _averaging.on_refused(st, ev)
 
 
 def _on_chunk(st: CoordinatorState, ev: ChunkDone, out: list[Command]) -> None:
@@ -361,6 +370,7 @@ _HANDLERS: dict[type, Callable[[CoordinatorState, Event, list[Command]], None]] 
     EpochFnElapsed: _on_epoch_fn,
     StoreReady: _on_store_ready,
     CollectiveFailed: _on_collective_failed,
+    ContributionRefused: _on_contribution_refused,
     CoordinatorRestarted: _on_restarted,
     RankResynced: _on_resynced,
 }

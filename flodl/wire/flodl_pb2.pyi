@@ -133,7 +133,7 @@ class Envelope(_message.Message):
     def __init__(self, protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., session: _Optional[str] = ..., sender: _Optional[_Union[Sender, _Mapping]] = ..., seq: _Optional[int] = ..., blob_count: _Optional[int] = ..., control: _Optional[_Union[Control, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., metrics: _Optional[_Union[Metrics, _Mapping]] = ..., hello: _Optional[_Union[RankHello, _Mapping]] = ..., hello_ack: _Optional[_Union[HelloAck, _Mapping]] = ..., round: _Optional[_Union[RoundHeader, _Mapping]] = ..., relay: _Optional[_Union[RelayMsg, _Mapping]] = ..., agent: _Optional[_Union[AgentMsg, _Mapping]] = ...) -> None: ...
 
 class RankHello(_message.Message):
-    __slots__ = ("rank", "world_size", "model_sig", "dataset_len", "host", "pid", "bf16_wire", "task")
+    __slots__ = ("rank", "world_size", "model_sig", "dataset_len", "host", "pid", "bf16_wire", "task", "agent_token")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIG_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class RankHello(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     BF16_WIRE_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    AGENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     model_sig: bytes
@@ -150,7 +151,8 @@ class RankHello(_message.Message):
     pid: int
     bf16_wire: bool
     task: str
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_sig: _Optional[bytes] = ..., dataset_len: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., bf16_wire: _Optional[bool] = ..., task: _Optional[str] = ...) -> None: ...
+    agent_token: bytes
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_sig: _Optional[bytes] = ..., dataset_len: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., bf16_wire: _Optional[bool] = ..., task: _Optional[str] = ..., agent_token: _Optional[bytes] = ...) -> None: ...
 
 class RunSpec(_message.Message):
     __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from")
@@ -742,19 +744,23 @@ class RelayMsg(_message.Message):
 class AgentMsg(_message.Message):
     __slots__ = ("hello", "rank_exited", "abort")
     class AgentHello(_message.Message):
-        __slots__ = ("host", "ranks")
+        __slots__ = ("host", "ranks", "token")
         HOST_FIELD_NUMBER: _ClassVar[int]
         RANKS_FIELD_NUMBER: _ClassVar[int]
+        TOKEN_FIELD_NUMBER: _ClassVar[int]
         host: str
         ranks: _containers.RepeatedScalarFieldContainer[int]
-        def __init__(self, host: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+        token: bytes
+        def __init__(self, host: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., token: _Optional[bytes] = ...) -> None: ...
     class RankExited(_message.Message):
-        __slots__ = ("rank", "code")
+        __slots__ = ("rank", "code", "token")
         RANK_FIELD_NUMBER: _ClassVar[int]
         CODE_FIELD_NUMBER: _ClassVar[int]
+        TOKEN_FIELD_NUMBER: _ClassVar[int]
         rank: int
         code: int
-        def __init__(self, rank: _Optional[int] = ..., code: _Optional[int] = ...) -> None: ...
+        token: bytes
+        def __init__(self, rank: _Optional[int] = ..., code: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
     class Abort(_message.Message):
         __slots__ = ("reason",)
         REASON_FIELD_NUMBER: _ClassVar[int]

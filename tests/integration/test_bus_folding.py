@@ -40,6 +40,7 @@ from runlocal import ROOT
 pytestmark = pytest.mark.integration
 
 SESSION = "fold-it"
+TOKEN = b"agent-token-hostF"  # what a real agent hands its ranks as FLODL_AGENT_TOKEN
 SHAPES = [(8, 4), (4,)]
 MODEL_BYTES = sum(int(np.prod(s)) for s in SHAPES) * 4  # one f32 copy of the consensus's blobs
 
@@ -82,7 +83,8 @@ class Rank:
         self.sock.send_multipart(self.ep.frames(body, msg, blobs))
 
     def hello(self):
-        self.send("hello", pb.RankHello(rank=self.rank, world_size=4, model_sig=b"m" * 32, dataset_len=40))
+        hello = pb.RankHello(rank=self.rank, world_size=4, model_sig=b"m" * 32, dataset_len=40, agent_token=TOKEN)
+        self.send("hello", hello)  # names the agent below: its exit reports are believed
 
     def step(self):
         epoch, offset, _ = self.plan
@@ -136,11 +138,11 @@ class World:
         r = self.ranks[rank]
         self.poller.unregister(r.sock)
         r.sock.close(0)
-        self.agent_says(rank_exited=pb.AgentMsg.RankExited(rank=rank, code=-9))
+        self.agent_says(rank_exited=pb.AgentMsg.RankExited(rank=rank, code=-9, token=TOKEN))
 
     def report_dead(self, rank: int):
         """The agent says ``rank`` exited, but its socket stays open (and read)."""
-        self.agent_says(rank_exited=pb.AgentMsg.RankExited(rank=rank, code=-9))
+        self.agent_says(rank_exited=pb.AgentMsg.RankExited(rank=rank, code=-9, token=TOKEN))
 
     def pump_until(self, cond, timeout: float = 10.0, what: str = ""):
         deadline = time.monotonic() + timeout
@@ -193,7 +195,7 @@ def world(tmp_path):
 
 def test_folded_rounds_deaths_mid_fold_and_after_the_fold_never_block(world):
     svc, ranks = world.svc, world.ranks
-    world.agent_says(hello=pb.AgentMsg.AgentHello(host="hostF", ranks=[0, 1, 2]))
+    world.agent_says(hello=pb.AgentMsg.AgentHello(host="hostF", ranks=[0, 1, 2], token=TOKEN))
     for r in ranks:
         r.hello()
 

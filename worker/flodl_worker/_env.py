@@ -37,6 +37,9 @@ FLODL_MAX_MESSAGE_BYTES no         the largest message part (one tensor) this ra
                                    accepts (ZeroMQ MAXMSGSIZE; default 2 GiB, 0 = no
                                    limit; flodl.limits). Same variable as the
                                    coordinator's max_message_bytes
+FLODL_AGENT_TOKEN      no          set by the agent that launched this rank (hex); the
+                                   rank's hello names it, and only that agent's exit
+                                   reports about this rank are then believed
 FLODL_FAULT            no          test failpoint, never in production:
                                    ``exit_in_collective:CYCLE[@RANK]`` SIGKILLs the rank
                                    (only RANK, if given) right after it launches the
@@ -49,7 +52,7 @@ from __future__ import annotations
 import math
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from flodl.curve import ENV_SECRET_KEY, ENV_SERVER_KEY, ClientKeys, CurveError, client_keys
@@ -111,6 +114,7 @@ class RankEnv:
     fault_exit_cycle: int | None = None  # FLODL_FAULT aimed at this rank: die in this cycle's all-reduce
     curve: ClientKeys | None = None  # FLODL_CURVE_SERVER_KEY + FLODL_CURVE_SECRET_KEY, loaded
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # FLODL_MAX_MESSAGE_BYTES (0 = no limit)
+    agent_token: bytes = field(default=b"", repr=False)  # FLODL_AGENT_TOKEN: who may report our exit
 
     @property
     def emulated_ms(self) -> float:
@@ -151,7 +155,19 @@ class RankEnv:
             fault_exit_cycle=_fault(env.get("FLODL_FAULT", "").strip(), rank),
             curve=_curve(env),
             max_message_bytes=_max_message_bytes(env),
+            agent_token=_agent_token(env),
         )
+
+
+def _agent_token(env: Mapping[str, str]) -> bytes:
+    text = env.get("FLODL_AGENT_TOKEN", "").strip()
+    try:
+        token = bytes.fromhex(text)
+    except ValueError:
+        raise EnvError("FLODL_AGENT_TOKEN is not hex (the agent sets it; do not set it by hand)") from None
+    if len(token) > 64:
+        raise EnvError(f"FLODL_AGENT_TOKEN holds {len(token)} bytes, at most 64")
+    return token
 
 
 def _max_message_bytes(env: Mapping[str, str]) -> int:

@@ -15,9 +15,12 @@ prefix. Every pass then reaps children (``Popen.poll``) and runs the termination
    ``--no-relay``: ranks dial the coordinator directly.
 2. Start N ranks with the torchrun-style environment (FLODL_RANK = offset + i,
    FLODL_LOCAL_RANK = i, FLODL_WORLD_SIZE, FLODL_CONNECT, FLODL_SESSION, FLODL_HOST,
-   FLODL_SLOWDOWN, FLODL_BASE_MS, FLODL_TRACE_DIR). Send ``agent.hello{host, ranks}``.
-3. The moment a rank ends, send ``agent.rank_exited{rank, code}`` (Popen semantics:
-   negative = killed by that signal). Restart nothing.
+   FLODL_SLOWDOWN, FLODL_BASE_MS, FLODL_TRACE_DIR, and FLODL_AGENT_TOKEN: this agent's
+   random token). Send ``agent.hello{host, ranks, token}``.
+3. The moment a rank ends, send ``agent.rank_exited{rank, code, token}`` (Popen semantics:
+   negative = killed by that signal). Restart nothing. The coordinator believes the
+   report only because the rank's own hello named the same token
+   (``flodl_coordinator.agents``): nobody else can report this agent's ranks dead.
 4. When every rank has ended: stop the relay (SIGTERM, bounded wait, then SIGKILL), flush
    the socket with a bounded linger, exit 0 if every rank exited 0, else 1.
 
@@ -115,8 +118,11 @@ def slowdown_for(factors: tuple[float, ...], local: int, rank: int, ranks: int, 
     )
 
 
-def rank_env(cfg: AgentConfig, local: int, connect: str, base: dict[str, str]) -> dict[str, str]:
-    """The environment of local rank ``local`` (torchrun-style identity + emulation)."""
+def rank_env(cfg: AgentConfig, local: int, connect: str, base: dict[str, str], token: bytes = b"") -> dict[str, str]:
+    """The environment of local rank ``local`` (torchrun-style identity + emulation).
+
+    ``token``: the agent's own (FLODL_AGENT_TOKEN); the rank's hello names it, which is
+    what makes the coordinator believe this agent's exit reports about the rank."""
     env = dict(base)
     rank = cfg.rank_offset + local
     env.update(
@@ -130,6 +136,9 @@ def rank_env(cfg: AgentConfig, local: int, connect: str, base: dict[str, str]) -
         PYTHONUNBUFFERED="1",
     )
     env[ENV_MAX_MESSAGE_BYTES] = str(cfg.max_message_bytes)
+    env.pop("FLODL_AGENT_TOKEN", None)  # never an inherited one: only ours
+    if token:
+        env["FLODL_AGENT_TOKEN"] = token.hex()
     factor = slowdown_for(cfg.slowdown, local, rank, cfg.ranks, cfg.world)
     if factor is not None:
         env["FLODL_SLOWDOWN"] = repr(factor)
@@ -191,6 +200,7 @@ class Agent:
             curve.apply(self.sock)
         self.sock.connect(cfg.coordinator)
         self.ep = Endpoint(cfg.session, pb.Sender.KIND_AGENT, host=cfg.host_name, incarnation=secrets.randbits(63))
+        self.token = secrets.token_bytes(16)  # handed to our ranks only (FLODL_AGENT_TOKEN)
         self.seq = SeqTracker()
         self.drops: dict[str, int] = {}
         self.poller = zmq.Poller()
@@ -355,7 +365,7 @@ class Agent:
             code = child.proc.poll()
             if code is not None and not child.reported:
                 child.reported = True
-                self._send_agent(rank_exited=pb.AgentMsg.RankExited(rank=child.rank, code=code))
+                self._send_agent(rank_exited=pb.AgentMsg.RankExited(rank=child.rank, code=code, token=self.token))
                 (log.info if code == 0 else log.warning)("%s exited with code %d", child.name, code)
         if self.relay is not None and self.relay.proc.poll() is not None and not self.relay.reported:
             self.relay.reported = True
@@ -399,8 +409,10 @@ class Agent:
             base = dict(os.environ)
             for i in range(cfg.ranks):
                 rank = cfg.rank_offset + i
-                self.ranks.append(self._spawn(f"rank {rank}", list(cfg.command), rank_env(cfg, i, connect, base), rank))
-            self._send_agent(hello=pb.AgentMsg.AgentHello(host=cfg.host_name, ranks=[c.rank for c in self.ranks]))
+                env = rank_env(cfg, i, connect, base, self.token)
+                self.ranks.append(self._spawn(f"rank {rank}", list(cfg.command), env, rank))
+            ranks = [c.rank for c in self.ranks]
+            self._send_agent(hello=pb.AgentMsg.AgentHello(host=cfg.host_name, ranks=ranks, token=self.token))
             log.info("agent on %s: %d rank(s) %s via %s", cfg.host_name, cfg.ranks,
                      [c.rank for c in self.ranks], connect)
             while self._alive():

@@ -281,6 +281,7 @@ class _Rank:
             host=self.cfg.host,
             pid=os.getpid(),
             task=self.task,
+            agent_token=self.cfg.agent_token,  # vouches for the agent that launched us (agents)
         )
         self._send("hello", hello)
         self._hello_deadline = time.monotonic() + self.cfg.hello_timeout_s

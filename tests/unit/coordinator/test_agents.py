@@ -1,0 +1,126 @@
+"""Agent exit reports: only the agent a rank itself named may report it; forged reports are refused."""
+
+import time
+
+import zmq
+
+from flodl.wire import Endpoint, decode, pb, split_routing
+from flodl_coordinator.agents import AgentBook, token_digest
+from flodl_coordinator.service import CoordinatorService
+from flodl_coordinator.settings import load_settings
+
+SESSION = "agents-test"
+REAL, FORGED = b"r" * 16, b"f" * 16
+
+
+def _hello(ranks, token=REAL, host="gpu1"):
+    return pb.AgentMsg.AgentHello(host=host, ranks=ranks, token=token)
+
+
+def test_a_report_is_believed_only_from_the_agent_the_rank_vouched_for():
+    book = AgentBook(world_size=4)
+    real, rogue = (b"agent-real",), (b"agent-rogue",)
+    assert book.hello(rogue, _hello([0, 1, 2, 3], FORGED, "evil"), "")[0] is not None  # claims may coexist...
+    assert book.hello(real, _hello([0, 1]), "")[0]["token"] == token_digest(REAL)  # ...until a rank vouches
+    assert book.rank_admitted(0, REAL) == {"type": "_rank_agent", "rank": 0, "token": token_digest(REAL)}
+    assert book.rank_admitted(0, REAL) is None  # a retransmitted hello journals nothing new
+    assert book.report_refusal(real, 0, REAL, "") == ""
+    assert "did not name" in book.report_refusal(rogue, 0, FORGED, "")  # rank 0 vouched for the real one
+    assert "did not name" in book.report_refusal(real, 1, REAL, "")  # rank 1 has not vouched yet
+    assert "without the agent's token" in book.report_refusal(real, 0, FORGED, "")  # a route taken over
+    assert "did not announce" in book.report_refusal(real, 2, REAL, "")
+    assert "no agent hello" in book.report_refusal((b"stranger",), 0, REAL, "")
+    # A later claim of a rank that vouched for another agent is not theirs.
+    record, note = book.hello((b"agent-late",), _hello([0, 3], FORGED, "late"), "")
+    assert record["ranks"] == [3] and "claims rank(s) [0]" in note
+    # With CURVE the report must come with the key the hello came with.
+    book.hello((b"agent-curve",), _hello([2]), "KEY-A")
+    book.rank_admitted(2, REAL)
+    assert book.report_refusal((b"agent-curve",), 2, REAL, "KEY-A") == ""
+    assert "CURVE key" in book.report_refusal((b"agent-curve",), 2, REAL, "KEY-B")
+
+
+def test_an_agent_hello_out_of_range_twice_or_oversized_is_refused_whole():
+    book = AgentBook(world_size=2)
+    for bad in (_hello([0, 2]), _hello([1, 1]), _hello([0], host="h" * 300), _hello([0], token=b"t" * 65)):
+        record, note = book.hello((b"a",), bad, "")
+        assert record is None and "refused" in note
+    assert book.claims == {}
+
+
+def test_the_book_survives_a_restart_from_its_journal_records():
+    book = AgentBook(world_size=2)
+    records = [book.hello((b"agent-1",), _hello([0, 1]), "")[0], book.rank_admitted(1, REAL)]
+    again = AgentBook(world_size=2)
+    for r in records:
+        again.restore(r)
+    assert again.report_refusal((b"agent-1",), 1, REAL, "") == ""
+    assert again.agent_ranks == {(b"agent-1",): {0, 1}}
+
+
+def _until(cond, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)  # polling a condition the service thread sets, with a deadline
+    return cond()
+
+
+class _Peer:
+    def __init__(self, ctx, ep, kind, **sender):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(ep)
+        self.me = Endpoint(SESSION, kind, **sender)
+
+    def send(self, body, msg):
+        self.sock.send_multipart(self.me.frames(body, msg))
+
+    def hello_ack(self):
+        while True:
+            assert self.sock.poll(5000), "no hello_ack"
+            d = decode(split_routing(self.sock.recv_multipart())[1], session=SESSION)
+            if d.kind == "hello_ack":
+                return d.envelope.hello_ack
+
+
+def test_forged_agent_reports_do_not_kill_live_ranks_and_the_real_agent_still_can(serve, tmp_path):
+    journal = tmp_path / "run.journal"
+    svc, ep, ctx = serve(load_settings(env={}, flags={
+        "world_size": 2, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 1, "batch_size": 4,
+        "liveness_timeout_s": 30.0, "journal": str(journal),
+    }))  # fmt: skip
+    ranks = [_Peer(ctx, ep, pb.Sender.KIND_RANK, rank=r, incarnation=10 + r) for r in (0, 1)]
+    for r, peer in enumerate(ranks):
+        peer.send("hello", pb.RankHello(rank=r, world_size=2, model_sig=b"a" * 32, dataset_len=100, agent_token=REAL))
+        assert peer.hello_ack().accepted
+    real = _Peer(ctx, ep, pb.Sender.KIND_AGENT, host="gpu1", incarnation=1)
+    real.send("agent", pb.AgentMsg(hello=_hello([0, 1])))
+    forger = _Peer(ctx, ep, pb.Sender.KIND_AGENT, host="gpu1", incarnation=2)
+    forger.send("agent", pb.AgentMsg(hello=_hello([0, 1, 2, 3], FORGED)))  # refused whole: 2, 3 out of range
+    forger.send("agent", pb.AgentMsg(hello=_hello([0, 1], FORGED)))
+    for r in (0, 1):
+        forger.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(rank=r, code=-9, token=FORGED)))
+        forger.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(rank=r, code=-9, token=REAL)))
+    assert _until(lambda: svc.dropped.get("route_mismatch", 0) == 5), dict(svc.dropped)
+    assert svc.state.route_of(0) is not None and svc.state.route_of(1) is not None  # both still alive
+    real.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(rank=1, code=-9, token=REAL)))
+    assert _until(lambda: svc.state.route_of(1) is None), "the real agent's report was not believed"
+    assert svc.state.route_of(0) is not None
+    # The journal keeps digests only, and enough for a restarted service to believe the real agent.
+    text = journal.read_text()
+    assert REAL.hex() not in text and token_digest(REAL) in text
+    copy = tmp_path / "copy.journal"  # the complete lines so far: what a restart would read
+    copy.write_text(text[: text.rfind("\n") + 1])
+    again = CoordinatorService(load_settings(env={}, flags={
+        "world_size": 2, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 1, "batch_size": 4,
+        "liveness_timeout_s": 30.0, "journal": str(copy),
+    }))  # fmt: skip
+    try:
+        route = next(iter(again.agents.claims))
+        assert again.agents.claims[route].host == "gpu1" and len(again.agents.claims) == 2
+        real_route = next(r for r, c in again.agents.claims.items() if c.digest == token_digest(REAL))
+        assert again.agents.report_refusal(real_route, 0, REAL, "") == ""
+        forged_route = next(r for r, c in again.agents.claims.items() if c.digest == token_digest(FORGED))
+        assert again.agents.report_refusal(forged_route, 0, FORGED, "") != ""
+    finally:
+        again._journal.close()

@@ -1,0 +1,42 @@
+"""The agent's token: handed to its ranks only, named in its hello and every exit report."""
+
+import sys
+
+import pytest
+
+from flodl.wire import pb
+from flodl_worker._env import EnvError, RankEnv
+from flodl_worker.agent import AgentConfig, rank_env
+
+BASE = {"FLODL_RANK": "0", "FLODL_WORLD_SIZE": "1", "FLODL_CONNECT": "tcp://head:5555"}
+CHILD = r"""
+import os, sys
+print("TOKEN", os.environ.get("FLODL_AGENT_TOKEN", "-"), flush=True)
+sys.exit(4)
+"""
+
+
+def test_rank_env_carries_only_this_agents_token_and_the_rank_reads_it():
+    cfg = AgentConfig(coordinator="tcp://h:1", ranks=1, command=("x",))
+    env = rank_env(cfg, 0, "ipc:///tmp/r.sock", {"FLODL_AGENT_TOKEN": "ab" * 16}, b"\x01" * 16)
+    assert env["FLODL_AGENT_TOKEN"] == "01" * 16
+    assert "FLODL_AGENT_TOKEN" not in rank_env(cfg, 0, "ipc:///tmp/r.sock", {"FLODL_AGENT_TOKEN": "ab" * 16})
+    got = RankEnv.from_environ(env)
+    assert got.agent_token == b"\x01" * 16 and "01010101" not in repr(got)
+    assert RankEnv.from_environ(BASE).agent_token == b""
+    with pytest.raises(EnvError, match="FLODL_AGENT_TOKEN is not hex"):
+        RankEnv.from_environ({**BASE, "FLODL_AGENT_TOKEN": "zz"})
+
+
+@pytest.mark.integration
+def test_the_agent_names_its_ranks_token_in_hello_and_exit_report(coordinator, procs, py, lines):
+    agent = procs.start(py("flodl_worker", "agent", "--coordinator", coordinator.endpoint, "--session",
+                           coordinator.session, "--host", "hostT", "--ranks", "1", "--no-relay", "--",
+                           sys.executable, "-c", CHILD))
+    _, d = coordinator.expect("agent", "hello")
+    token = d.envelope.agent.hello.token
+    assert len(token) == 16
+    _, d = coordinator.expect("agent", "rank_exited")
+    assert (d.envelope.agent.rank_exited.code, d.envelope.agent.rank_exited.token) == (4, token)
+    assert lines(agent.stdout).wait_for(r"^\[rank 0\] TOKEN (\S+)$").group(1) == token.hex()
+    assert agent.wait(15) == 1
