@@ -44,6 +44,7 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from flodl.core import Notice
+from flodl.fsutil import describe_write_error
 from flodl.wire import pb
 
 from .checkpoints import Checkpoint, CheckpointError, CheckpointStore, Committed, resolve_resume
@@ -119,7 +120,9 @@ class Checkpointing:
         try:
             out.checkpoint.path = self.store.model_path(control.checkpoint.version, rank)
         except OSError as e:  # the rank will answer "no path" and the core fails over
-            log.error("checkpoint v%d: cannot stage a directory for rank %d: %s", control.checkpoint.version, rank, e)
+            why = describe_write_error(e, self.store.root, "checkpoint_dir")
+            self._why[control.checkpoint.version] = f"cannot stage a directory for rank {rank}: {why}"
+            log.error("checkpoint v%d: cannot stage a directory for rank %d: %s", control.checkpoint.version, rank, why)
         return out
 
     def stamp_ack(self, ack: pb.HelloAck) -> pb.HelloAck:

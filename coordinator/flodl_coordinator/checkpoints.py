@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import IO, Any, Callable, Optional
 
 from flodl import strictjson
-from flodl.fsutil import atomic_write, fsync_dir
+from flodl.fsutil import atomic_write, describe_write_error, fsync_dir, no_space
 from flodl.fsutil import sha256_file as _sha256_file
 from flodl.core import CoreConfig
 from flodl.core import ResumePoint, resume_plan, validate_meta
@@ -343,7 +343,13 @@ class CheckpointStore:
             write_text_atomic(os.path.join(self.root, LATEST_FILE), final + "\n")
         except (OSError, CheckpointError) as e:
             shutil.rmtree(req.staging, ignore_errors=True)
-            return self._fail(version, rank, str(e) if isinstance(e, CheckpointError) else f"commit failed: {e}")
+            if isinstance(e, CheckpointError):
+                why = str(e)
+            elif no_space(e):
+                why = f"commit failed: {describe_write_error(e, self.root, 'checkpoint_dir')}"
+            else:
+                why = f"commit failed: {e}"
+            return self._fail(version, rank, why)
         self._metas.pop(version, None)
         self._sidecars.pop(version, None)
         for key in [k for k in self._requests if k[0] == version]:  # superseded saves

@@ -39,6 +39,7 @@ import socket
 import threading
 import time
 from collections import Counter, deque
+from contextlib import contextmanager
 from typing import Callable
 
 import zmq
@@ -60,6 +61,7 @@ from flodl.core import (
     step,
     to_record,
 )
+from flodl.fsutil import describe_write_error
 from flodl.limits import zmq_maxmsgsize
 from flodl.wire import (
     Endpoint,
@@ -79,6 +81,7 @@ from .agents import AgentBook
 from .checkpointing import Checkpointing
 from .curve import CurveServer, load_server_keys
 from .droplog import DropLog
+from .journal import Journal, JournalError
 from flodl import strictjson
 
 from .reducer import BusReducer, RoundRefused
@@ -140,6 +143,8 @@ class CoordinatorService:
         self.finished: RunFinished | None = None
         self.status = StatusBoard()
         self._journal = _open_journal(settings.journal) if settings.journal else None
+        self._journal_error: str | None = None  # set once the journal cannot be written: the run stops
+        self._outbox: list | None = None  # frames held until the journal is durable (``_pass``)
         self._stop_signals = 0
         # Wakes the loop from outside it (signal handler, tests) without touching a socket.
         self._refusals_logged: dict[tuple, float] = {}  # (refused|deferred, reason kind) -> last logged
@@ -203,8 +208,10 @@ class CoordinatorService:
         if self.recovered is not None:
             start = self.recovered.restart_record(ep, self.endpoint.sender.incarnation)
         self._journal_write(start)
+        if self._journal_error is not None:  # e.g. a full disk at start: stop before deciding anything
+            self.finished = RunFinished(False, self._journal_error, {})
         self._ready(ep)
-        if self.recovered is not None:  # the ranks resync when they hear the new incarnation
+        if self.recovered is not None and self.finished is None:  # the ranks resync when they hear the new incarnation
             for meta in self.recovered.pending_metas:
                 self.checkpointing.on_notice(meta)
             self._feed(CoordinatorRestarted(now=self.clock(), incarnation=self.endpoint.sender.incarnation))
@@ -307,6 +314,8 @@ class CoordinatorService:
             return 1
         summary = dict(f.summary)
         ok, reason = f.ok, f.reason
+        if self._journal_error is not None and self._journal_error not in reason:
+            ok, reason = False, f"{reason}; {self._journal_error}" if reason else self._journal_error
         missing = self.checkpointing.missing(self.state)
         if missing:  # an asked checkpoint that was not made is a failed run, never a quiet one
             ok, why = False, self.checkpointing.missing_reason(missing)
@@ -320,23 +329,29 @@ class CoordinatorService:
         )
         if self.settings.summary:
             tmp = self.settings.summary + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(strictjson.dumps(summary, indent=2, sort_keys=True))  # never bare NaN
-            os.replace(tmp, self.settings.summary)
-        log.info("run finished: ok=%s reason=%s", f.ok, f.reason)
-        return 0 if f.ok else 1
+            try:
+                with open(tmp, "w", encoding="utf-8") as fh:
+                    fh.write(strictjson.dumps(summary, indent=2, sort_keys=True))  # never bare NaN
+                os.replace(tmp, self.settings.summary)
+            except OSError as e:  # e.g. on the same full disk as the journal: say so, still exit
+                log.error("cannot write the summary: %s", describe_write_error(e, self.settings.summary, "summary"))
+        log.info("run finished: ok=%s reason=%s", ok, reason)
+        if self._journal_error is not None:
+            return 2  # not restarted by systemd: a restart could not recover what was not journaled
+        return 0 if ok else 1
 
     # -- inbound -----------------------------------------------------------------
 
     def _drain_socket(self) -> None:
-        for _ in range(DRAIN_BATCH):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._on_frames(frames)
-            if self.finished is not None:
-                return
+        with self._pass():  # one fsync for what this batch of frames decided (journal.py)
+            for _ in range(DRAIN_BATCH):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                self._on_frames(frames)
+                if self.finished is not None:
+                    return
 
     def _on_frames(self, frames) -> None:
         now = self.clock()
@@ -467,7 +482,13 @@ class CoordinatorService:
     # -- core --------------------------------------------------------------------
 
     def _feed(self, event) -> None:
+        if self._outbox is None:  # a tick, a signal, the restart: a pass of its own
+            with self._pass():
+                return self._feed(event)
         self._pending.append(event)
+        self._step_pending()
+
+    def _step_pending(self) -> None:
         while self._pending:
             ev = self._pending.popleft()
             self._journal_write(to_record(ev))
@@ -491,7 +512,7 @@ class CoordinatorService:
                 return
             control = self.checkpointing.stamp(cmd.rank, cmd.control)
             frames = self.endpoint.frames("control", control, route=tuple(route))
-            if not self._send_frames(frames):
+            if not self._send_frames(frames, failed=(cmd.rank, cmd.kind)):
                 self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
         elif isinstance(cmd, Reply):
             ack = self.checkpointing.stamp_ack(cmd.ack)
@@ -546,10 +567,45 @@ class CoordinatorService:
             frames = self.endpoint.frames("round", result.header, result.blobs, route=tuple(route))
             self._send_frames(frames)
 
-    def _send_frames(self, frames) -> bool:
+    def _send_frames(self, frames, failed: tuple | None = None) -> bool:
+        """Send ``frames`` once the journal that decided them is durable (write-ahead,
+        journal.py): inside a pass they wait in the outbox (True; a failure comes back
+        later as ``SendFailed(*failed)``), outside one the journal is fsynced first."""
+        if self._outbox is not None:
+            self._outbox.append((frames, failed))
+            return True
+        self._sync_journal()
+        return self._send_direct(frames)
+
+    def _send_direct(self, frames) -> bool:
         if self.held and self.held.intercept(frames):
             return True  # a peer not reconnected since the restart: delivered when it is
         return self._send_now(frames)
+
+    @contextmanager
+    def _pass(self):
+        """Hold every frame produced inside until its end; then one fsync, then send."""
+        if self._outbox is not None:  # nested: the outer pass flushes
+            yield
+            return
+        self._outbox = []
+        try:
+            yield
+        finally:
+            self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        while True:
+            out, self._outbox = self._outbox or [], None
+            if out:
+                self._sync_journal()  # write-ahead: what decided these frames is on disk first
+                for frames, failed in out:
+                    if not self._send_direct(frames) and failed is not None:
+                        self._pending.append(SendFailed(now=self.clock(), rank=failed[0], what=failed[1]))
+            if not self._pending:
+                return
+            self._outbox = []  # the SendFailed events (or a journal stop) are stepped in a pass too
+            self._step_pending()
 
     def _send_now(self, frames, quiet: bool = False) -> bool:
         try:
@@ -575,15 +631,38 @@ class CoordinatorService:
 
     def _journal_write(self, record: dict) -> None:
         if self._journal is not None:
-            self._journal.write(json.dumps(record, sort_keys=True) + "\n")
-            self._journal.flush()
+            try:
+                self._journal.write(record)
+            except JournalError as e:
+                self._journal_lost(e)
+
+    def _sync_journal(self) -> None:
+        if self._journal is not None:
+            try:
+                self._journal.sync()
+            except JournalError as e:
+                self._journal_lost(e)
+
+    def _journal_lost(self, e: JournalError) -> None:
+        """The journal cannot be written (a full disk...): a crash from here on could not
+        be recovered, so the run is stopped cleanly, with the cause, and the service exits
+        2 -- which systemd does not restart (RestartPreventExitStatus)."""
+        if self._journal_error is not None:
+            return
+        self._journal_error = f"{e}: the coordinator can no longer guarantee recovery, run stopped"
+        log.error("%s", self._journal_error)
+        j, self._journal = self._journal, None
+        j.close()
+        self._pending.append(StopRequested(now=self.clock(), reason=self._journal_error))
 
 
-def _open_journal(path: str):
-    """Open the journal for appending; a new one is created owner-only (0600): it holds
-    every rank's incarnation, which is what a forged frame would need to pass for that rank."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    return os.fdopen(fd, "a", encoding="utf-8")
+def _open_journal(path: str) -> Journal:
+    """Open the journal for appending (a new one owner-only, 0600: journal.py); a journal
+    that cannot even be opened stops the service at start (exit 2)."""
+    try:
+        return Journal(path)
+    except JournalError as e:
+        raise SettingsError(f"journal error: {e}") from None
 
 
 class BindError(SettingsError):

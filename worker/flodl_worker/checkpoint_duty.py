@@ -18,8 +18,10 @@ holds it). The file is written atomically by ``flodl_worker.checkpoint``; the an
 from __future__ import annotations
 
 import logging
+import os
 import time
 
+from flodl.fsutil import describe_write_error, no_space
 from flodl.wire import pb
 
 from .checkpoint import save_model_file
@@ -98,7 +100,9 @@ class CheckpointDuty:
                 global_step=r.global_step, local_step=r.local_step, model_state=state,
             )  # fmt: skip
         except Exception as e:  # disk full, permissions, a user state_dict that raises
-            self._failed(m, f"{type(e).__name__}: {e}", t0)
+            # A full disk is named as such (torch.save hides it behind "unexpected pos").
+            why = describe_write_error(e, os.path.dirname(m.path), "checkpoint") if no_space(e) else None
+            self._failed(m, why or f"{type(e).__name__}: {e}", t0)
             return
         elapsed = (time.perf_counter() - t0) * 1e3
         log.info("checkpoint v%d saved to %s in %.0f ms", m.version, m.path, elapsed)

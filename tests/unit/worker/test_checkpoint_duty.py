@@ -108,3 +108,24 @@ def test_a_rank_whose_weights_are_not_in_the_consensus_holds_nothing(tmp_path):
     r.step()  # moved on from its own weights: cycle 2 is not held as a consensus
     res = ask(r, 7, 2, tmp_path / "c" / "model.pt")
     assert res.HasField("error") and "no longer held" in res.error
+
+
+def test_a_full_disk_is_named_not_torchs_message(tmp_path, monkeypatch):
+    """Issue 9, item 3: torch.save on a full disk raises "unexpected pos ..." (its context
+    is the OSError): the answer names the cause and the place."""
+    import errno
+
+    import flodl_worker.checkpoint_duty as duty_mod
+
+    def full(path, *a, **k):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(duty_mod, "save_model_file", full)
+    r = FakeRank()
+    r.step()
+    r.apply(1, consensus_for(r, 1))
+    res = ask(r, 3, 1, tmp_path / "ck" / "model.pt")
+    assert res.error == f"no space left on device: {tmp_path / 'ck'} (checkpoint)"
