@@ -44,6 +44,8 @@ _RUN_FLAGS = {
     "outer_optimizer": (str, "bus: outer step on the average: none (default) | slowmo | nesterov (DiLoCo)"),
     "outer_lr": (float, "bus: outer learning rate (default 1; 1 with momentum 0 = plain averaging)"),
     "outer_momentum": (float, "bus: outer momentum in [0, 1) (default 0; DiLoCo uses 0.9 with lr 0.7)"),
+    "max_contribution_ratio": (float, "bus: refuse a contribution farther from the last consensus c than this "
+                               "times max(||c||, 1) (default 10; 0 = no bound)"),
 }
 
 

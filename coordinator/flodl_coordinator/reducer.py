@@ -38,12 +38,55 @@ default) turns the consensus into the global the ranks receive.
 
 A round whose accepted mass is 0 answers ``weight = 0`` with elided tensors: every
 receiver keeps its local parameters (nothing was realized).
+
+Refused contributions (issue 9). A frame that belongs to the open round (its cycle, an
+expected rank not counted yet) but that the reducer will not sum -- tensors that fail to
+decode or are not finite (``bad_tensor`` / ``non_finite``), shapes unlike the cohort's
+(``shape``), a claimed weight its steps do not explain (``weight``), a point too far
+from the last consensus (``too_far``) -- *leaves the round at once*: its ranks are no
+longer waited for, so the round completes with the others instead of stalling for
+``reduce_stall_s``. They are *refused*, and ``RoundResult.refused`` names them: the
+service tells the core (``ContributionRefused``) before the consensus goes out. A refused
+rank is still sent the consensus, on its own route, with an empty ``contributing_ranks``
+(to a rank: "apply it", as before that field existed), so it resets to the consensus and
+acks its snapshot step; the core discards that window (its samples are not committed and
+go back to the pool) instead of committing it. A folded frame that is refused refuses
+every rank it names (the sum cannot be un-mixed).
+
+Weights are the coordinator's (``weight``): a rank's contribution mass is ``n**gamma`` for
+the ``n`` steps since its last applied average at its snapshot. The core knows a bracket
+for ``n``: ``OpenRound.steps`` (unfolded steps at the trigger; the snapshot comes after)
+is a floor, and ``steps_seen(rank)`` (the unfolded steps the core has heard of when the
+frame arrives; the rank reports every step before its round frame) a ceiling. A frame
+whose claimed weight lies outside the masses of that bracket (summed over the ranks a
+folded frame names; relative tolerance ``WEIGHT_RTOL`` for float rounding) is refused
+rather than rescaled: every honest weight lies inside it, so one outside is a broken or
+forged rank whose tensors are not to be trusted either; and since the tensors arrive
+multiplied by the claimed weight, a rescale would still let it pick its own share.
+
+Bounded contributions (``max_contribution_ratio`` = rho, 0 = off). With the
+contribution's point ``x = sum / weight`` (a folded frame: its ranks' weighted mean)
+and a reference ``c``, a frame is refused as ``too_far`` when
+``||x - c||_2 > rho * max(||c||_2, 1)`` (L2 over all tensors; the floor of 1 keeps a
+near-zero model from refusing everything). ``c`` is the last consensus this reducer
+sent; before there is one (the first round, or after a restart) it is the coordinate-
+wise median of the round's points when at least 3 frames carry tensors (a majority
+outvotes one outlier), and the check is skipped otherwise (with two frames there is no
+telling which one is wrong). The check runs when every frame is in.
+
+Finite consensus. A consensus that is not finite (sums of finite but huge values can
+overflow f32) is never sent: the round answers ``weight = 0`` (everyone keeps their local
+parameters and their credit, nothing is committed) and ``nonfinite_rounds`` counts it;
+an outer step that turns a finite average non-finite resets the outer optimizer and the
+plain average is sent.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -59,14 +102,38 @@ log = logging.getLogger("flodl.reducer")
 # A relay is sent the consensus once for its ranks when it delivers to at least this many
 # (for one rank, its own route costs the same and keeps the path the rank already uses).
 MIN_FAN_OUT = 2
+# A claimed weight may differ from the mass of its steps by this much (float rounding of
+# n**gamma, sums in another order on a relay); anything more is not rounding.
+WEIGHT_RTOL = 1e-6
 
 
 class RoundRefused(Exception):
-    """A contribution that cannot belong to the open round; ``reason`` names why."""
+    """A contribution that cannot belong to the open round; ``reason`` names why.
 
-    def __init__(self, reason: str):
+    ``ranks`` non-empty: the frame did belong to the open round and its ranks left it
+    (refused, ``code`` says why); call ``settle`` -- the round may be complete now."""
+
+    def __init__(self, reason: str, ranks: tuple[int, ...] = (), code: str = ""):
         super().__init__(reason)
         self.reason = reason
+        self.ranks = ranks
+        self.code = code
+
+
+def mass(n: int, gamma: float) -> float:
+    """A rank's contribution mass for ``n`` steps (``flodl_worker.params.gamma_mass``)."""
+    if n <= 0:
+        return 0.0
+    return float(n) if gamma == 1.0 else float(n) ** gamma
+
+
+def mass_bracket(floor: int, ceiling: int, gamma: float) -> tuple[float, float]:
+    """The least and greatest ``mass(n)`` for ``floor <= n <= ceiling`` (any gamma)."""
+    ceiling = max(floor, ceiling)
+    cands = [mass(floor, gamma), mass(ceiling, gamma)]
+    if ceiling >= 1:
+        cands.append(mass(max(1, floor), gamma))
+    return min(cands), max(cands)
 
 
 @dataclass
@@ -82,12 +149,25 @@ class RoundResult:
     excluded: tuple[int, ...] = ()  # sent the consensus, but their work is not in it
     # (relay route, ranks): one copy to the relay, which forwards it to those ranks.
     fanout: tuple[tuple[tuple, tuple[int, ...]], ...] = ()
+    # (rank, code, reason): refused this round; sent the consensus to reset to (``header_for``).
+    refused: tuple[tuple[int, str, str], ...] = ()
+    nonfinite: bool = False  # the average was not finite: this is the weight-0 fallback
 
     @property
     def direct(self) -> tuple[int, ...]:
         """The ranks of ``to`` that get their own copy on their own route."""
         via = {r for _, ranks in self.fanout for r in ranks}
         return tuple(r for r in self.to if r not in via)
+
+    def header_for(self, rank: int) -> pb.RoundHeader:
+        """What ``rank`` gets on its own route: a refused rank gets the consensus with an
+        empty ``contributing_ranks`` ("apply it"): it resets to the consensus."""
+        if not any(r == rank for r, _, _ in self.refused):
+            return self.header
+        h = pb.RoundHeader()
+        h.CopyFrom(self.header)
+        del h.contributing_ranks[:]
+        return h
 
     def relay_header(self, ranks) -> pb.RoundHeader:
         """The consensus header for a relay's fan-out: the same, plus ``deliver_to``."""
@@ -114,6 +194,8 @@ class _Open:
     excluded: set[int] = field(default_factory=set)  # alive, but their folded frame left
     via: dict[int, tuple] = field(default_factory=dict)  # rank -> relay whose folded frame carried it
     shapes: tuple[tuple[int, ...], ...] | None = None
+    floor: dict[int, int] | None = None  # rank -> unfolded steps at the trigger (OpenRound.steps)
+    refused: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (code, reason)
 
 
 def _bf16_round(a: np.ndarray) -> np.ndarray:
@@ -121,24 +203,48 @@ def _bf16_round(a: np.ndarray) -> np.ndarray:
 
 
 class BusReducer:
-    def __init__(self, *, bf16_wire: bool = False, outer: OuterOptimizer | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        bf16_wire: bool = False,
+        outer: OuterOptimizer | None = None,
+        gamma: float = 1.0,
+        steps_seen: Callable[[int], int] | None = None,
+        max_contribution_ratio: float = 0.0,
+    ) -> None:
         self.bf16_wire = bf16_wire
         self.outer = outer or OuterOptimizer()
         self.folds = FoldPlan()
+        self.gamma = gamma
+        # rank -> unfolded steps the core has heard of now (the weight's ceiling); None:
+        # no weight check (a round opened without OpenRound.steps is not checked either).
+        self.steps_seen = steps_seen
+        self.max_contribution_ratio = max_contribution_ratio
         self._open: _Open | None = None
+        self._last: list[np.ndarray] | None = None  # the last consensus sent (ratio check)
         self.rounds_completed = 0
         self.bytes_in = 0
         self.bytes_out = 0
         self.folded_in = 0  # folded frames accepted
         self.folds_discarded = 0  # folded frames dropped because one of their ranks died
+        self.refused_frames = 0  # frames that left their round refused
+        self.nonfinite_rounds = 0  # rounds whose average was not finite (weight-0 fallback)
 
     @property
     def open_cycle(self) -> int | None:
         return self._open.cycle if self._open else None
 
-    def open(self, cycle: int, ranks) -> RoundResult | None:
-        """Start expecting contributions for ``cycle``. An unfinished older round is abandoned."""
-        self._open = _Open(cycle=cycle, expected=set(ranks))
+    def open(self, cycle: int, ranks, steps=()) -> RoundResult | None:
+        """Start expecting contributions for ``cycle``. An unfinished older round is abandoned.
+
+        ``steps``: ``OpenRound.steps``, the floor of each rank's weight (see the module doc)."""
+        ranks = tuple(ranks)
+        floor = dict(zip(ranks, steps)) if len(tuple(steps)) == len(ranks) and ranks else None
+        self._open = _Open(cycle=cycle, expected=set(ranks), floor=floor)
+        return self._maybe_finish()
+
+    def settle(self) -> RoundResult | None:
+        """The consensus, if the open round is complete (after a refusal left it)."""
         return self._maybe_finish()
 
     def contribute(self, rank: int, header: pb.RoundHeader, blobs) -> RoundResult | None:
@@ -153,6 +259,8 @@ class BusReducer:
         """Refuse a contribution for ``r`` that cannot count in the open round."""
         if r in o.excluded:
             raise RoundRefused(f"{who}: rank {r} is excluded from cycle {o.cycle} (its relay's folded frame left the round)")
+        if r in o.refused:
+            raise RoundRefused(f"{who}: rank {r}'s contribution to cycle {o.cycle} was already refused")
         if r not in o.expected:
             raise RoundRefused(f"{who}: rank {r} is not expected in cycle {o.cycle}")
         if r in o.counted:
@@ -191,6 +299,7 @@ class BusReducer:
             return None
         o.expected.discard(rank)
         o.excluded.discard(rank)
+        o.refused.pop(rank, None)
         o.gone.add(rank)
         key = o.counted.get(rank)
         if key is not None:
@@ -215,20 +324,78 @@ class BusReducer:
         return o
 
     def _accept(self, o: _Open, ranks: tuple[int, ...], header: pb.RoundHeader, blobs, who: str) -> None:
+        """Sum the frame into the open round, or refuse it: its ranks leave the round."""
         try:
             arrays = unpack_round(header, blobs)
         except BadTensor as e:
-            raise RoundRefused(f"{who}: {e}") from None
+            code = "non_finite" if "non-finite" in str(e) else "bad_tensor"
+            self._refuse(o, ranks, code, f"{who}: {e}")
         shapes = tuple(a.shape for a in arrays)
+        if o.shapes is not None and shapes != o.shapes:
+            self._refuse(o, ranks, "shape", f"{who}: tensor shapes differ from the cohort's")
+        w = float(header.weight)
+        self._check_weight(o, ranks, w, who)
         if o.shapes is None:
             o.shapes = shapes
-        elif shapes != o.shapes:
-            raise RoundRefused(f"{who}: tensor shapes differ from the cohort's")
-        w = float(header.weight)
         o.parts[ranks] = _Part(ranks, w, arrays if w > 0 else None)
         for r in ranks:
             o.counted[r] = ranks
         self.bytes_in += sum(len(b) for b in blobs)
+
+    def _check_weight(self, o: _Open, ranks: tuple[int, ...], w: float, who: str) -> None:
+        """Refuse a claimed weight outside the masses of the ranks' step brackets."""
+        if o.floor is None or self.steps_seen is None:
+            return
+        lo = hi = 0.0
+        for r in ranks:
+            a, b = mass_bracket(o.floor.get(r, 0), self.steps_seen(r), self.gamma)
+            lo, hi = lo + a, hi + b
+        slack = WEIGHT_RTOL * max(hi, 1.0)
+        if not (lo - slack <= w <= hi + slack):
+            self._refuse(
+                o, ranks, "weight",
+                f"{who}: claimed weight {w:g} is not the mass of its steps (expected {lo:g}..{hi:g})",
+            )
+
+    def _refuse(self, o: _Open, ranks: tuple[int, ...], code: str, why: str):
+        """The frame's ranks leave the open round, refused; raises ``RoundRefused``."""
+        self._leave(o, ranks, code, why)
+        raise RoundRefused(why, ranks=ranks, code=code)
+
+    def _leave(self, o: _Open, ranks: tuple[int, ...], code: str, why: str) -> None:
+        o.parts.pop(ranks, None)
+        for r in ranks:
+            o.counted.pop(r, None)
+            o.expected.discard(r)
+            o.via.pop(r, None)
+            o.refused[r] = (code, why)
+        self.refused_frames += 1
+
+    def _too_far(self, o: _Open) -> list[tuple[tuple[int, ...], str]]:
+        """The parts whose point is too far from the reference (module doc); [] when off."""
+        rho = self.max_contribution_ratio
+        weighted = [p for _, p in sorted(o.parts.items()) if p.arrays is not None and p.weight > 0]
+        if rho <= 0 or not weighted:
+            return []
+        points = {
+            p.ranks: [a / np.float32(p.weight) for a in p.arrays] for p in weighted
+        }
+        ref = self._last
+        if ref is not None and tuple(a.shape for a in ref) != o.shapes:
+            ref = None
+        if ref is None:
+            if len(points) < 3:
+                return []
+            with np.errstate(all="ignore"):
+                ref = [np.median(np.stack(ts), axis=0).astype(np.float32) for ts in zip(*points.values())]
+        bound = rho * max(_l2(ref), 1.0)
+        far = []
+        for ranks, x in points.items():
+            with np.errstate(all="ignore"):
+                d = _l2([a - c for a, c in zip(x, ref)])
+            if not d <= bound:  # NaN included
+                far.append((ranks, f"ranks {list(ranks)}: ||x - c|| = {d:.4g} > {rho:g} * max(||c||, 1) = {bound:.4g}"))
+        return far
 
     def _exclude(self, o: _Open, ranks: tuple[int, ...], why: str) -> None:
         """A folded frame leaves the round; its surviving ranks are excluded."""
@@ -249,24 +416,39 @@ class BusReducer:
         if o is None or not o.expected.issubset(o.counted.keys()):
             return None
         self._open = None
+        for ranks, why in self._too_far(o):
+            self._leave(o, ranks, "too_far", f"cycle {o.cycle}: {why}")
+            log.warning("cycle %d: contribution of ranks %s refused (too_far): %s", o.cycle, list(ranks), why)
         contributors = tuple(sorted(o.counted))
         excluded = tuple(sorted(o.excluded))
-        to = tuple(sorted(set(contributors) | o.excluded))
+        to = tuple(sorted(set(contributors) | o.excluded | set(o.refused)))
         total = float(sum(p.weight for p in o.parts.values()))
         weighted = [p for _, p in sorted(o.parts.items()) if p.arrays is not None]
+        nonfinite = False
         if total > 0 and weighted:
             # f32 accumulation in rank order (deterministic), one division at the end.
             consensus = [np.array(t, dtype=np.float32, copy=True) for t in weighted[0].arrays]
-            for p in weighted[1:]:
-                for acc, t in zip(consensus, p.arrays):
-                    acc += t
-            inv = np.float32(total)
-            for acc in consensus:
-                acc /= inv
-            consensus = self._outer_step(o.cycle, consensus)
-        else:
+            with np.errstate(over="ignore", invalid="ignore"):
+                for p in weighted[1:]:
+                    for acc, t in zip(consensus, p.arrays):
+                        acc += t
+                inv = np.float32(total)
+                for acc in consensus:
+                    acc /= inv
+            if _finite(consensus):
+                consensus = self._outer_step(o.cycle, consensus)
+            else:
+                nonfinite = True
+                self.nonfinite_rounds += 1
+                log.error(
+                    "cycle %d: the average of ranks %s is not finite: not sent; every rank keeps its "
+                    "local parameters (weight 0)", o.cycle, list(contributors),
+                )
+        if nonfinite or not (total > 0 and weighted):
             total = 0.0
             consensus = [np.zeros(s, dtype=np.float32) for s in (o.shapes or ())]
+        elif self.max_contribution_ratio > 0:
+            self._last = consensus
         header, blobs = pack_round(
             consensus,
             cycle=o.cycle,
@@ -283,15 +465,33 @@ class BusReducer:
         copies = len(to) - sum(len(rs) for _, rs in fanout) + len(fanout)
         self.rounds_completed += 1
         self.bytes_out += sum(len(b) for b in blobs) * copies
-        return RoundResult(o.cycle, to, header, blobs, total, contributors, excluded, fanout)
+        refused = tuple((r, code, why) for r, (code, why) in sorted(o.refused.items()))
+        return RoundResult(o.cycle, to, header, blobs, total, contributors, excluded, fanout, refused, nonfinite)
 
     def _outer_step(self, cycle: int, consensus: list[np.ndarray]) -> list[np.ndarray]:
         if not self.outer.enabled:
             return consensus
         quantize = _bf16_round if self.bf16_wire else None
         try:
-            return self.outer.step(cycle, consensus, quantize=quantize)
+            out = self.outer.step(cycle, consensus, quantize=quantize)
         except OuterError as e:
             log.error("outer optimizer state reset: %s", e)
             self.outer.reset()
-            return self.outer.step(cycle, consensus, quantize=quantize)
+            out = self.outer.step(cycle, consensus, quantize=quantize)
+        if not _finite(out):
+            log.error("cycle %d: the outer step is not finite: outer optimizer state reset, plain average sent", cycle)
+            self.outer.reset()
+            return consensus
+        return out
+
+
+def _finite(arrays) -> bool:
+    return all(bool(np.isfinite(a).all()) for a in arrays)
+
+
+def _l2(arrays) -> float:
+    total = 0.0
+    for a in arrays:
+        v = np.asarray(a, dtype=np.float64).ravel()
+        total += float(np.dot(v, v))
+    return math.sqrt(total) if math.isfinite(total) else math.inf

@@ -45,6 +45,7 @@ from typing import Callable
 import zmq
 
 from flodl.core import (
+    ContributionRefused,
     CoordinatorRestarted,
     ForgetRank,
     Notice,
@@ -130,7 +131,13 @@ class CoordinatorService:
         self.endpoint = Endpoint(
             settings.session, pb.Sender.KIND_COORDINATOR, host=socket.gethostname(), incarnation=secrets.randbits(63) | 1
         )
-        self.reducer = BusReducer(bf16_wire=settings.bf16_wire, outer=self.checkpointing.outer)
+        self.reducer = BusReducer(
+            bf16_wire=settings.bf16_wire,
+            outer=self.checkpointing.outer,
+            gamma=self.config.gamma,  # weights are the coordinator's: n**gamma of the steps it saw
+            steps_seen=lambda r: self.state.unfolded(r) if 0 <= r < len(self.state.ranks) else 0,
+            max_contribution_ratio=settings.max_contribution_ratio,
+        )
         self.seq = SeqTracker()
         self.dropped: Counter[str] = Counter()
         self._drop_log = DropLog(log)  # first of each reason, then a summary a minute
@@ -458,10 +465,18 @@ class CoordinatorService:
             else:
                 result = self.reducer.contribute(rank, header, blobs)
         except RoundRefused as e:
-            self.dropped["round_refused"] += 1
-            log.warning("round contribution refused: %s", e.reason)
-            return
-        self._send_round(result)
+            if not e.ranks:  # late, duplicate, foreign: not this round's business
+                self.dropped["round_refused"] += 1
+                log.warning("round contribution refused: %s", e.reason)
+                return
+            # It belonged to the round: its ranks left it (refused, counted when the round
+            # completes) and the round may be complete without them.
+            log.warning(
+                "contribution of rank(s) %s refused (%s): %s; their window is discarded",
+                list(e.ranks), e.code, e.reason,
+            )
+            result = self.reducer.settle()
+        self._send_round(result, queued=False)
 
     def _refuse_version(self, route, payload, err: VersionMismatch) -> None:
         """Tell a peer of another major *why* before dropping it (its hello gets an answer)."""
@@ -524,7 +539,7 @@ class CoordinatorService:
             # step) on the same FIFO pipe: a relay knows its fold before any round.
             for relay, msg in self.reducer.folds.open(cmd.cycle, cmd.ranks, self.state.route_of):
                 self._send_frames(self.endpoint.frames("relay", msg, route=relay))
-            self._send_round(self.reducer.open(cmd.cycle, cmd.ranks))
+            self._send_round(self.reducer.open(cmd.cycle, cmd.ranks, cmd.steps))
         elif isinstance(cmd, ForgetRank):
             if not ack.accepted:
                 self._log_refusal(cmd.route, ack)
@@ -539,9 +554,21 @@ class CoordinatorService:
         elif isinstance(cmd, RunFinished):
             self.finished = cmd
 
-    def _send_round(self, result) -> None:
+    def _send_round(self, result, *, queued: bool = True) -> None:
         if result is None:
             return
+        # The core hears of each refused rank before the consensus it resets to goes out
+        # (its ack then discards the window): queued after the commands being executed,
+        # or at once outside ``_feed`` (``queued=False``).
+        for rank, code, why in result.refused:
+            self.dropped[f"contribution_{code}"] += 1
+            ev = ContributionRefused(now=self.clock(), rank=rank, cycle=result.cycle, reason=f"{code}: {why}")
+            if queued:
+                self._pending.append(ev)
+            else:
+                self._feed(ev)
+        if result.nonfinite:
+            self.dropped["consensus_non_finite"] += 1
         # Fan-out: one copy per folding relay, which forwards the same frames to each of
         # ``ranks`` (deliver_to). It rides the same FIFO pipe as those ranks' control
         # frames, so each rank still sees the coordinator's frames in order.
@@ -564,7 +591,7 @@ class CoordinatorService:
 
             if route is None:
                 continue
-            frames = self.endpoint.frames("round", result.header, result.blobs, route=tuple(route))
+            frames = self.endpoint.frames("round", result.header_for(rank), result.blobs, route=tuple(route))
             self._send_frames(frames)
 
     def _send_frames(self, frames, failed: tuple | None = None) -> bool:

@@ -9,6 +9,7 @@ message is one line naming the key and where it came from.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import tomllib
 from dataclasses import dataclass, fields, replace
@@ -65,6 +66,9 @@ class Settings:
     outer_optimizer: str = "none"  # none | slowmo | nesterov (DiLoCo)
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
+    # bus: a contribution farther than this times max(||last consensus||, 1) from the last
+    # consensus is refused (flodl_coordinator.reducer); 0 = no bound
+    max_contribution_ratio: float = 10.0
     total_samples: int = 0
     heartbeat_interval_s: float = 1.0
     liveness_timeout_s: float = 10.0
@@ -237,6 +241,8 @@ def load_settings(
         raise SettingsError(
             "config error: checkpoint_every needs checkpoint_dir (flag --checkpoint-dir, env FLODL_CHECKPOINT_DIR)"
         )
+    if not (math.isfinite(s.max_contribution_ratio) and s.max_contribution_ratio >= 0):
+        raise SettingsError("config error: max_contribution_ratio must be a finite number >= 0 (0 = no bound)")
     why = validate_outer(s.outer_optimizer, s.outer_lr, s.outer_momentum)
     if why:
         raise SettingsError(f"config error: {why}")
