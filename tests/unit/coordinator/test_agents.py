@@ -124,3 +124,58 @@ def test_forged_agent_reports_do_not_kill_live_ranks_and_the_real_agent_still_ca
         assert again.agents.report_refusal(forged_route, 0, FORGED, "") != ""
     finally:
         again._journal.close()
+
+
+def test_with_curve_a_report_must_come_with_the_key_of_the_agents_hello(serve, tmp_path):
+    from flodl.curve import client_keys, keygen
+
+    keydir, allowed = tmp_path / "keys", tmp_path / "allowed"
+    allowed.mkdir()
+    _, server_sec = keygen(str(keydir), "coordinator")
+    server_pub = str(keydir / "coordinator.key")
+    secrets = {}
+    for name in ("host-a", "host-b"):
+        pub, secrets[name] = keygen(str(keydir), name)
+        (allowed / f"{name}.key").write_bytes(open(pub, "rb").read())
+    svc, ep, ctx = serve(load_settings(env={}, flags={
+        "world_size": 2, "bind": "tcp://0.0.0.0:0", "session": SESSION, "epochs": 1, "batch_size": 4,
+        "liveness_timeout_s": 30.0, "curve_secret_key": server_sec, "curve_allowed_keys": str(allowed),
+    }))  # fmt: skip
+    ep = ep.replace("0.0.0.0", "127.0.0.1")
+
+    def peer(kind, keyname, identity=None, **sender):
+        p = _Peer.__new__(_Peer)
+        p.sock = ctx.socket(zmq.DEALER)
+        p.sock.setsockopt(zmq.LINGER, 0)
+        if identity:
+            p.sock.setsockopt(zmq.IDENTITY, identity)
+        client_keys(server_pub, secrets[keyname]).apply(p.sock)
+        p.sock.connect(ep)
+        p.me = Endpoint(SESSION, kind, **sender)
+        return p
+
+    ranks = [peer(pb.Sender.KIND_RANK, "host-a", rank=r, incarnation=10 + r) for r in (0, 1)]
+    for r, rank in enumerate(ranks):
+        rank.send("hello", pb.RankHello(rank=r, world_size=2, model_sig=b"a" * 32, dataset_len=100, agent_token=REAL))
+        assert rank.hello_ack().accepted
+    agent = peer(pb.Sender.KIND_AGENT, "host-a", b"agent-a-1", host="a", incarnation=1)
+    agent.send("agent", pb.AgentMsg(hello=_hello([0, 1])))
+    assert _until(lambda: (b"agent-a-1",) in svc.agents.claims)
+    agent.sock.close(0)
+    # Another allowlisted host takes the agent's route over, token and all: still refused.
+    thief = peer(pb.Sender.KIND_AGENT, "host-b", b"agent-a-1", host="a", incarnation=1)
+    thief.me._seq = 100
+    deadline = time.monotonic() + 30  # reconnects under load can be slow
+    while not svc.dropped.get("route_mismatch") and time.monotonic() < deadline:
+        thief.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(rank=0, code=-9, token=REAL)))
+        _until(lambda: svc.dropped.get("route_mismatch"), 0.5)  # the route frees once the old pipe is gone
+    assert svc.dropped.get("route_mismatch"), dict(svc.dropped)
+    assert svc.state.route_of(0) is not None
+    thief.sock.close(0)
+    back = peer(pb.Sender.KIND_AGENT, "host-a", b"agent-a-1", host="a", incarnation=1)
+    back.me._seq = 1000
+    deadline = time.monotonic() + 30  # reconnects under load can be slow
+    while svc.state.route_of(1) is not None and time.monotonic() < deadline:
+        back.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(rank=1, code=-9, token=REAL)))
+        _until(lambda: svc.state.route_of(1) is None, 0.5)
+    assert svc.state.route_of(1) is None, dict(svc.dropped)
