@@ -6,6 +6,12 @@ starts a coordinator, one host agent (which starts the relay and the ranks) on t
 machine, streams progress, prints the run summary and optionally writes it as JSON.
 It only starts processes: every component it runs is a service you can also start
 by hand on separate hosts (see README).
+
+SIGTERM or SIGINT (Ctrl-C) stops the whole tree: the coordinator first (it asks the
+ranks to shut down and writes the summary), then the agent, each within a bound, then
+SIGKILL for what is left; the summary so far is printed and the exit code is 128 +
+the signal. The children run in their own sessions and die with the launcher
+(PR_SET_PDEATHSIG, ``flodl.procutil``), kill -9 included.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import argparse
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -23,6 +30,8 @@ import threading
 import time
 
 from flodl import strictjson
+
+from .procutil import death_signal_hook
 
 __all__ = ["main"]
 
@@ -183,11 +192,18 @@ def _run_local(args) -> int:
         if getattr(args, flag) is not None:
             coord_cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     t0 = time.monotonic()
-    coord = subprocess.Popen(coord_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    stop = _StopSignals()
+    # Own sessions: a terminal's Ctrl-C reaches only this launcher, which stops the tree
+    # in order; PR_SET_PDEATHSIG: a launcher killed outright takes its children along.
+    spawn = dict(text=True, bufsize=1, start_new_session=True, preexec_fn=death_signal_hook())
+    coord = subprocess.Popen(coord_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **spawn)
     procs = [coord]
+    pumps: list[threading.Thread] = []
+    rc = 1
     try:
-        endpoint = _await_ready(coord, "COORDINATOR_READY", deadline=t0 + 60)
-        threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", args.quiet), daemon=True).start()
+        endpoint = _await_ready(coord, "COORDINATOR_READY", deadline=t0 + 60, stop=stop)
+        pumps.append(threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", args.quiet), daemon=True))
+        pumps[-1].start()
         extra = [a for a in args.task_args if a != "--"]
         agent_cmd = [
             py, "-m", "flodl_worker", "agent",
@@ -204,21 +220,94 @@ def _run_local(args) -> int:
             agent_cmd += ["--no-fold"]
         agent_cmd += agent_curve
         agent_cmd += ["--", py, "-m", TASKS[args.task], *extra]
-        agent = subprocess.Popen(agent_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        procs.append(agent)
-        threading.Thread(target=_pump, args=(agent.stdout, "[agent] ", args.quiet), daemon=True).start()
-        rc = _wait_all(procs, t0 + args.timeout)
+        if endpoint is not None:
+            agent = subprocess.Popen(agent_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **spawn)
+            procs.append(agent)
+            pumps.append(threading.Thread(target=_pump, args=(agent.stdout, "[agent] ", args.quiet), daemon=True))
+            pumps[-1].start()
+            rc = _wait_all(procs, t0 + args.timeout, stop)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        if stop.signum is not None or any(p.poll() is None for p in procs):
+            _stop_tree(procs, stop)
+        stop.restore()
+    for t in pumps:  # the children's last lines before the summary
+        t.join(timeout=2)
+    if stop.signum is not None:
+        name = signal.Signals(stop.signum).name
+        print(f"flodl: stopped by {name} before the run completed", file=sys.stderr, flush=True)
+        rc = 128 + stop.signum
     wall = time.monotonic() - t0
     return _report(args, summary_path, rc, wall)
+
+
+# After a stop signal: the coordinator asks the ranks to shut down and writes its summary
+# (it gives them liveness_timeout_s at most); the agent then ends once its ranks have left
+# (it gives a rank --term-timeout, 10 s, after SIGTERM, then stops its relay). Past these
+# bounds the rest is killed.
+COORDINATOR_STOP_S = 20.0
+AGENT_SETTLE_S = 5.0
+AGENT_STOP_S = 20.0
+
+
+class _StopSignals:
+    """SIGTERM / SIGINT to the launcher: the handler only notes the signal; the waiting
+    loops see it and stop the tree (``_stop_tree``). A second signal: kill at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.count = 0
+        self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handler(self, signum, _frame) -> None:
+        self.count += 1
+        if self.signum is None:
+            self.signum = signum
+
+    @property
+    def hurry(self) -> bool:
+        return self.count >= 2
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _wait_until(done, deadline: float, stop: _StopSignals) -> bool:
+    while not done():
+        if time.monotonic() >= deadline or stop.hurry:
+            return False
+        time.sleep(0.05)  # polling child exit codes
+    return True
+
+
+def _stop_tree(procs, stop: _StopSignals) -> None:
+    """Stop the coordinator (SIGTERM: it shuts the ranks down and writes the summary),
+    then the agent, each within a bound; SIGKILL what is left (the agent's relay and
+    ranks then get SIGTERM from their PR_SET_PDEATHSIG)."""
+    coord, agents = procs[0], procs[1:]
+    if stop.signum is not None:
+        print(f"flodl: {signal.Signals(stop.signum).name}: stopping the run (the coordinator asks the ranks "
+              f"to shut down; a second signal kills at once)", file=sys.stderr, flush=True)
+    _signal(coord, signal.SIGTERM)
+    _wait_until(lambda: coord.poll() is not None, time.monotonic() + COORDINATOR_STOP_S, stop)
+    gone = lambda: all(a.poll() is not None for a in agents)  # noqa: E731
+    if not _wait_until(gone, time.monotonic() + AGENT_SETTLE_S, stop):
+        for a in agents:
+            _signal(a, signal.SIGTERM)
+        _wait_until(gone, time.monotonic() + AGENT_STOP_S, stop)
+    for p in procs:
+        if p.poll() is None:
+            print(f"flodl: {' '.join(p.args[1:5])} did not stop in time: SIGKILL", file=sys.stderr, flush=True)
+            p.kill()
+        p.wait()
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is None:
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
 
 
 def _throwaway_keys(workdir: str) -> tuple[list[str], list[str]]:
@@ -239,8 +328,14 @@ def _throwaway_keys(workdir: str) -> tuple[list[str], list[str]]:
     return coord, agent
 
 
-def _await_ready(proc, token: str, deadline: float) -> str:
+def _await_ready(proc, token: str, deadline: float, stop: _StopSignals) -> str | None:
+    """The endpoint the coordinator prints once bound; None if a stop signal came first."""
     while time.monotonic() < deadline:
+        if stop.signum is not None:
+            return None
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if not ready:
+            continue
         line = proc.stdout.readline()
         if not line:
             err = proc.stderr.read() if proc.poll() is not None else ""
@@ -250,26 +345,23 @@ def _await_ready(proc, token: str, deadline: float) -> str:
     raise LaunchError("coordinator did not become ready within 60 s")
 
 
-def _wait_all(procs, deadline: float) -> int:
+def _wait_all(procs, deadline: float, stop: _StopSignals) -> int:
+    """The coordinator's exit code once the run ended; on a stop signal, return at once
+    (the caller stops the tree)."""
     coord = procs[0]
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and stop.signum is None:
         if coord.poll() is not None:
             # Give the agent a bounded moment to see its ranks leave.
-            for p in procs[1:]:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.terminate()
+            _wait_until(lambda: all(p.poll() is not None for p in procs[1:]), time.monotonic() + 30, stop)
             return coord.returncode
         if all(p.poll() is not None for p in procs[1:]) and len(procs) > 1:
             # Every rank is gone: the coordinator notices (agent reports / liveness).
-            try:
-                coord.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                coord.send_signal(signal.SIGTERM)
-                coord.wait(timeout=30)
-            return coord.returncode
+            if not _wait_until(lambda: coord.poll() is not None, time.monotonic() + 60, stop):
+                _stop_tree(procs, stop)
+            return coord.returncode if coord.returncode is not None else 1
         time.sleep(0.2)  # polling child exit codes, not synchronising with them
+    if stop.signum is not None:
+        return 1
     print("flodl: run timed out; stopping", file=sys.stderr)
     return 124
 

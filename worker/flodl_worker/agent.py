@@ -33,7 +33,6 @@ then stops them in order) and, on Linux, get SIGTERM if the agent itself dies.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
@@ -50,6 +49,8 @@ from dataclasses import dataclass, field
 import zmq
 
 from flodl.wire import Endpoint, SeqTracker, WireError, decode, pb, split_routing
+
+from flodl.procutil import death_signal_hook
 
 from flodl.curve import ENV_SECRET_KEY, ENV_SERVER_KEY, CurveError, client_keys
 from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, ENV_MAX_MESSAGE_BYTES, MAX_ENVELOPE_BYTES
@@ -158,26 +159,6 @@ def rank_env(cfg: AgentConfig, local: int, connect: str, base: dict[str, str], t
     return env
 
 
-def _death_signal_hook():
-    """A preexec_fn that makes a child get SIGTERM when the agent dies (Linux), or None.
-
-    libc is loaded here, in the parent: between fork and exec the child only makes one
-    foreign call (no dlopen, whose locks another thread may hold at fork time).
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    PR_SET_PDEATHSIG = 1
-
-    def hook() -> None:  # pragma: no cover - runs in the child
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-
-    return hook
-
-
 @dataclass
 class _Child:
     name: str  # log prefix: "rank 3" / "relay"
@@ -217,7 +198,7 @@ class Agent:
         self.kill_at: float | None = None
         self.relay_failed = False
         self._old_handlers: dict = {}
-        self._preexec = _death_signal_hook()
+        self._preexec = death_signal_hook()  # flodl.procutil: children die with the agent
 
     # -- children -----------------------------------------------------------------------
 
