@@ -34,7 +34,12 @@ may not reflect yet (plans, evals, shutdowns), with their ``command_id``.
 
 ``RankResynced`` (the rank's ``Timing.Resync``, sent once when it first hears the new
 incarnation, before handling that frame): the rank's own account of what the
-coordinator may have lost. Applied in this order:
+coordinator may have lost. First, a report *ahead of the journal* -- a
+``last_command_id`` beyond the last command the replayed journal issued
+(``ResyncState.journal_end``) -- means the journal lost its tail (a host crash before
+its data reached the disk; the service fsyncs before any frame leaves, README
+"Faults"): the run fails at once, naming rank, command and journal end, rather than
+reconcile against a state older than what the ranks acted on. Otherwise, in this order:
 
 1. its ``folded_step`` beyond the core's is an ack the crash swallowed: the rank applied
    a consensus holding its batches up to that step, so they are committed;
@@ -70,6 +75,7 @@ from . import _averaging, _collective, _coverage, _dispatch, _membership, _metri
 from ._commands import Command, Notice, Reply, Send
 from ._errors import RankViolation
 from ._events import EVENT_TYPES, BatchDone, ChunkDone, Event
+from . import _run
 from ._run import FINAL_SCHEDULE_ID
 from ._state import (
     ACTIVE,
@@ -78,6 +84,7 @@ from ._state import (
     PENDING,
     SHUTTING_DOWN,
     STOPPING,
+    TRAINING,
     CoordinatorState,
 )
 
@@ -192,6 +199,7 @@ def lost_positions(st: CoordinatorState, ev: RankResynced) -> list[tuple[int, in
 def on_restarted(st: CoordinatorState, ev: CoordinatorRestarted, out: list[Command]) -> None:
     rs = st.resync
     rs.restarts += 1
+    rs.journal_end = st.next_command_id - 1  # every command the replayed journal issued
     for r in st.addressable_ranks():
         _membership.touch(st, r, ev.now)
     abandoned = None
@@ -244,6 +252,20 @@ def on_resynced(
     rec = st.ranks[rank]
     if rec.phase is not ACTIVE or rank not in rs.awaiting:
         st.count_ignored("Resync not awaited")
+        return
+    if rs.journal_end is not None and ev.last_command_id > rs.journal_end:
+        # 0. The rank heard commands this journal never issued: it lost its tail (a host
+        # crash before the data reached the disk). Its state is older than what the ranks
+        # acted on -- whatever it decides now could train samples twice or skip some.
+        # Nothing is reconciled: the run fails, naming it.
+        reason = (
+            f"rank {rank} reports command {ev.last_command_id} but the journal ends at command "
+            f"{rs.journal_end}: the journal lost its tail (was it on a disk without fsync?)"
+        )
+        out.append(Notice("journal_behind", {"rank": rank, "last_command_id": ev.last_command_id,
+                                             "journal_end": rs.journal_end}))  # fmt: skip
+        if st.run.phase in (TRAINING, FINAL_EVAL):
+            _run.fail(st, out, reason, pb.SAVE_REASON_GRACEFUL_SHUTDOWN)
         return
     # 1. An ack the crash swallowed.
     if ev.folded_step > rec.folded_step:

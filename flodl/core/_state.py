@@ -294,6 +294,9 @@ class ResyncState:
     """
 
     restarts: int = 0
+    # The last command id the journal replayed to at the latest restart: a rank that
+    # reports a later one saw commands the journal lost (``_resync.on_resynced``).
+    journal_end: Optional[int] = None
     awaiting: dict[int, float] = field(default_factory=dict)
     sent: dict[int, list[tuple[int, str, int, int, int]]] = field(default_factory=dict)
     log: list[dict[str, Any]] = field(default_factory=list)

@@ -28,7 +28,7 @@ from flodl.core import (
     to_record,
 )
 from flodl.core._resync import _subtract, lost_positions
-from flodl.core._state import ACTIVE, PENDING
+from flodl.core._state import ACTIVE, PENDING, TRAINING
 
 from .cluster import Cluster
 
@@ -485,3 +485,40 @@ def test_collective_restart_before_the_world_formed_or_with_a_reform_due_adds_no
     st.collective = CollectiveState(generation=3, reform_reason="rank 1: group failed", host_failed=True)
     _collective.on_restarted(st)  # a re-formation already due keeps its reason and blame
     assert (st.collective.reform_reason, st.collective.host_failed) == ("rank 1: group failed", True)
+
+
+@pytest.mark.parametrize("policy", ["sync", "cadence"])
+def test_a_journal_that_lost_its_tail_fails_the_run_by_name(policy):
+    """Issue 9, item 2: a host crash loses the journal's unsynced tail. The restarted core
+    rebuilds an older state while the ranks acted on commands it never issued; before,
+    it reconciled against that state and trained samples twice while the summary said
+    exact. The first report ahead of the journal now fails the run, naming it."""
+    c = _cluster(policy)
+    c.run_until(lambda: c.state.rounds.version >= 3)
+    journal = c.crash()
+    tail = len(journal) // 3  # events the host's disk never got (the world had formed before)
+    lost_ids = max(x.control.command_id for ev, cmds in c.trace[-tail:] for x in cmds if isinstance(x, Send))
+    short = journal[:-tail]
+    older = replay(c.config, short)
+    assert older.run.phase is TRAINING
+    end = older.next_command_id - 1
+    assert max(c.processed) > end, "the ranks handled commands the short journal never issued"
+    c._last_command_id = end  # the restarted core reuses the lost ids: exactly the hazard
+    c.restart(short)
+    c.resync_all()
+    res = c.finished or c.run()
+    assert res is not None and res.ok is False
+    behind = [r for r in range(3) if c.processed[r] > end]
+    assert res.reason.startswith(f"rank {behind[0]} reports command {c.processed[behind[0]]} ")
+    assert f"but the journal ends at command {end}: the journal lost its tail" in res.reason
+    assert lost_ids > end
+
+
+def test_a_journal_that_kept_its_tail_restarts_as_before():
+    c = _cluster("cadence")
+    c.run_until(lambda: c.state.rounds.version >= 3)
+    c.restart(c.crash())
+    c.resync_all()
+    res = c.run()
+    assert res.ok and c.state.resync.journal_end is not None
+    _exact(res.summary, 120, 3)
