@@ -60,7 +60,8 @@ def start_relay(coordinator: str, sock_path: str, *extra: str, host: str = "host
 
 
 class Rank:
-    """Scripted rank: one batch per cycle, a round on RequestParams, an ack per consensus."""
+    """Scripted rank: ``1 + rank`` batches per cycle, a round on RequestParams weighted by
+    them (the coordinator checks a weight against the steps it saw), an ack per consensus."""
 
     def __init__(self, ctx, endpoint: str, rank: int):
         self.rank = rank
@@ -83,15 +84,16 @@ class Rank:
         self.sock.send_multipart(self.ep.frames(body, msg, blobs))
 
     def hello(self):
-        hello = pb.RankHello(rank=self.rank, world_size=4, model_sig=b"m" * 32, dataset_len=40, agent_token=TOKEN)
+        hello = pb.RankHello(rank=self.rank, world_size=4, model_sig=b"m" * 32, dataset_len=80, agent_token=TOKEN)
         self.send("hello", hello)  # names the agent below: its exit reports are believed
 
     def step(self):
         epoch, offset, _ = self.plan
-        self.steps += 1
-        batch = pb.Timing.Batch(batch_ms=1.0, step_count=self.steps, samples=1, epoch=epoch, offset=offset + self.used)
-        self.used += 1
-        self.send("timing", pb.Timing(rank=self.rank, batch=batch))
+        for _ in range(1 + self.rank):  # the weight of its round: n = 1 + rank steps, gamma 1
+            self.steps += 1
+            batch = pb.Timing.Batch(batch_ms=1.0, step_count=self.steps, samples=1, epoch=epoch, offset=offset + self.used)
+            self.used += 1
+            self.send("timing", pb.Timing(rank=self.rank, batch=batch))
 
     def on(self, d) -> None:
         if d.kind == "round":  # the consensus
