@@ -32,8 +32,8 @@ import errno
 import json
 import logging
 import os
-import secrets
 import re
+import secrets
 import signal
 import socket
 import threading
@@ -77,14 +77,14 @@ from flodl.wire import (
     split_routing,
 )
 
+from flodl import strictjson
+
 from . import recovery
 from .agents import AgentBook
 from .checkpointing import Checkpointing
 from .curve import CurveServer, load_server_keys
 from .droplog import DropLog
 from .journal import Journal, JournalError
-from flodl import strictjson
-
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings, SettingsError
 from .status import StatusBoard
@@ -148,13 +148,13 @@ class CoordinatorService:
             self.agents.restore(record)
         self._peer_key = ""  # the CURVE client key (ZAP User-Id) of the frame being handled
         self.finished: RunFinished | None = None
+        self._refusals_logged: dict[tuple, float] = {}  # (refused|deferred, reason kind) -> last logged
         self.status = StatusBoard()
         self._journal = _open_journal(settings.journal) if settings.journal else None
         self._journal_error: str | None = None  # set once the journal cannot be written: the run stops
         self._outbox: list | None = None  # frames held until the journal is durable (``_pass``)
         self._stop_signals = 0
         # Wakes the loop from outside it (signal handler, tests) without touching a socket.
-        self._refusals_logged: dict[tuple, float] = {}  # (refused|deferred, reason kind) -> last logged
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -531,6 +531,8 @@ class CoordinatorService:
                 self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
         elif isinstance(cmd, Reply):
             ack = self.checkpointing.stamp_ack(cmd.ack)
+            if not ack.accepted:
+                self._log_refusal(cmd.route, ack)
             self._send_frames(self.endpoint.frames("hello_ack", ack, route=cmd.route))
         elif isinstance(cmd, OpenRound) and self.config.plane == "collective":
             pass  # the ranks all-reduce among themselves (flodl_worker.collective): no reducer round
@@ -541,8 +543,6 @@ class CoordinatorService:
                 self._send_frames(self.endpoint.frames("relay", msg, route=relay))
             self._send_round(self.reducer.open(cmd.cycle, cmd.ranks, cmd.steps))
         elif isinstance(cmd, ForgetRank):
-            if not ack.accepted:
-                self._log_refusal(cmd.route, ack)
             log.warning("rank %d forgotten: %s", cmd.rank, cmd.reason)
             fold_drop = self.reducer.folds.drop(self.reducer.open_cycle, cmd.rank)
             if fold_drop is not None:  # its relay stops waiting for it; the rest flush
@@ -553,6 +553,19 @@ class CoordinatorService:
                 self._notice(cmd)
         elif isinstance(cmd, RunFinished):
             self.finished = cmd
+
+    def _log_refusal(self, route: tuple, ack: pb.HelloAck) -> None:
+        """Every refused (or deferred) hello is counted and said, with its reason. A
+        peer that repeats one is said once per minute per kind of reason (digits aside),
+        so a flood of hellos cannot flood the log."""
+        what = "deferred" if ack.deferred else "refused"
+        self.dropped[f"hello_{what}"] += 1
+        kind = (what, re.sub(r"\d+", "N", ack.reason)[:80])
+        now = self.clock()
+        if now - self._refusals_logged.get(kind, -1e18) < 60.0:
+            return
+        self._refusals_logged[kind] = now
+        log.log(logging.INFO if ack.deferred else logging.WARNING, "hello %s (from %s): %s", what, _route_str(route), ack.reason)
 
     def _send_round(self, result, *, queued: bool = True) -> None:
         if result is None:
@@ -576,19 +589,6 @@ class CoordinatorService:
             self._send_frames(self.endpoint.frames("round", result.relay_header(ranks), result.blobs, route=relay))
         for rank in result.direct:
             route = self.state.route_of(rank)
-    def _log_refusal(self, route: tuple, ack: pb.HelloAck) -> None:
-        """Every refused (or deferred) hello is counted and said, with its reason. A
-        peer that repeats one is said once per minute per kind of reason (digits aside),
-        so a flood of hellos cannot flood the log."""
-        what = "deferred" if ack.deferred else "refused"
-        self.dropped[f"hello_{what}"] += 1
-        kind = (what, re.sub(r"\d+", "N", ack.reason)[:80])
-        now = self.clock()
-        if now - self._refusals_logged.get(kind, -1e18) < 60.0:
-            return
-        self._refusals_logged[kind] = now
-        log.log(logging.INFO if ack.deferred else logging.WARNING, "hello %s (from %s): %s", what, _route_str(route), ack.reason)
-
             if route is None:
                 continue
             frames = self.endpoint.frames("round", result.header_for(rank), result.blobs, route=tuple(route))

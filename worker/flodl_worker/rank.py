@@ -164,10 +164,10 @@ class _Rank:
         self.seq = SeqTracker()
         self.drops: Counter = Counter()
         self.spec: pb.RunSpec | None = None
-        self.model: torch.nn.Module | None = None
-        self.optimizer = None
         self._hello_deadline = float("inf")  # set by hello(); a deferred ack moves it
         self._deferred_reason = ""
+        self.model: torch.nn.Module | None = None
+        self.optimizer = None
         self.params: list[torch.Tensor] = []
         self.heartbeat_s = DEFAULT_HEARTBEAT_S
         self.liveness_s = DEFAULT_LIVENESS_S
@@ -292,9 +292,9 @@ class _Rank:
             if now >= resend:  # a coordinator that restarted may have lost it (idempotent)
                 self._send("hello", hello)
                 resend = now + HELLO_RESEND_S
+            deadline = self._hello_deadline  # a deferred answer moves it
             left = min(deadline, resend) - now
             if deadline <= now:
-            deadline = self._hello_deadline  # a deferred answer moves it
                 raise _Abort(
                     f"no hello_ack from the coordinator at {self.cfg.connect} within "
                     f"{self.cfg.hello_timeout_s:g}s (FLODL_HELLO_TIMEOUT_S): is it running, and are "
@@ -306,8 +306,6 @@ class _Rank:
         if self.spec is not None:
             self._drop("duplicate_hello_ack", "a second hello_ack after admission")
             return
-        if not ack.accepted:
-            raise _Refused(f"the coordinator refused this rank: {ack.reason or '(no reason given)'}")
         if not ack.accepted and ack.deferred:
             # The coordinator is there and will decide once the world forms (cohort
             # conflict): say why once, keep resending, and do not time the hello out.
@@ -316,6 +314,8 @@ class _Rank:
                 self._deferred_reason = ack.reason
             self._hello_deadline = time.monotonic() + self.cfg.hello_timeout_s
             return
+        if not ack.accepted:
+            raise _Refused(f"the coordinator refused this rank: {ack.reason or '(no reason given)'}")
         spec = ack.run
         if spec.batch_size < 1:
             raise _Refused(f"RunSpec.batch_size={spec.batch_size} must be >= 1")
