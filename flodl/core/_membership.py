@@ -188,36 +188,44 @@ def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
 
 
 def _deferred(st: CoordinatorState, ev: RankHello, reason: str, out: list[Command]) -> bool:
-    """Cohort squatting: before the world forms, a hello that only conflicts with the
-    cohort the first admitted rank set is not refused (one early foreign hello would get
-    every real rank refused for good). It gets no answer -- the rank resends its hello --
+    """Squatting: before the world forms, a hello is not refused for what an earlier
+    hello claimed -- a slot another process holds, or the cohort (model, dataset) the
+    first admitted rank set -- or one early foreign hello would get every real rank
+    refused for good. It is answered ``deferred`` (the rank keeps resending its hello)
     and counts as a vote for its own cohort; once the voters (distinct slots) outnumber
     the ranks holding the cohort, the holders are evicted, the cohort is released and
-    this hello is admitted. A configured ``model_signature`` pins the cohort instead."""
-    if st.run.phase is not FORMING or cohort_conflict(st, ev) != reason:
+    this hello is admitted. A holder that goes silent loses its slot to liveness. A
+    configured ``model_signature`` pins the cohort instead."""
+    if st.run.phase is not FORMING or not 0 <= ev.rank < len(st.ranks) or ev.world_size != len(st.ranks):
+        return False
+    rec = st.ranks[ev.rank]
+    slot_taken = rec.phase is JOINING and (rec.route != ev.route or rec.incarnation != ev.incarnation)
+    conflict = cohort_conflict(st, ev)
+    if not slot_taken and (conflict is None or conflict != reason):
         return False
     key = _cohort_key(st, ev)
     st.run.cohort_votes[ev.rank] = (key, ev.route)
     st.run.not_admitted[ev.rank] = f"hello deferred: {reason}"
-    voters = sum(1 for k, _ in st.run.cohort_votes.values() if k == key)
-    holders = [rec.rank for rec in st.ranks if rec.phase is JOINING]
-    if voters <= len(holders):
-        why = f"{reason}; waiting for the world to form (deferred, not refused: {voters} vs {len(holders)} admitted)"
+    holders = [r.rank for r in st.ranks if r.phase is JOINING]
+    voters = sum(1 for k, _ in st.run.cohort_votes.values() if k == key) if conflict else 0
+    if conflict is None or voters <= len(holders):
+        tally = f", {voters} vs {len(holders)} admitted" if conflict else ""
+        why = f"{reason}; waiting for the world to form (deferred, not refused{tally})"
         out.append(Reply(ev.route, pb.HelloAck(accepted=False, deferred=True, reason=why)))
         out.append(Notice("hello_deferred", {"rank": ev.rank, "reason": reason, "voters": voters, "holders": len(holders)}))
         return True
-    why = f"evicted before the world formed: {voters} rank(s) present another model/dataset ({reason})"
+    why = f"evicted before the world formed: {voters} rank(s) present another model/dataset ({conflict})"
     for r in holders:
-        rec = st.ranks[r]
+        h = st.ranks[r]
         st.send(out, r, shutdown=pb.Control.Shutdown(reason=why))
-        transition(rec, "lost")
-        rec.reason = why
-        rec.route, rec.incarnation = (), 0
+        transition(h, "lost")
+        h.reason = why
+        h.route, h.incarnation = (), 0
         out.append(ForgetRank(r, why))
         st.run.not_admitted[r] = why
-    out.append(Notice("cohort_evicted", {"ranks": holders, "voters": voters, "reason": reason}))
+    out.append(Notice("cohort_evicted", {"ranks": holders, "voters": voters, "reason": conflict}))
     st.cohort_sig = st.cohort_len = None
-    on_hello(st, ev, out)  # the cohort is free now: admit this one
+    on_hello(st, ev, out)  # the cohort (and maybe this slot) is free now: admit this one
     return True
 
 

@@ -63,15 +63,23 @@ def test_hello_refused_world_size_differs():
 
 def test_hello_refused_rank_already_admitted_from_another_route():
     c = Cluster(policy="sync", world_size=2)
-    c.hello(0)
+    c.join_all()
     reason = _refused(c.hello(0, route=(b"elsewhere",)))
     assert reason.startswith("rank 0 already admitted from another route or incarnation")
 
 
 def test_hello_refused_rank_already_admitted_other_incarnation():
     c = Cluster(policy="sync", world_size=2)
-    c.hello(0)
+    c.join_all()
     assert "already admitted" in _refused(c.hello(0, incarnation=5))
+
+
+def test_before_the_world_forms_a_slot_held_by_another_process_defers_the_hello():
+    # (a stale or squatting process holds the slot: the real one waits, it is not refused)
+    c = Cluster(policy="sync", world_size=2)
+    c.hello(0)
+    ack = _ack(c.hello(0, route=(b"elsewhere",), incarnation=5))
+    assert not ack.accepted and ack.deferred and "already admitted from another route" in ack.reason
 
 
 def test_hello_with_another_model_is_deferred_not_refused_before_the_world_forms():
@@ -117,6 +125,18 @@ def test_squatter_that_vanishes_releases_the_cohort():
     assert _ack(c.hello(1)).accepted
     assert _ack(c.hello(0)).accepted
     assert all(r.phase is ACTIVE for r in c.state.ranks)
+
+
+def test_squatter_on_a_real_ranks_slot_is_evicted_by_the_quorum_and_that_rank_admitted():
+    c = Cluster(policy="sync", world_size=3)
+    c.hello(0, model_sig=b"evil", route=(b"squatter",), incarnation=99)
+    assert _ack(c.hello(0)).deferred  # the real rank 0: its slot is taken -- a vote, not a refusal
+    cmds = c.hello(1)  # 2 voters (slots 0, 1) > 1 holder: evicted
+    assert ForgetRank(0, c.state.ranks[0].reason) in cmds
+    assert c.state.ranks[1].phase is JOINING
+    c.ranks[0].forgotten = False  # (the scripted rank 0 is the real one)
+    assert _ack(c.hello(0)).accepted and _ack(c.hello(2)).accepted
+    assert all(r.phase is ACTIVE for r in c.state.ranks) and c.state.cohort_sig == b"\x5a" * 8
 
 
 def test_quorum_of_deferred_hellos_evicts_a_squatting_minority():
