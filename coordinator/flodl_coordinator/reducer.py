@@ -222,6 +222,7 @@ class BusReducer:
         self.max_contribution_ratio = max_contribution_ratio
         self._open: _Open | None = None
         self._last: list[np.ndarray] | None = None  # the last consensus sent (ratio check)
+        self._shapes: tuple | None = None  # the cohort's tensor shapes, once a round saw them
         self.rounds_completed = 0
         self.bytes_in = 0
         self.bytes_out = 0
@@ -333,10 +334,10 @@ class BusReducer:
         shapes = tuple(a.shape for a in arrays)
         if o.shapes is not None and shapes != o.shapes:
             self._refuse(o, ranks, "shape", f"{who}: tensor shapes differ from the cohort's")
-        w = float(header.weight)
-        self._check_weight(o, ranks, w, who)
         if o.shapes is None:
             o.shapes = shapes
+        w = float(header.weight)
+        self._check_weight(o, ranks, w, who)
         o.parts[ranks] = _Part(ranks, w, arrays if w > 0 else None)
         for r in ranks:
             o.counted[r] = ranks
@@ -444,6 +445,9 @@ class BusReducer:
                     "cycle %d: the average of ranks %s is not finite: not sent; every rank keeps its "
                     "local parameters (weight 0)", o.cycle, list(contributors),
                 )
+        if o.shapes is None:  # every frame refused undecoded: the schema of an earlier round
+            o.shapes = self._shapes
+        self._shapes = o.shapes
         if nonfinite or not (total > 0 and weighted):
             total = 0.0
             consensus = [np.zeros(s, dtype=np.float32) for s in (o.shapes or ())]

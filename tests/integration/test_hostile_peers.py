@@ -53,12 +53,12 @@ class Rig:
         self.endpoint = line.split()[1]
         self.agent = None
 
-    def start_agent(self, attacks: str) -> None:
+    def start_agent(self, attacks: str, fold: bool) -> None:
         env = dict(os.environ, HOSTILE_ATTACKS=attacks)
         cmd = [
             sys.executable, "-m", "flodl_worker", "agent", "--coordinator", self.endpoint,
             "--ranks", str(RANKS), "--world-size", str(RANKS), "--session", self.session,
-            "--slowdown", "1,1,2", "--base-ms", "3", "--no-fold", "--",
+            "--slowdown", "1,1,2", "--base-ms", "3", *([] if fold else ["--no-fold"]), "--",
             sys.executable, str(ROOT / "tests" / "integration" / "hostile_rank.py"),
         ]  # fmt: skip
         self.agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -99,19 +99,28 @@ def _hello_of(journal: Path, rank: int) -> dict | None:
     return hellos[-1] if hellos and batches else None
 
 
-def test_a_run_under_attack_ends_ok_exact_and_as_accurate_as_a_clean_one(tmp_path):
-    clean_dir, attacked_dir = tmp_path / "clean", tmp_path / "attacked"
-    clean_dir.mkdir()
-    attacked_dir.mkdir()
-    clean = Rig(clean_dir, "clean-run")
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory) -> dict:
+    """The same run without attackers: the accuracy to match."""
+    clean = Rig(tmp_path_factory.mktemp("clean"), "clean-run")
     try:
-        clean.start_agent("")
+        clean.start_agent("", fold=True)
         base = clean.wait()
     finally:
         clean.stop()
     assert base["ok"] is True
     _assert_exact(base)
+    return base
 
+
+# Folded (the default): the relay sums its host's ranks into one frame, so a forged
+# contribution takes its host's frame out of the round (the sum cannot be un-mixed) and
+# the whole host's window is retrained; unfolded, only the hostile rank's.
+@pytest.mark.parametrize("fold", [False, True], ids=["unfolded", "folded"])
+def test_a_run_under_attack_ends_ok_exact_and_as_accurate_as_a_clean_one(tmp_path, clean_run, fold):
+    base = clean_run
+    attacked_dir = tmp_path / "attacked"
+    attacked_dir.mkdir()
     rig = Rig(attacked_dir, "attacked-run")
     ctx = zmq.Context()
     rogue = ctx.socket(zmq.DEALER)
@@ -128,7 +137,7 @@ def test_a_run_under_attack_ends_ok_exact_and_as_accurate_as_a_clean_one(tmp_pat
         big = Endpoint(rig.session, pb.Sender.KIND_RANK, rank=1, incarnation=7)
         rogue.send_multipart(big.frames("hello", pb.RankHello(
             rank=1, world_size=RANKS, model_sig=b"\x01" * 32, dataset_len=TRAIN, host="x" * 100_000_000)))  # fmt: skip
-        rig.start_agent(ATTACKS)
+        rig.start_agent(ATTACKS, fold)
         real = _wait_for(lambda: _hello_of(rig.journal, 1), "rank 1 to train")
         # Item 10: rank 1's incarnation, seq 2**63, from the rogue's own route.
         poison = Endpoint(rig.session, pb.Sender.KIND_RANK, rank=1, incarnation=real["incarnation"])

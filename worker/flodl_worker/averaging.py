@@ -87,6 +87,10 @@ class BusAverager:
         except WireError as e:
             r._drop(e.reason, e.detail)
             return None
+        if header.weight == 0 and not header.tensors:
+            # Nothing was accepted and the reducer never saw the schema (every frame of the
+            # round refused undecoded): the same answer as a weight-0 consensus.
+            arrays = [np.zeros(tuple(p.shape), dtype=np.float32) for p in r.params]
         if len(arrays) != len(r.params) or any(tuple(a.shape) != tuple(p.shape) for a, p in zip(arrays, r.params)):
             r._drop("bad_tensor", f"consensus for cycle {header.cycle} does not match the model's schema")
             return None

@@ -221,3 +221,29 @@ def test_a_non_finite_average_is_never_sent():
     assert res.nonfinite and res.total_weight == 0.0 and res.header.weight == 0.0
     assert all(t.elided for t in res.header.tensors)  # weight 0: everyone keeps local
     assert red.nonfinite_rounds == 1
+
+
+def test_a_round_whose_every_frame_is_refused_still_names_the_models_schema():
+    # (a relay's folded frame forged by one rank takes all of its host's ranks out: the
+    # round completes with no mass; the ranks must be able to read the answer, or they
+    # drop it, never ack, and the run stalls)
+    red = BusReducer()
+    red.open(1, [0])
+    red.contribute(0, *_contrib(1.0, 1.0, cycle=1, shape=(3, 2)))
+    red.open(2, [0])
+    with pytest.raises(RoundRefused):
+        red.contribute(0, *_nan(cycle=2, shape=(3, 2)))
+    res = red.settle()
+    assert res is not None and res.total_weight == 0.0 and res.contributors == ()
+    assert [tuple(t.shape) for t in res.header.tensors] == [(3, 2)]
+    np.testing.assert_array_equal(_mean(res), np.zeros((3, 2), dtype=np.float32))
+
+
+def test_a_refused_frame_that_decodes_sets_the_schema_of_a_first_round():
+    red = BusReducer(steps_seen=lambda r: 2)
+    red.open(1, [0], {0: 2})
+    with pytest.raises(RoundRefused) as e:
+        red.contribute(0, *_contrib(0.0, 1e9, cycle=1, shape=(4,)))
+    assert e.value.code == "weight"
+    res = red.settle()
+    assert res.total_weight == 0.0 and [tuple(t.shape) for t in res.header.tensors] == [(4,)]
