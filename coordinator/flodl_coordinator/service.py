@@ -144,6 +144,7 @@ class CoordinatorService:
         self._pending: deque = deque()  # internal events produced while executing commands
         # Which agent may report which rank's exit: only the one the rank itself named (agents).
         self.agents = AgentBook(self.config.world_size)
+        self.agent_errors: list[str] = []  # agents that gave their host up, and why (summary)
         for record in self.recovered.agent_records if self.recovered else ():
             self.agents.restore(record)
         self._peer_key = ""  # the CURVE client key (ZAP User-Id) of the frame being handled
@@ -330,6 +331,8 @@ class CoordinatorService:
             log.error("%s", why)
         summary.update(ok=ok, reason=reason, dropped_frames=dict(self.dropped))
         summary["checkpoints"] = self.checkpointing.summary(self.state)
+        if self.agent_errors:
+            summary["agent_errors"] = list(self.agent_errors)
         summary.setdefault("bus", {})
         summary["bus"].update(
             rounds=self.reducer.rounds_completed, bytes_in=self.reducer.bytes_in, bytes_out=self.reducer.bytes_out
@@ -457,6 +460,13 @@ class CoordinatorService:
             if why:  # a forged (or misrouted) report: the rank lives on, its own frames decide
                 raise RouteMismatch(why)
             self._feed(RankExitReported(now=now, rank=r.rank, code=r.code))
+        elif which == "abort":  # the agent gives its host up (its relay died), before its ranks' exits
+            if route not in self.agents.agent_ranks:
+                raise RouteMismatch("abort from an agent that never said hello")
+            reason = msg.abort.reason[:500]
+            if len(self.agent_errors) < 64:
+                self.agent_errors.append(reason)
+            log.error("%s", reason)
 
     def _on_round(self, rank: int | None, header: pb.RoundHeader, blobs, *, relay: tuple = ()) -> None:
         try:

@@ -66,6 +66,20 @@ RELAY_READY_TIMEOUT_S = 15.0  # python + pyzmq import, bind: seconds, not minute
 RELAY_STOP_TIMEOUT_S = 5.0
 POLL_MS = 200  # safety net only: SIGCHLD wakes the loop the moment a child ends
 PIPE_DRAIN_S = 1.0  # after the last rank ended, wait this long at most for pipe EOFs
+# A relay that dies is restarted (same bind, same uplink identity: the ranks' DEALERs
+# reconnect to it and the coordinator's routes to them stay valid), after these delays;
+# one more death within RELAY_RESTART_WINDOW_S of the first of them, and the agent gives
+# up on its host: it tells the coordinator why and stops its ranks.
+#
+# OFF (no restarts) until the coordinator can resynchronise a host whose relay restarted:
+# a kill -9 of the relay loses the frames inside it (a consensus, a SyncAck, a fold in
+# progress), and nothing recovers them -- measured: 3 of 3 restarted runs stalled with
+# heartbeats flowing but one rank's SyncAck for the open cycle lost. The routing part
+# works (same identity and bind: the coordinator's routes and the ranks' DEALERs carry
+# on). What is missing: the restarted relay's ``RelayHello`` making the coordinator run
+# the resync of ``flodl.core._resync`` (new incarnation, abandoned round) for the run.
+RELAY_RESTART_DELAYS_S: tuple[float, ...] = ()
+RELAY_RESTART_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +211,11 @@ class Agent:
         self.stop_reason: str | None = None  # set: SIGTERM forwarded / abort
         self.kill_at: float | None = None
         self.relay_failed = False
+        # Fixed for the agent's life: a restarted relay keeps the route (flodl_worker.relay).
+        self.relay_identity = f"relay-{cfg.host_name}-{os.getpid()}"[:255]
+        self.relay_endpoint: str | None = None  # the frontend, as first bound (port 0 resolved)
+        self.relay_deaths: list[float] = []  # monotonic times, within the restart window
+        self.relay_restart_at: float | None = None
         self._old_handlers: dict = {}
         self._preexec = death_signal_hook()  # flodl.procutil: children die with the agent
 
@@ -243,12 +262,12 @@ class Agent:
             out.flush()
 
     def _start_relay(self) -> str:
-        bind = self.cfg.relay_bind
+        bind = self.relay_endpoint or self.cfg.relay_bind  # a restart binds what the ranks dial
         if bind is None:
             self.tmpdir = tempfile.mkdtemp(prefix="flodl-")  # 0700: only this user can dial it
             bind = f"ipc://{self.tmpdir}/relay.sock"
         argv = [sys.executable, "-m", "flodl_worker", "relay", "--coordinator", self.cfg.coordinator,
-                "--bind", bind, "--host", self.cfg.host_name,
+                "--bind", bind, "--host", self.cfg.host_name, "--identity", self.relay_identity,
                 "--max-message-bytes", str(self.cfg.max_message_bytes)] + ([] if self.cfg.fold else ["--no-fold"])
         if self.cfg.curve_server_key and self.cfg.curve_secret_key:
             argv += ["--curve-server-key", os.path.abspath(self.cfg.curve_server_key),
@@ -351,9 +370,46 @@ class Agent:
         if self.relay is not None and self.relay.proc.poll() is not None and not self.relay.reported:
             self.relay.reported = True
             if self.stop_reason is None:
-                log.error("relay exited unexpectedly (code %d): stopping the ranks", self.relay.proc.returncode)
-                self.stop_reason = "relay_died"
-                self.relay_failed = True
+                self._relay_died(time.monotonic())
+        if self.relay_restart_at is not None and time.monotonic() >= self.relay_restart_at and self.stop_reason is None:
+            self.relay_restart_at = None
+            self._restart_relay()
+
+    def _relay_died(self, now: float) -> None:
+        """The relay ended on its own: restart it (bounded), or give the host up."""
+        code = self.relay.proc.returncode
+        self.relay_deaths = [t for t in self.relay_deaths if now - t < RELAY_RESTART_WINDOW_S] + [now]
+        n = len(self.relay_deaths)
+        if n <= len(RELAY_RESTART_DELAYS_S):
+            delay = RELAY_RESTART_DELAYS_S[n - 1]
+            log.error("relay exited unexpectedly (%s): restarting it in %gs (restart %d of %d within %gs)",
+                      _exit_str(code), delay, n, len(RELAY_RESTART_DELAYS_S), RELAY_RESTART_WINDOW_S)
+            self.relay_restart_at = now + delay
+            return
+        times = f", {n} times within {RELAY_RESTART_WINDOW_S:g}s" if RELAY_RESTART_DELAYS_S else ""
+        self._give_up_relay(f"relay exited unexpectedly ({_exit_str(code)}){times}")
+
+    def _restart_relay(self) -> None:
+        try:
+            endpoint = self._start_relay()
+        except RuntimeError as e:
+            log.error("relay restart failed: %s", e)
+            _signal(self.relay.proc, signal.SIGKILL)  # one that never said READY in time
+            self.relay.proc.wait()
+            self.relay.reported = True
+            self._relay_died(time.monotonic())
+            return
+        log.warning("relay restarted at %s (same identity %s): the ranks reconnect to it",
+                    endpoint, self.relay_identity)
+
+    def _give_up_relay(self, why: str) -> None:
+        reason = f"agent on {self.cfg.host_name}: {why}; giving up: stopping ranks {[c.rank for c in self._alive()]}"
+        log.error("%s", reason)
+        # Agent -> coordinator ``abort``: the host is lost, and why (the coordinator logs it
+        # before the ranks' exits arrive, which alone would only say "killed by signal 15").
+        self._send_agent(abort=pb.AgentMsg.Abort(reason=reason))
+        self.stop_reason = "relay_died"
+        self.relay_failed = True
 
     def _alive(self) -> list[_Child]:
         return [c for c in self.ranks if not c.reported]
@@ -384,6 +440,7 @@ class Agent:
         self._install_signals()
         try:
             connect = cfg.coordinator if cfg.no_relay else self._start_relay()
+            self.relay_endpoint = None if cfg.no_relay else connect
             if self.stop_reason is not None:
                 log.info("stopped (%s) before any rank started", self.stop_reason)
                 return 0
@@ -405,6 +462,8 @@ class Agent:
                 timeout = POLL_MS
                 if self.kill_at is not None and self.kill_at != float("inf"):
                     timeout = max(1, min(timeout, int((self.kill_at - now) * 1000) + 1))
+                if self.relay_restart_at is not None:
+                    timeout = max(1, min(timeout, int((self.relay_restart_at - now) * 1000) + 1))
                 self._pass(timeout)
             end = time.monotonic() + PIPE_DRAIN_S  # let the ranks' last lines through
             while any(c.rank is not None for c in self.pipes.values()) and time.monotonic() < end:
@@ -450,6 +509,10 @@ class Agent:
                 self._pipe_readable(fd)
         if r.proc.returncode not in (0, None):
             log.warning("relay exited with code %d", r.proc.returncode)
+
+
+def _exit_str(code: int | None) -> str:
+    return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

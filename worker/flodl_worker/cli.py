@@ -147,6 +147,9 @@ def _parser() -> _Parser:
                    help="logical host name, used in the relay's identity (default the hostname)")
     r.add_argument("--no-fold", action="store_true",
                    help="forward averaging rounds untouched (default: fold the host's ranks into one frame)")
+    r.add_argument("--identity", metavar="ID", default=None,
+                   help="routing id of the uplink at the coordinator (default relay-<host>-<pid>); the agent "
+                   "passes one fixed for its lifetime, so a relay it restarts keeps its ranks' routes")
     _curve_flags(r, "the relay's uplink (backend) to the coordinator; the frontend stays plaintext")
     _max_message_flag(r, "the relay (from its ranks and from the coordinator)")
 
@@ -205,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         from .relay import run_relay
 
         return run_relay(args.coordinator, args.bind, args.host, fold=not args.no_fold, curve=curve,
+                         identity=args.identity,
                          max_message_bytes=args.max_message_bytes)
 
     from .agent import AgentConfig, run_agent, slowdown_for

@@ -275,7 +275,7 @@ def _signal_to_terminate(ctx: zmq.Context, heard: threading.Event, done: threadi
 
 def run_relay(
     coordinator: str, bind: str, host: str | None = None, *, fold: bool = True, out: TextIO = sys.stdout,
-    curve=None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    curve=None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, identity: str | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT. Returns the exit code (0 clean, 1 cannot bind/connect).
 
@@ -283,6 +283,9 @@ def run_relay(
     ``curve`` (a ``flodl.curve.ClientKeys``) makes the backend a CURVE client; the
     frontend (ipc / loopback, this host's ranks) stays plaintext. ``max_message_bytes``:
     both sockets' ZeroMQ MAXMSGSIZE, per message part (``flodl.limits``; 0 = no limit).
+    ``identity``: the backend's routing id (default ``relay_identity(host)``); an agent
+    passes one that is fixed for its lifetime, so that the relay it restarts has the same
+    route at the coordinator as the one that died (the ranks' routes stay valid).
     """
     host = host or socket.gethostname()
     # Before the context starts its I/O threads: every thread created later inherits it.
@@ -301,7 +304,7 @@ def run_relay(
             s.setsockopt(zmq.LINGER, LINGER_MS)
             s.setsockopt(zmq.MAXMSGSIZE, zmq_maxmsgsize(max_message_bytes))  # per part: one tensor
         frontend.setsockopt(zmq.LINGER, 0)  # frames for ranks are worthless once we stop
-        identity = relay_identity(host)
+        identity = identity.encode()[:255] if identity else relay_identity(host)
         backend.setsockopt(zmq.IDENTITY, identity)  # before connect
         if curve is not None:  # flodl.curve.ClientKeys: the uplink is a CURVE client
             curve.apply(backend)
