@@ -111,10 +111,12 @@ def _tuples(v: Any) -> Any:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoordinatorRestarted(Event):
-    """The service restarted on its journal (after replaying it). ``incarnation`` is the
-    new process's (informational)."""
+    """The service restarted on its journal (after replaying it), or a relay restarted
+    and the frames inside it are lost (``cause="relay"``: the same resynchronisation).
+    ``incarnation`` is the coordinator's new one (informational)."""
 
     incarnation: int = 0
+    cause: str = "coordinator"  # "coordinator" | "relay" (summary rows say which)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -220,6 +222,7 @@ def on_restarted(st: CoordinatorState, ev: CoordinatorRestarted, out: list[Comma
             out.append(Reply(rec.route, pb.HelloAck(accepted=True, run=spec)))
     row = {
         "restart": rs.restarts,
+        "cause": ev.cause,
         "at": ev.now,
         "abandoned_cycle": abandoned,
         "awaiting": list(alive),
