@@ -1,0 +1,452 @@
+"""The rank's half of the protocol as a machine: events in, commands out, no I/O.
+
+Theory of operation
+-------------------
+``RankMachine`` holds everything a rank *decides* (docs/protocol.md, "Rank life
+cycle"); the shell (``flodl_worker.rank`` with torch and a socket, ``flodl.sim`` in
+virtual time, the core tests' scripted cluster) owns the model, the clock and the
+transport. The shell feeds events (``handle``) and executes the commands returned, in
+order; between steps it asks ``next_action(now)`` what to do next. Nothing here reads a
+clock: the only time is the ``now`` the shell passes to ``next_action`` (a chunk's
+``epoch_ms``), in whatever unit-of-seconds clock the shell keeps.
+
+1. Plans. ``StartEpoch``/``Update.next_plan`` queue a ``Chunk`` (FIFO; two outstanding
+   plans are kept, with a warning: reference hazard 11); ``ExtendPartition`` appends a
+   segment to the chunk in training (same epoch) or is a chunk of its own. A plan
+   beyond the epoch is dropped (``bad_plan``). ``next_action`` pops the next chunk,
+   hands out batches (``TrainBatch``) that never straddle a segment, and answers
+   ``SendMetrics`` when a chunk runs out -- even while throttled: reporting is not
+   training. ``WAIT_PLAN`` / ``WAIT_THROTTLE`` tell the shell to block (servicing
+   frames, heartbeating) until ``has_plan`` / ``not throttled``.
+2. Throttle. ``Throttle`` stops training until ``Update`` (or Shutdown).
+3. Credit. Every ``BatchTrained`` adds one local step and one step of credit
+   (``steps_since_avg``). ``RequestParams{cycle}`` snapshots n = the credit and the
+   step count, weight = n**gamma (0 when n <= 0: the idle guard): ``TakeSnapshot``.
+   ``ConsensusReady(cycle, arrays)``: with arrays, the snapshot's n is taken off the
+   credit (steps trained during the round keep theirs, reference hazard 13) and its
+   step count becomes the *folded step*, which the ack names (it commits the rank's
+   batches up to it); without (its work is not in a consensus), credit and folded
+   step stay and the ack names the last folded step. Either way: ``ApplyConsensus``.
+4. Checkpoints (``Checkpoint{version, path, cycle}`` for this rank). ``cycle`` 0:
+   save what the rank holds now. c > 0: the consensus of cycle c -- saved right after
+   it is applied (*armed* when the command comes first), or at once if c is the last
+   applied cycle: the machine *holds* that consensus (the opaque arrays of the last
+   ``ConsensusReady`` with this rank's work in it) until the next one lands, so it can
+   be saved even after steps since. Older cycles are refused by name; an armed cycle
+   that a newer consensus skipped is refused as "never reached this rank".
+5. Resync (``flodl_worker.resync`` has the story). The coordinator's incarnation comes
+   from the ``hello_ack``; a frame of another one means it restarted: *before* that
+   frame is handled, ``AbandonRounds`` (the pending snapshots' rounds died with it; the
+   credit stays) and one ``timing.resync`` with the batches reported since the last
+   folded step, the positions held untrained, the metrics of epochs not seen
+   aggregated, ``last_command_id``, steps, ``throttled``, ``idle``. A frame of an
+   incarnation already left behind: ``Drop("stale_incarnation")``.
+6. ``ExecuteEval`` for this rank: ``RunEval``; ``EpochAggregated`` on the rank
+   ``SetEpochCallbackRole`` named: ``RunEpochFn``; ``Rendezvous`` on the collective
+   plane: ``FormGroup``; ``Shutdown``/``ShutdownWithSave``: ``Exit`` (the machine then
+   ignores everything).
+
+Rules that decide (what is dropped, what is armed, what the ack commits, what the
+report says) live in this file; the shells only move bytes and tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+from flodl.wire import pb
+
+from ._events import (
+    AbandonRounds,
+    Admitted,
+    ApplyConsensus,
+    BatchTrained,
+    Command,
+    ConsensusReady,
+    ControlReceived,
+    Drop,
+    Event,
+    Exit,
+    FormGroup,
+    IncarnationSeen,
+    RunEpochFn,
+    RunEval,
+    SaveCheckpoint,
+    SendMetrics,
+    SendTiming,
+    Sentinel,
+    TakeSnapshot,
+    TrainBatch,
+    WAIT_PLAN,
+    WAIT_THROTTLE,
+    Warn,
+)
+from ._plans import Chunk
+
+__all__ = ["RankMachine", "Snapshot", "gamma_mass", "INFORMATIONAL"]
+
+# Controls a bus-plane rank only needs to hear (hearing them already reset liveness).
+INFORMATIONAL = frozenset(
+    {"coord_heartbeat", "declare_dead", "eval_broadcast", "stage_advisory", "save_consensus_model",
+     "arm_consensus_eval"}  # fmt: skip
+)
+
+
+def gamma_mass(n: int, gamma: float) -> float:
+    """Contribution mass n**gamma with the idle guard: 0 when n <= 0 (never 0**0 = 1)."""
+    if n <= 0:
+        return 0.0
+    return float(n) if gamma == 1.0 else float(n) ** gamma
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    n: int  # credit (steps since the last applied average) at the snapshot
+    step_count: int  # local step counter at the snapshot
+    weight: float
+
+
+class RankMachine:
+    """One rank's protocol state. ``rank``: its global rank (targets of evals,
+    checkpoints, the epoch-callback role)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.spec: pb.RunSpec | None = None
+        self.exited = False
+        # Plans and throttle.
+        self.plans: deque[Chunk] = deque()
+        self.current: Chunk | None = None
+        self.chunk_seq = 0
+        self.throttled = False
+        # Steps and credit.
+        self.local_step = 0
+        self.steps_since_avg = 0
+        self.folded_step = 0  # snapshot step of the last consensus holding this rank's work
+        self.global_step = 0
+        self.snapshots: dict[int, Snapshot] = {}
+        # Checkpoint duty: the last consensus applied, and the local step right after it.
+        self.applied_cycle = 0
+        self.applied_at_step = 0
+        self.armed: dict[int, pb.Control.Checkpoint] = {}
+        self.held: tuple[int, list] | None = None  # (cycle, consensus arrays) of the last applied round
+        self.epoch_role: int | None = None
+        # Resync.
+        self.incarnation: int | None = None  # the coordinator's, from hello_ack
+        self.left_behind: set[int] = set()
+        self.last_command_id = 0
+        self.unfolded: list[pb.Timing.Batch] = []  # reported, not yet folded (step order)
+        self.finished: list[pb.Metrics] = []  # chunks of epochs not seen aggregated
+        self.restarts = 0
+
+    # -- queries ------------------------------------------------------------------------
+
+    @property
+    def admitted(self) -> bool:
+        return self.spec is not None
+
+    def has_plan(self) -> bool:
+        return self.current is not None or bool(self.plans)
+
+    def has_snapshot(self, cycle: int) -> bool:
+        return cycle in self.snapshots
+
+    def is_restart(self, incarnation: int) -> bool:
+        """Would a frame of ``incarnation`` be a coordinator restart (``IncarnationSeen``)?"""
+        return self.incarnation is not None and incarnation != self.incarnation and incarnation not in self.left_behind
+
+    def held_positions(self) -> list[pb.EpochPlan]:
+        """What this rank was handed and has not trained: the current chunk, then the queue."""
+        chunks = ([self.current] if self.current is not None else []) + list(self.plans)
+        return [
+            pb.EpochPlan(epoch=ch.epoch, partition_offset=off, partition_size=size)
+            for ch in chunks
+            for off, size in ch.held()
+        ]
+
+    # -- the entry points ---------------------------------------------------------------
+
+    def handle(self, ev: Event) -> list[Command]:
+        """Consume one event; return the commands for the shell, in order."""
+        if self.exited:
+            return []
+        fn = _HANDLERS.get(type(ev))
+        if fn is None:
+            raise TypeError(f"RankMachine cannot handle {type(ev).__name__}")
+        out: list[Command] = []
+        fn(self, ev, out)
+        return out
+
+    def next_action(self, now: float) -> Union[TrainBatch, SendMetrics, Sentinel]:
+        """What to do between steps: a batch to train, a finished chunk's metrics to
+        send, or ``WAIT_PLAN`` / ``WAIT_THROTTLE`` (block, servicing frames)."""
+        if self.current is None:
+            if not self.plans:
+                return WAIT_PLAN
+            self.current = self.plans.popleft()
+            self.current.started = now
+        cur = self.current
+        if cur.exhausted():
+            self.current = None
+            return SendMetrics(metrics=self._metrics(cur, now))
+        if self.throttled:
+            return WAIT_THROTTLE
+        assert self.spec is not None
+        offset, count = cur.take(self.spec.batch_size)  # type: ignore[misc]
+        return TrainBatch(epoch=cur.epoch, offset=offset, count=count)
+
+    # -- admission and batches ----------------------------------------------------------
+
+    def _admitted(self, ev: Admitted, out: list[Command]) -> None:
+        self.spec = ev.spec
+        self.global_step = ev.global_step
+
+    def _batch(self, ev: BatchTrained, out: list[Command]) -> None:
+        self.local_step += 1
+        self.steps_since_avg += 1
+        cur = self.current
+        if cur is not None:
+            cur.batches += 1
+            cur.samples += ev.samples
+            cur.loss_sum += ev.loss
+            cur.compute_ms += ev.batch_ms
+            cur.data_ms += ev.data_ms
+        batch = pb.Timing.Batch(
+            batch_ms=ev.batch_ms, data_ms=ev.data_ms, step_count=self.local_step, batch_loss=ev.loss, lr=ev.lr,
+            samples=ev.samples, epoch=ev.epoch, offset=ev.offset,
+        )  # fmt: skip
+        # Until folded: a restarted coordinator may ask for it.
+        self.unfolded = [b for b in self.unfolded if b.step_count > self.folded_step]
+        self.unfolded.append(batch)
+        out.append(SendTiming(kind="batch", body=batch))
+
+    def _metrics(self, chunk: Chunk, now: float) -> pb.Metrics:
+        m = pb.Metrics(
+            rank=self.rank,
+            epoch=chunk.epoch,
+            chunk_seq=chunk.seq,
+            avg_loss=chunk.loss_sum / chunk.batches if chunk.batches else 0.0,
+            batches_processed=chunk.batches,
+            samples_processed=chunk.samples,
+            epoch_ms=(now - chunk.started) * 1e3,
+            compute_only_ms=chunk.compute_ms,
+            data_starve_ms=chunk.data_ms,
+            share_complete_ms=chunk.compute_ms + chunk.data_ms,
+        )
+        self.finished.append(m)  # until its epoch is aggregated (the resync report)
+        return m
+
+    # -- control ------------------------------------------------------------------------
+
+    def _control(self, ev: ControlReceived, out: list[Command]) -> None:
+        c = ev.control
+        which = c.WhichOneof("cmd")
+        if c.command_id > self.last_command_id:
+            self.last_command_id = c.command_id
+        if which is None:
+            out.append(Drop(reason="malformed", detail="control with no command"))
+            return
+        fn = _CONTROL.get(which)
+        if fn is not None:
+            fn(self, c, out)
+        elif which in INFORMATIONAL:
+            pass
+        else:  # sync_now (the NCCL-inline variant), rendezvous on the bus plane
+            out.append(Drop(reason="unsupported_control", detail=f"{which} (collective plane) is not supported by this rank"))
+
+    def _request_params(self, c: pb.Control, out: list[Command]) -> None:
+        assert self.spec is not None
+        cycle, n = c.request_params.cycle, self.steps_since_avg
+        snap = Snapshot(n=n, step_count=self.local_step, weight=gamma_mass(n, self.spec.gamma))
+        self.snapshots[cycle] = snap
+        out.append(TakeSnapshot(cycle=cycle, n=snap.n, step_count=snap.step_count, weight=snap.weight))
+
+    def _start_epoch(self, c: pb.Control, out: list[Command]) -> None:
+        self._queue(c.start_epoch.plan, "StartEpoch", out)
+
+    def _update(self, c: pb.Control, out: list[Command]) -> None:
+        if c.update.HasField("next_plan"):
+            self._queue(c.update.next_plan, "Update.next_plan", out)
+        self.throttled = False
+
+    def _throttle(self, c: pb.Control, out: list[Command]) -> None:
+        self.throttled = True
+
+    def _queue(self, plan: pb.EpochPlan, source: str, out: list[Command]) -> None:
+        self._add_chunk(plan.epoch, plan.partition_offset, plan.partition_size, source, out)
+
+    def _add_chunk(self, epoch: int, offset: int, size: int, source: str, out: list[Command]) -> None:
+        assert self.spec is not None
+        total = self.spec.total_samples
+        if offset + size > total:
+            out.append(Drop(reason="bad_plan", detail=f"{source} [{offset}, {offset + size}) exceeds {total} samples"))
+            return
+        if self.plans:
+            # Reference hazard 11: two outstanding plans usually mean a coordinator bug.
+            # Keep both (dropping one would strand its samples), but say so.
+            out.append(Warn(text=f"{source} arrived while another plan is still queued; keeping both (FIFO)"))
+        self.chunk_seq += 1
+        self.plans.append(Chunk(epoch=int(epoch), seq=self.chunk_seq, segments=deque([[int(offset), int(size)]])))
+
+    def _extend(self, c: pb.Control, out: list[Command]) -> None:
+        m, cur = c.extend_partition, self.current
+        if cur is not None and cur.epoch == m.epoch:
+            assert self.spec is not None
+            if m.partition_offset + m.partition_size > self.spec.total_samples:
+                out.append(Drop(reason="bad_plan", detail="ExtendPartition beyond the epoch"))
+                return
+            cur.segments.append([int(m.partition_offset), int(m.partition_size)])
+        else:  # no plan in training (or another epoch): the extension is a chunk of its own
+            self._add_chunk(m.epoch, m.partition_offset, m.partition_size, "ExtendPartition", out)
+
+    def _execute_eval(self, c: pb.Control, out: list[Command]) -> None:
+        if c.execute_eval.target_rank == self.rank:
+            out.append(RunEval(command=c.execute_eval))
+
+    def _set_global_step(self, c: pb.Control, out: list[Command]) -> None:
+        self.global_step = c.set_global_step.global_step
+
+    def _shutdown(self, c: pb.Control, out: list[Command]) -> None:
+        self.exited = True
+        out.append(Exit(reason=str(c.WhichOneof("cmd")), steps=self.local_step))
+
+    def _set_role(self, c: pb.Control, out: list[Command]) -> None:
+        self.epoch_role = c.set_epoch_callback_role.rank
+
+    def _epoch_aggregated(self, c: pb.Control, out: list[Command]) -> None:
+        done = c.epoch_aggregated.metrics.epoch
+        self.finished = [m for m in self.finished if m.epoch > done]
+        if self.epoch_role == self.rank:
+            out.append(RunEpochFn(metrics=c.epoch_aggregated.metrics))
+
+    def _rendezvous(self, c: pb.Control, out: list[Command]) -> None:
+        assert self.spec is not None
+        if self.spec.plane == pb.PLANE_COLLECTIVE:
+            out.append(FormGroup(command=c.rendezvous))
+        else:
+            out.append(Drop(reason="unsupported_control", detail="rendezvous (collective plane) is not supported by this rank"))
+
+    # -- consensus ----------------------------------------------------------------------
+
+    def _consensus(self, ev: ConsensusReady, out: list[Command]) -> None:
+        snap = self.snapshots.pop(ev.cycle, None)
+        if snap is None:
+            out.append(Drop(reason="unknown_cycle", detail=f"consensus for cycle {ev.cycle}, which this rank never snapshotted"))
+            return
+        acked = self.folded_step
+        if ev.arrays is not None:
+            self.steps_since_avg = max(0, self.steps_since_avg - snap.n)
+            self.folded_step = acked = snap.step_count
+        out.append(ApplyConsensus(cycle=ev.cycle, arrays=ev.arrays, ack_step=acked, moved=self.local_step != snap.step_count))
+        # Held until the next consensus: a later Checkpoint{cycle} saves exactly it.
+        self.held = (ev.cycle, list(ev.arrays)) if ev.arrays is not None else None
+        self.applied_cycle, self.applied_at_step = ev.cycle, self.local_step
+        for c in sorted(k for k in self.armed if k <= ev.cycle):
+            m = self.armed.pop(c)
+            if c == ev.cycle:
+                out.append(SaveCheckpoint(command=m, params=self.held[1] if self.held is not None else None))
+            else:
+                self._refuse(m, f"the consensus of cycle {c} never reached this rank", out)
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def _checkpoint(self, c: pb.Control, out: list[Command]) -> None:
+        m = c.checkpoint
+        if m.target_rank != self.rank:
+            return
+        if not m.path:
+            self._refuse(m, "no path in the Checkpoint command (the coordinator has no checkpoint_dir)", out)
+        elif m.cycle == 0:
+            out.append(SaveCheckpoint(command=m))
+        elif m.cycle > self.applied_cycle:
+            armed = pb.Control.Checkpoint()
+            armed.CopyFrom(m)
+            self.armed[m.cycle] = armed
+        elif m.cycle == self.applied_cycle and self.held is not None and self.held[0] == m.cycle:
+            out.append(SaveCheckpoint(command=m, params=self.held[1]))
+        elif m.cycle == self.applied_cycle and self.local_step == self.applied_at_step:
+            out.append(SaveCheckpoint(command=m))
+        else:
+            moved = self.local_step - self.applied_at_step
+            self._refuse(
+                m,
+                f"the consensus of cycle {m.cycle} is no longer held (last applied cycle "
+                f"{self.applied_cycle}, {moved} step(s) since)",
+                out,
+            )
+
+    def _refuse(self, m: pb.Control.Checkpoint, error: str, out: list[Command]) -> None:
+        out.append(Warn(text=f"checkpoint v{m.version} not saved: {error}"))
+        res = pb.Timing.CheckpointResult(version=m.version, elapsed_ms=0.0, error=error, cycle=m.cycle)
+        out.append(SendTiming(kind="checkpoint_result", body=res))
+
+    # -- coordinator restarts -------------------------------------------------------------
+
+    def _incarnation(self, ev: IncarnationSeen, out: list[Command]) -> None:
+        inc = ev.incarnation
+        if self.incarnation is None:
+            if ev.hello_ack:
+                self.incarnation = inc
+            return
+        if inc == self.incarnation:
+            return
+        if inc in self.left_behind:
+            out.append(Drop(reason="stale_incarnation", detail=f"a frame of coordinator incarnation {inc}, which restarted"))
+            return
+        self.left_behind.add(self.incarnation)
+        self.incarnation = inc
+        self.restarts += 1
+        if self.spec is not None:
+            self._report(inc, out)
+
+    def _report(self, inc: int, out: list[Command]) -> None:
+        dropped = tuple(sorted(self.snapshots))
+        self.snapshots.clear()  # their rounds died with the old coordinator's reducer
+        out.append(AbandonRounds(cycles=dropped))
+        batches = [b for b in self.unfolded if b.step_count > self.folded_step]
+        held = self.held_positions()
+        report = pb.Timing.Resync(
+            coordinator_incarnation=inc,
+            last_command_id=self.last_command_id,
+            local_step=self.local_step,
+            folded_step=self.folded_step,
+            throttled=self.throttled,
+            idle=not held,
+            batches=batches,
+            held=held,
+            chunks=self.finished,
+        )
+        out.append(SendTiming(kind="resync", body=report))
+        out.append(Warn(text=(
+            f"the coordinator restarted (incarnation {inc:x}): resync sent ({len(batches)} unfolded batches, "
+            f"{sum(p.partition_size for p in held)} samples held, {len(dropped)} snapshot(s) dropped, "
+            f"throttled={self.throttled})"
+        )))  # fmt: skip
+
+
+_HANDLERS: dict[type, Callable[[RankMachine, Any, list], None]] = {
+    Admitted: RankMachine._admitted,
+    IncarnationSeen: RankMachine._incarnation,
+    ControlReceived: RankMachine._control,
+    ConsensusReady: RankMachine._consensus,
+    BatchTrained: RankMachine._batch,
+}
+
+# Control command -> handler (informational kinds: INFORMATIONAL; anything else is dropped).
+_CONTROL: dict[str, Callable[[RankMachine, pb.Control, list], None]] = {
+    "request_params": RankMachine._request_params,
+    "start_epoch": RankMachine._start_epoch,
+    "update": RankMachine._update,
+    "throttle": RankMachine._throttle,
+    "extend_partition": RankMachine._extend,
+    "execute_eval": RankMachine._execute_eval,
+    "set_global_step": RankMachine._set_global_step,
+    "checkpoint": RankMachine._checkpoint,
+    "shutdown": RankMachine._shutdown,
+    "shutdown_with_save": RankMachine._shutdown,
+    "set_epoch_callback_role": RankMachine._set_role,
+    "epoch_aggregated": RankMachine._epoch_aggregated,
+    "rendezvous": RankMachine._rendezvous,
+}
