@@ -1,21 +1,31 @@
 """CoreConfig: the run's settings as the core sees them (validated, immutable).
 
+This is also where every *run* setting is declared, once: each field carries its help
+text (``setting(...)``), and the service (``flodl_coordinator.settings``) derives from
+these fields its TOML keys, ``FLODL_<KEY>`` variables, ``--key-name`` flags, ``--help``
+and the README's configuration table. A field without ``setting`` metadata is not a
+setting: the service derives it (``checkpoint_on_failure``). Where the service's
+spelling differs from the core's, the metadata says how: ``key`` renames
+(``num_epochs`` is the setting ``epochs``), an ``Optional[int]`` is an ``int`` setting
+whose 0 means None, and ``bytes`` is a hex string.
+
 The cadence knobs (``anchor`` .. ``meta_controller``) configure the ElChe engine of the
 Cadence policy (``_cadence``/``_feedback``); Sync ignores them. Their defaults are the
 reference's (spec §1.1, §6.1): anchor 4 batches of the slowest rank per window, growth
 floor = the initial anchor, ceiling 1000, 5 % fixed-overhead target, no count-move cap,
-the LevelGuard, the LR meta-controller on.
+the LevelGuard, the LR meta-controller on. ``probe_batches`` is ours: 1 (the deployed
+service's value, so the simulator and the unit tests run the service's first window).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Optional
 
 from ._max_failure import max_failure_limit
 from ._roles import parse_policy
 
-__all__ = ["CoreConfig", "POLICIES", "PLANES", "GUARDS"]
+__all__ = ["CoreConfig", "POLICIES", "PLANES", "GUARDS", "Setting", "setting"]
 
 POLICIES = ("sync", "cadence", "async")
 PLANES = ("bus", "collective")
@@ -24,73 +34,166 @@ GUARDS = ("none", "level", "growth")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Setting:
+    """What a config field is as a setting: its one-line ``help`` (flags' ``--help``), its
+    README text ``doc`` (default: ``help``), its ``key`` where the setting's name differs
+    from the field's, ``choices`` where it is one of a few words, and ``per_process``: a
+    service setting that may differ between a run's first process and a restarted one
+    (``flodl_coordinator.recovery`` compares all the others with the journal's)."""
+
+    help: str
+    doc: str = ""
+    key: str = ""
+    choices: tuple[str, ...] = ()
+    per_process: bool = False
+
+
+def setting(default: Any = MISSING, *, help: str, doc: str = "", key: str = "", choices: tuple[str, ...] = (),
+            per_process: bool = False) -> Any:  # fmt: skip
+    """A dataclass field declared as a setting (``Setting``); no default: required."""
+    meta = {"setting": Setting(help=help, doc=doc or help, key=key, choices=choices, per_process=per_process)}
+    return field(metadata=meta) if default is MISSING else field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CoreConfig:
-    world_size: int
-    batch_size: int = 32
-    num_epochs: int = 10
-    seed: int = 42
+    world_size: int = setting(help="number of ranks in the world (required)", doc="number of ranks")
+    batch_size: int = setting(32, help="samples per step on every rank")
+    num_epochs: int = setting(10, key="epochs", help="epochs to train")
+    seed: int = setting(
+        42, help="shuffle and init seed",
+        doc="shuffle and init seed; the epoch permutation is a function of (seed, epoch)",
+    )  # fmt: skip
     # Cadence is flodl's point (unequal ranks stop waiting for the slowest); "sync"
-    # averages after every step of every rank. The service shell picks its own default.
-    policy: str = "cadence"
-    plane: str = "bus"
-    # Collective plane (``_collective``): the torch.distributed backend the ranks build
-    # their process group with (gloo: CPU tensors; nccl: GPU tensors), and the timeout
-    # of group formation and of one all-reduce (a hung peer is usually declared dead by
-    # liveness first; this is the backstop).
-    collective_backend: str = "gloo"
-    collective_timeout_s: float = 60.0
-    gamma: float = 1.0  # contribution mass n**gamma; 1 = plain work weighting
-    easgd_alpha: float = 0.5
-    bf16_wire: bool = False
-    # 0: the cohort's dataset length (from the first admitted hello) is the epoch size.
-    total_samples: int = 0
+    # averages after every step of every rank.
+    policy: str = setting(
+        "cadence", choices=POLICIES,
+        help="averaging policy: cadence (per-rank windows proportional to speed) | sync (average once "
+        "every rank stepped) | async (cadence windows with a bounded overshoot, streaming across epochs, "
+        "EASGD blend of the consensus)",
+        doc="`cadence`: ElChe — each rank runs a window of batches proportional to its measured speed, "
+        "windows grow until averaging costs ≤ `overhead_target`; `sync`: average once every rank made ≥ 1 "
+        "step (held to the slowest rank, like DDP); `async`: cadence windows, but a rank may run "
+        "`max_overshoot` batches past its window (3, widening to 15 while the guard is content), streams "
+        "into the next epoch without waiting for the current one to close, and blends the consensus "
+        "elastically (EASGD)",
+    )  # fmt: skip
+    plane: str = setting(
+        "bus", choices=PLANES,
+        help="averaging data plane: bus (weighted params over ZeroMQ, reduced by the coordinator) | "
+        "collective (the ranks all-reduce with torch.distributed)",
+        doc="averaging data plane: `bus` (parameters over ZeroMQ, reduced by the coordinator) or "
+        "`collective` (the ranks all-reduce with torch.distributed; the coordinator forms and re-forms "
+        "the process group, see docs/collective.md)",
+    )  # fmt: skip
+    # Collective plane (``_collective``): the backstop timeout of group formation and of one
+    # all-reduce (a hung peer is usually declared dead by liveness first).
+    collective_backend: str = setting(
+        "gloo", choices=COLLECTIVE_BACKENDS,
+        help="plane collective: torch.distributed backend gloo (CPU tensors) | nccl (GPU tensors)",
+        doc="collective plane: `gloo` (CPU tensors) or `nccl` (GPU tensors)",
+    )  # fmt: skip
+    collective_timeout_s: float = setting(
+        60.0, help="plane collective: seconds for a group to form / one all-reduce",
+        doc="collective plane: group formation / one all-reduce / store-host answer timeout",
+    )  # fmt: skip
+    gamma: float = setting(
+        1.0, help="contribution mass exponent: weight = steps**gamma (1 = plain work weighting)",
+        doc="a rank's contribution weight is `steps ** gamma`",
+    )  # fmt: skip
+    easgd_alpha: float = setting(
+        0.5, help="async: elastic blend theta += alpha * (consensus - theta), 0 < alpha <= 1",
+        doc="async: each rank applies θ ← θ + α·(consensus − θ) (1 = overwrite)",
+    )  # fmt: skip
+    bf16_wire: bool = setting(
+        False, help="bf16 tensors on the bus (f32 accumulation)",
+        doc="bf16 tensors on the bus, both directions (half the bytes; sums stay f32, checkpoints stay exact f32)",
+    )  # fmt: skip
+    total_samples: int = setting(
+        0, help="samples per epoch; 0 = the dataset length the ranks report",
+    )  # fmt: skip
     # Liveness (zguide's named trio): beacon interval, and how long silence may last.
-    heartbeat_interval_s: float = 1.0
-    liveness_timeout_s: float = 10.0
-    # A Pending averaging round older than this ends the run (ShutdownWithSave ReduceStall).
-    reduce_stall_s: float = 300.0
-    # The world must form (every slot admitted) within this long of the run's first event,
-    # or the run fails naming who is missing and why (a rank refused at hello, one that
-    # died before the start, one never heard from). 0: wait forever.
-    form_timeout_s: float = 300.0
-    # The model signature every rank must present (sha256 from
-    # ``flodl_worker.params.model_signature``). Empty: the first admitted rank's, released
-    # again if every rank holding it leaves before the world forms (no squatting).
-    model_signature: bytes = b""
-    # Whether to run the final canonical eval on the eval role before Shutdown.
-    final_eval: bool = True
+    heartbeat_interval_s: float = setting(1.0, help="coordinator beacon / rank heartbeat interval")
+    liveness_timeout_s: float = setting(10.0, help="silence after which a rank is declared dead")
+    reduce_stall_s: float = setting(
+        300.0, help="an averaging round pending this long ends the run (ShutdownWithSave ReduceStall)",
+        doc="an averaging round pending this long ends the run",
+    )  # fmt: skip
+    form_timeout_s: float = setting(
+        300.0,
+        help="the world must form (every slot admitted) within this long, or the run fails naming who is "
+        "missing; 0 = wait forever",
+        doc="the world must form (every slot admitted) within this long of the service's first event, or "
+        "the run fails (exit 1) naming each missing slot and why: its last refusal (`refused: world_size 4 "
+        "differs ...`), how it was lost before the start, or `never said hello`; 0 = wait forever. Every "
+        "refused hello is also logged with its reason when it happens",
+    )  # fmt: skip
+    model_signature: bytes = setting(
+        b"",
+        help="hex sha256 every rank's model must match (logged at world_formed); empty = the first "
+        "admitted rank's",
+        doc="hex sha256 every rank's model must present (module types, parameter and buffer names, shapes, "
+        "dtypes; `flodl_worker.params.model_signature`, logged by the `world_formed` line). Unset: the "
+        "first admitted rank's; a hello with another model or dataset length *before the world forms* is "
+        "answered `deferred` (not refused: the rank keeps asking), a majority of deferred slots evicts the "
+        "minority holding the slots, and a holder that vanishes releases the cohort — so one early foreign "
+        "hello cannot lock the real ranks out. On an untrusted network, pin it",
+    )  # fmt: skip
+    final_eval: bool = setting(True, help="evaluate on the eval rank after the last average")
     # -- Cadence (ElChe) ---------------------------------------------------------------
-    # Initial anchor: batches the slowest rank runs per window (faster ranks run
-    # proportionally more). 4 amortises a reduce over a few batches from the first window.
-    anchor: int = 4
-    # Window-pressure growth never goes below this (None: the initial anchor).
-    min_anchor: Optional[int] = None
-    # Staleness safety net; the overhead tune normally settles far below it.
-    max_anchor: int = 1000
-    # Grow the anchor while reduce + fill exceed this fraction of the window's wall.
-    overhead_target: float = 0.05
-    # Cap on how far one recalibration may move a count, and the Throttle spread
-    # (a rank more than this many steps ahead of the slowest pauses). None or 0: off.
-    max_batch_diff: Optional[int] = None
-    # Convergence guard over the replicas' divergence: "level" | "growth" | "none".
-    guard: str = "level"
-    # LR-aware meta-controller above ElChe (LR cliffs, sustained divergence).
-    meta_controller: bool = True
-    # Batches per rank in the first, uncalibrated window (None: the anchor). Before any
-    # measurement every rank gets the same count, so the fastest idles while the slowest
-    # finishes it: a short probe window bounds that cost. Ours, not the reference's.
-    probe_batches: Optional[int] = None
+    anchor: int = setting(
+        4, help="cadence: initial batches of the slowest rank per window (faster ranks run proportionally "
+        "more)",
+        doc="cadence: initial batches of the slowest rank per window",
+    )  # fmt: skip
+    min_anchor: Optional[int] = setting(
+        None, help="cadence: window-pressure growth floor; 0 = the initial anchor",
+    )  # fmt: skip
+    max_anchor: int = setting(
+        1000, help="cadence: window-pressure growth ceiling (a staleness safety net; the overhead tune "
+        "normally settles far below it)",
+        doc="cadence: window-pressure growth ceiling",
+    )  # fmt: skip
+    overhead_target: float = setting(
+        0.05, help="cadence: grow windows while reduce + fill exceed this share of a window",
+    )  # fmt: skip
+    max_batch_diff: Optional[int] = setting(
+        None, help="cadence: cap on how far a rank's count moves per window, and the Throttle spread "
+        "(a rank this many steps ahead of the slowest pauses); 0 = off",
+    )  # fmt: skip
+    guard: str = setting(
+        "level", choices=GUARDS, help="cadence: convergence guard over replica divergence",
+    )  # fmt: skip
+    meta_controller: bool = setting(
+        True, help="cadence: shrink windows on a learning-rate cliff or a run of guard vetoes",
+    )  # fmt: skip
+    # Before any measurement every rank gets the same count, so the fastest idles while the
+    # slowest finishes it: a short probe window bounds that cost. Ours, not the reference's
+    # (None: the anchor, as in the reference).
+    probe_batches: Optional[int] = setting(
+        1, help="cadence: batches per rank in the first, uncalibrated window; 0 = the anchor",
+    )  # fmt: skip
     # -- checkpoints and failure policy (``_checkpointing``) ----------------------------
-    # A consensus checkpoint after every N aggregated epochs (0: none).
-    checkpoint_every: int = 0
-    # Whether the run's end by failure or operator stop asks the role rank to save.
+    checkpoint_every: int = setting(
+        0, help="a consensus checkpoint every N aggregated epochs (0 = only when the run fails, if "
+        "checkpoint_dir is set)",
+        doc="a checkpoint every N epochs (0 = only when the run fails, if `checkpoint_dir` is set)",
+    )  # fmt: skip
+    # Whether the run's end by failure or operator stop asks the role rank to save (the
+    # service: whether it has a checkpoint_dir). Not a setting.
     checkpoint_on_failure: bool = False
-    # Dead ranks that end the run: "N" (absolute) or "P%" (of world_size); "" = never.
-    max_failure: str = ""
+    max_failure: str = setting(
+        "", help="end the run (ShutdownWithSave) once this many ranks died: N, or P% of world_size; "
+        "empty = never",
+        doc="end the run (ShutdownWithSave) once this many ranks died: `N` or `P%` of world_size",
+    )  # fmt: skip
     # -- callback roles (``_roles``) ----------------------------------------------------
-    # Who runs evals, saves and the epoch callback: "fastest" (the fastest alive rank by
-    # ElChe pace; lowest alive without one) or "rank:N" (rank N, clamped to world_size-1).
-    epoch_callback_policy: str = "fastest"
+    epoch_callback_policy: str = setting(
+        "fastest",
+        help="who checkpoints and evaluates: fastest (the fastest alive rank by ElChe pace, re-elected on "
+        "its death) or rank:N",
+        doc="which rank checkpoints and evaluates: the fastest (re-elected on its death) or `rank:N`",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

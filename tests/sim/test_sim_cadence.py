@@ -106,8 +106,8 @@ def test_a_one_batch_probe_window_calibrates_at_less_cost():
     # Before any measurement every rank gets the same count; with a 1-batch probe the
     # fast ranks wait for one slow batch, not for `anchor` of them.
     cfg = dict(RIG, total_samples=2000, epochs=1, policy="cadence", seed=3)
-    plain = simulate(SimConfig(**cfg))
-    probed = simulate(SimConfig(**cfg, core_overrides={"probe_batches": 1}))
+    plain = simulate(SimConfig(**cfg, core_overrides={"probe_batches": None}))  # the anchor, as in the reference
+    probed = simulate(SimConfig(**cfg, core_overrides={"probe_batches": 1}))  # the default
     assert plain.finished.ok and probed.finished.ok
     _exact(probed, 2000)
     first = {}

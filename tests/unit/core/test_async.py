@@ -27,6 +27,7 @@ EXACT = {"expected": 100, "trained": 100, "duplicates": 0, "missing": 0}
 def _state(ws, anchor, *, total=100, bs=1, epochs=2, policy="async", **kw):
     """A formed, training coordinator with no epoch dispatched (NoGuard)."""
     kw.setdefault("guard", "none")
+    kw.setdefault("probe_batches", None)  # the reference's scenarios: the first window is the anchor
     cfg = CoreConfig(world_size=ws, policy=policy, anchor=anchor, batch_size=bs, num_epochs=epochs,
                      total_samples=total, **kw)  # fmt: skip
     st = initial_state(cfg)

@@ -67,6 +67,7 @@ def _pool(st, epoch, total, *, equal=True):
 
 def _cluster(**kw):
     kw.setdefault("policy", "cadence")
+    kw.setdefault("probe_batches", None)  # the reference's scenarios: the first window is the anchor
     return Cluster(**kw)
 
 
@@ -319,7 +320,7 @@ def test_a_batch_between_the_trigger_and_the_snapshot_is_paced_next_and_folded_n
 @pytest.mark.parametrize("acked", [False, True])
 def test_death_with_a_chunk_from_the_trigger_in_flight_exact_coverage(acked):
     c = CheckedCluster(world_size=3, total=100, batch_size=2, epochs=2, policy="cadence", anchor=2,
-                       speeds=[10, 20, 40], defer_acks=True)  # fmt: skip
+                       speeds=[10, 20, 40], defer_acks=True, probe_batches=None)  # fmt: skip
     c.join_all()
     st = c.state
     for _ in range(3):  # calibrated by then
@@ -662,13 +663,14 @@ def test_config_cadence_knobs_defaults_and_validation():
     cfg = CoreConfig(world_size=2)
     assert (cfg.anchor, cfg.min_anchor, cfg.max_anchor, cfg.overhead_target) == (4, None, 1000, 0.05)
     assert (cfg.max_batch_diff, cfg.guard, cfg.meta_controller) == (None, "level", True)
+    assert cfg.probe_batches == 1  # the service's default (issue 10); None: the anchor, as in the reference
     assert CoreConfig(world_size=2, max_batch_diff=0).batch_diff_cap is None
     for bad in ({"anchor": 0}, {"max_anchor": 0}, {"overhead_target": 0.0}, {"guard": "trend"},
                 {"max_batch_diff": -1}, {"min_anchor": 0}):  # fmt: skip
         with pytest.raises(ValueError):
             CoreConfig(world_size=2, **bad)
     st = initial_state(CoreConfig(world_size=3, policy="cadence", anchor=6, min_anchor=8, guard="growth",
-                                  meta_controller=False))  # fmt: skip
+                                  meta_controller=False, probe_batches=None))  # fmt: skip
     el = st.cadence.elche
     assert (el.anchor, el.min_anchor, el.batch_counts) == (8, 8, [8, 8, 8])
     assert st.cadence.guard.name == "growth" and st.cadence.meta is None
