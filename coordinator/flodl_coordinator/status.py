@@ -11,6 +11,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from flodl import strictjson
+from flodl.core import status_view
 
 __all__ = ["StatusBoard"]
 
@@ -20,6 +21,7 @@ class StatusBoard:
         self._snap: dict = {"phase": "starting"}
         self._last_epoch: dict = {}
         self._events = 0
+        self.http_address: tuple | None = None
 
     def notice(self, cmd) -> None:
         if cmd.kind == "epoch":
@@ -27,9 +29,9 @@ class StatusBoard:
 
     def update(self, state, dropped, reducer, checkpoints: dict | None = None) -> None:
         self._events += 1
-        summary = getattr(state, "status", None)
-        core = summary() if callable(summary) else {}
+        core = status_view(state)
         self._snap = {
+            "phase": core["run"]["phase"],
             "events": self._events,
             "dropped_frames": dict(dropped),
             "rounds_completed": reducer.rounds_completed,
@@ -82,5 +84,6 @@ class StatusBoard:
                 pass
 
         server = ThreadingHTTPServer((host or "127.0.0.1", int(port)), Handler)
+        self.http_address = server.server_address[:2]  # the bound (host, port): port 0 picks one
         threading.Thread(target=server.serve_forever, name="flodl-http", daemon=True).start()
         return server

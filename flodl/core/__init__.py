@@ -43,12 +43,14 @@ from ._checkpoint import ResumePoint, checkpoint_meta, resume_plan, validate_met
 from ._run import FINAL_SCHEDULE_ID
 from ._state import CoordinatorState
 from ._step import initial_state, replay, step
+from ._status_view import status_view
 
 __all__ = [
     # entry points
     "initial_state",
     "step",
     "replay",
+    "status_view",
     "should_average",
     "CoreConfig",
     "CoordinatorState",

@@ -47,7 +47,7 @@ def test_service_summary_with_a_nan_loss_is_valid_json(tmp_path):
 def test_status_over_http_is_strict_json_with_a_non_finite_epoch_loss(value):
     import urllib.request
 
-    from flodl.core import Notice
+    from flodl.core import CoreConfig, Notice, initial_state
     from flodl_coordinator.status import StatusBoard
 
     class _Reducer:
@@ -55,7 +55,7 @@ def test_status_over_http_is_strict_json_with_a_non_finite_epoch_loss(value):
 
     board = StatusBoard()
     board.notice(Notice("epoch", {"epoch": 0, "avg_loss": value}))
-    board.update(object(), {}, _Reducer())
+    board.update(initial_state(CoreConfig(world_size=1)), {}, _Reducer())
     http = board.serve("127.0.0.1:0")
     try:
         port = http.server_address[1]
