@@ -61,65 +61,95 @@ def _slowdowns(text: str, ranks: int) -> list[float]:
     return vals
 
 
+# Settings the launcher sets itself, from its own flags (key -> how). Every other key of
+# the coordinator's settings schema (flodl_coordinator.settings.SCHEMA) is a `flodl run`
+# flag too, derived from the schema and forwarded to `flodl-coordinator serve` as given:
+# the defaults, checks and --help text are the coordinator's.
+LAUNCHER_KEYS = {
+    "world_size": "--ranks",
+    "bind": "--port (on 127.0.0.1)",
+    "session": "a fresh one per run",
+    "summary": "--summary (the launcher's report: the coordinator's summary plus the launcher's fields)",
+    "curve_secret_key": "--curve",
+    "curve_allowed_keys": "--curve",
+}
+# Paths the coordinator is handed absolute (the same files, whatever its working directory).
+_PATH_KEYS = ("checkpoint_dir", "resume")
+
+
+def _settings_module():
+    """``flodl_coordinator.settings``: the launcher sits on top of every package (ARCHITECTURE §2)."""
+    try:
+        from flodl_coordinator import settings
+    except ImportError as e:
+        raise LaunchError(f"flodl run needs the coordinator package (pip install flodl-coordinator): {e}") from None
+    return settings
+
+
+def forwarded_keys() -> list[str]:
+    """The coordinator settings ``flodl run`` takes as flags and forwards."""
+    return [k for k in _settings_module().SCHEMA if k not in LAUNCHER_KEYS]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flodl", description="flodl launcher")
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run a training job", description=__doc__)
+    r = sub.add_parser("run", help="run a training job", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     r.add_argument("--local", action="store_true", required=True, help="all processes on this machine")
-    r.add_argument("--ranks", type=int, default=3, help="number of ranks (default 3)")
+    r.add_argument("--ranks", type=int, default=3, help="number of ranks (default 3; the world size)")
     r.add_argument("--task", choices=sorted(TASKS), default="digits", help="example task (default digits)")
     r.add_argument("--slowdown", default="1", help="per-rank emulated slowdown factors, e.g. 1,2,4")
     r.add_argument("--base-ms", type=float, default=10.0, help="emulated ms per batch per slowdown unit (10)")
-    r.add_argument("--epochs", type=int, default=10, help="epochs (default 10)")
-    r.add_argument("--batch-size", type=int, default=32, help="samples per step per rank (default 32)")
-    r.add_argument("--policy", default="cadence", choices=("cadence", "sync", "async"),
-                   help="averaging policy: cadence (default: per-rank windows proportional to speed), "
-                   "sync (average once every rank stepped) or async (cadence windows with a bounded "
-                   "overshoot, streaming across epochs, EASGD blend of the consensus)")
-    r.add_argument("--easgd-alpha", type=float,
-                   help="async: elastic blend theta += alpha * (consensus - theta), 0 < alpha <= 1 (0.5)")
-    r.add_argument("--plane", default="bus", choices=("bus", "collective"),
-                   help="averaging data plane: bus (default: weighted params over ZeroMQ, reduced by the "
-                   "coordinator) or collective (the ranks all-reduce with torch.distributed)")
-    r.add_argument("--collective-backend", choices=("gloo", "nccl"),
-                   help="plane collective: torch.distributed backend (default gloo; nccl for GPU tensors)")
-    r.add_argument("--collective-timeout", type=float,
-                   help="plane collective: seconds for a group to form / one all-reduce (default 60)")
-    r.add_argument("--anchor", type=int, help="cadence: initial batches of the slowest rank per window")
-    r.add_argument("--seed", type=int, default=42, help="shuffle and init seed (default 42)")
     r.add_argument("--port", type=int, default=0, help="coordinator TCP port on 127.0.0.1 (0 = any free)")
     r.add_argument("--summary", help="write the run summary JSON to this path")
-    r.add_argument("--journal", help="keep the coordinator's event journal at this path")
-    r.add_argument("--checkpoint-dir", help="write consensus checkpoints (model, optimizer, coverage) here")
-    r.add_argument("--checkpoint-every", type=int, default=0, help="a checkpoint every N epochs (0 = only on failure)")
-    r.add_argument("--resume", help="resume from a checkpoint dir (or the --checkpoint-dir of a previous run)")
     r.add_argument("--trace-dir", help="ranks write the sample ids they train here (coverage audit)")
-    r.add_argument("--max-failure", help="end the run once this many ranks died: N, or P%% of --ranks")
-    r.add_argument("--liveness-timeout", type=float, default=10.0, help="seconds of silence = dead rank")
-    r.add_argument("--form-timeout", type=float, default=120.0,
-                   help="the world must form within this many seconds or the run fails naming who is missing")
     r.add_argument("--no-fold", action="store_true", help="the relay forwards averaging rounds unfolded")
     r.add_argument("--curve", action="store_true",
                    help="CURVE on the coordinator's socket with throwaway keys made in the run's temp dir "
                    "(the agent and its relay get a client key; loopback needs none, this exercises it)")
-    r.add_argument("--bf16-wire", action="store_true", help="bf16 tensors on the bus (f32 accumulation)")
-    r.add_argument("--outer-optimizer", choices=("none", "slowmo", "nesterov"),
-                   help="outer step on the averaged parameters (default none)")
-    r.add_argument("--outer-lr", type=float, help="outer learning rate (default 1)")
-    r.add_argument("--outer-momentum", type=float, help="outer momentum in [0, 1) (default 0)")
     r.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     r.add_argument("--quiet", action="store_true", help="only print the summary")
+    g = r.add_argument_group(
+        "coordinator settings",
+        "forwarded to flodl-coordinator serve (README, Configuration); also read from FLODL_<KEY>",
+    )
+    _settings_module().add_flags(g, forwarded_keys(), choices=True)
     r.add_argument("task_args", nargs=argparse.REMAINDER, help="-- extra arguments for the task script")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
     try:
+        args = _parser().parse_args(argv)
         return _run_local(args)
     except LaunchError as e:
         print(f"flodl: {e}", file=sys.stderr)
         return 2
+
+
+def coordinator_flags(args) -> list[str]:
+    """The forwarded settings ``args`` gives, as ``flodl-coordinator serve`` flags."""
+    given = {k: getattr(args, k) for k in forwarded_keys()}
+    for k in _PATH_KEYS:
+        if given.get(k):
+            given[k] = os.path.abspath(given[k])
+    return _settings_module().flag_argv(given)
+
+
+def _check(args):
+    """The run's settings, checked with the coordinator's own rules before anything starts."""
+    if args.ranks < 1:
+        raise LaunchError(f"--ranks must be >= 1, got {args.ranks}")
+    mod = _settings_module()
+    given = {k: getattr(args, k) for k in forwarded_keys()}
+    try:
+        settings = mod.load_settings(env=os.environ, flags={**given, "world_size": args.ranks})
+    except mod.SettingsError as e:
+        raise LaunchError(str(e)) from None
+    if settings.plane != "collective" and (args.collective_backend or args.collective_timeout_s is not None):
+        raise LaunchError("--collective-backend and --collective-timeout need --plane collective")
+    return settings
 
 
 def _pump(stream, prefix: str, quiet: bool, sink: list | None = None) -> None:
@@ -132,20 +162,7 @@ def _pump(stream, prefix: str, quiet: bool, sink: list | None = None) -> None:
 
 
 def _run_local(args) -> int:
-    if args.ranks < 1:
-        raise LaunchError(f"--ranks must be >= 1, got {args.ranks}")
-    if args.epochs < 1 or args.batch_size < 1:
-        raise LaunchError("--epochs and --batch-size must be >= 1")
-    if args.checkpoint_every < 0:
-        raise LaunchError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
-    if args.checkpoint_every and not args.checkpoint_dir:
-        raise LaunchError("--checkpoint-every needs --checkpoint-dir")
-    if args.plane != "collective" and (args.collective_backend or args.collective_timeout is not None):
-        raise LaunchError("--collective-backend and --collective-timeout need --plane collective")
-    if args.collective_timeout is not None and not args.collective_timeout > 0:
-        raise LaunchError(f"--collective-timeout must be > 0, got {args.collective_timeout:g}")
-    if args.plane == "collective" and (args.bf16_wire or args.outer_optimizer not in (None, "none")):
-        raise LaunchError("--bf16-wire and --outer-optimizer are bus-plane options (not --plane collective)")
+    settings = _check(args)
     slow = _slowdowns(args.slowdown, args.ranks)
     session = "local-" + secrets.token_hex(6)
     workdir = tempfile.mkdtemp(prefix="flodl-run-")
@@ -156,41 +173,13 @@ def _run_local(args) -> int:
         "--bind", f"tcp://127.0.0.1:{args.port}",
         "--session", session,
         "--world-size", str(args.ranks),
-        "--epochs", str(args.epochs),
-        "--batch-size", str(args.batch_size),
-        "--policy", args.policy,
-        "--plane", args.plane,
-        "--seed", str(args.seed),
-        "--liveness-timeout-s", str(args.liveness_timeout),
-        "--form-timeout-s", str(args.form_timeout),
         "--summary", summary_path,
+        *coordinator_flags(args),
     ]  # fmt: skip
-    if args.journal:
-        coord_cmd += ["--journal", args.journal]
     agent_curve: list[str] = []
     if args.curve:
         coord_curve, agent_curve = _throwaway_keys(workdir)
         coord_cmd += coord_curve
-    if args.checkpoint_dir:
-        coord_cmd += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir)]
-        coord_cmd += ["--checkpoint-every", str(args.checkpoint_every)]
-    if args.resume:
-        coord_cmd += ["--resume", os.path.abspath(args.resume)]
-    if args.collective_backend:
-        coord_cmd += ["--collective-backend", args.collective_backend]
-    if args.collective_timeout is not None:
-        coord_cmd += ["--collective-timeout-s", f"{args.collective_timeout:g}"]
-    if args.anchor:
-        coord_cmd += ["--anchor", str(args.anchor)]
-    if args.easgd_alpha is not None:
-        coord_cmd += ["--easgd-alpha", f"{args.easgd_alpha:g}"]
-    if args.max_failure:
-        coord_cmd += ["--max-failure", args.max_failure]
-    if args.bf16_wire:
-        coord_cmd += ["--bf16-wire"]
-    for flag in ("outer_optimizer", "outer_lr", "outer_momentum"):
-        if getattr(args, flag) is not None:
-            coord_cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     t0 = time.monotonic()
     stop = _StopSignals()
     # Own sessions: a terminal's Ctrl-C reaches only this launcher, which stops the tree
@@ -237,7 +226,7 @@ def _run_local(args) -> int:
         print(f"flodl: stopped by {name} before the run completed", file=sys.stderr, flush=True)
         rc = 128 + stop.signum
     wall = time.monotonic() - t0
-    return _report(args, summary_path, rc, wall)
+    return _report(args, settings, summary_path, rc, wall)
 
 
 # After a stop signal: the coordinator asks the ranks to shut down and writes its summary
@@ -366,7 +355,7 @@ def _wait_all(procs, deadline: float, stop: _StopSignals) -> int:
     return 124
 
 
-def _report(args, summary_path: str, rc: int, wall: float) -> int:
+def _report(args, settings, summary_path: str, rc: int, wall: float) -> int:
     try:
         with open(summary_path, encoding="utf-8") as fh:
             summary = json.load(fh)
@@ -376,7 +365,7 @@ def _report(args, summary_path: str, rc: int, wall: float) -> int:
     summary["launcher_wall_s"] = round(wall, 3)
     summary.setdefault("task", args.task)
     summary["slowdown"] = args.slowdown
-    summary.setdefault("plane", args.plane)
+    summary.setdefault("plane", settings.plane)
     train_wall = summary.get("wall_s") or wall
     committed = sum(e.get("trained", 0) - e.get("duplicates", 0) for e in summary.get("coverage", []))
     summary.setdefault("samples_per_s", round(committed / train_wall, 2) if train_wall else 0.0)

@@ -4,24 +4,35 @@ Precedence: flag > environment (``FLODL_<KEY>``) > config file > default. Parsed
 at the edge; everything after this sees typed fields. Any defect — unknown key, wrong
 type, a value out of range, a missing required value — is a ``SettingsError`` whose
 message is one line naming the key and where it came from.
+
+The schema is declared once: the run's settings are ``flodl.core.CoreConfig``'s fields,
+the service's own are ``ServiceKeys``'s below, each with its ``setting(...)`` metadata
+(``flodl.core._config.Setting``). ``SCHEMA`` is derived from both, and from it: the
+``Settings`` record, TOML keys, ``FLODL_<KEY>`` variables, ``--key-name`` flags (with
+``--help``; ``add_flags``), what ``flodl run`` forwards, and the README's configuration
+table (``python -m flodl_coordinator.settings --markdown``; a test compares them).
 """
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import math
 import os
+import sys
 import tomllib
-from dataclasses import dataclass, fields, replace
-from typing import Any, Mapping
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass, replace
+from typing import Any, Callable, Iterable, Mapping, Optional, get_type_hints
 
 from flodl.core import CoreConfig
+from flodl.core._config import Setting, setting
 from flodl.envvars import WORKER_ENV
 from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, max_message_bytes_problem
 
-from .outer import validate_outer
+from .outer import OUTER_KINDS, validate_outer
 
-__all__ = ["Settings", "SettingsError", "load_settings", "ENV_PREFIX"]
+__all__ = ["Settings", "SettingsError", "load_settings", "ENV_PREFIX", "SCHEMA", "Key", "PER_PROCESS_KEYS",
+           "add_flags", "flag_argv", "markdown_table"]  # fmt: skip
 
 ENV_PREFIX = "FLODL_"
 
@@ -30,105 +41,142 @@ class SettingsError(Exception):
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    # service
-    bind: str = "tcp://127.0.0.1:5555"
-    session: str = "flodl"
-    journal: str = ""  # path of the event journal (JSON lines); empty = none
-    summary: str = ""  # path where the run summary is written at the end
-    http: str = ""  # host:port for /status and /metrics; empty = off
-    tick_interval_s: float = 0.05
-    allow_insecure: bool = False  # permit a non-loopback bind without CURVE keys
-    # ZeroMQ MAXMSGSIZE of the ROUTER: the largest message *part* (one tensor) a peer may
-    # send; a bigger one disconnects it (flodl.limits). 0 = no limit.
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    # CURVE (flodl.curve): the coordinator's secret certificate and a directory of the
-    # allowed clients' public certificates (*.key). Both set = CURVE server + ZAP allowlist.
-    curve_secret_key: str = ""
-    curve_allowed_keys: str = ""
-    # a journal holding a *finished* run is moved aside (J.<n>) and a new run starts; an
-    # unfinished one is always recovered (flodl_coordinator.recovery)
-    rotate_journal: bool = False
-    # run (handed to flodl.core)
-    world_size: int = 0
-    batch_size: int = 32
-    epochs: int = 10
-    seed: int = 42
-    policy: str = "cadence"
-    plane: str = "bus"
-    collective_backend: str = "gloo"  # plane collective: gloo (CPU tensors) | nccl (GPU tensors)
-    collective_timeout_s: float = 60.0  # plane collective: group formation / one all-reduce
-    gamma: float = 1.0
-    easgd_alpha: float = 0.5
-    bf16_wire: bool = False
-    # bus outer optimizer on the averaged parameters (flodl_coordinator.outer)
-    outer_optimizer: str = "none"  # none | slowmo | nesterov (DiLoCo)
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.0
-    # bus: a contribution farther than this times max(||last consensus||, 1) from the last
-    # consensus is refused (flodl_coordinator.reducer); 0 = no bound
-    max_contribution_ratio: float = 10.0
-    total_samples: int = 0
-    heartbeat_interval_s: float = 1.0
-    liveness_timeout_s: float = 10.0
-    reduce_stall_s: float = 300.0
-    form_timeout_s: float = 300.0  # the world must form within this long, or the run fails naming who is missing; 0 = wait
-    model_signature: str = ""  # hex sha256 every rank's model must match (logged when the world forms); "" = the cohort's
-    final_eval: bool = True
-    # cadence (ElChe)
-    anchor: int = 4
-    min_anchor: int = 0  # 0: the initial anchor
-    max_anchor: int = 1000
-    overhead_target: float = 0.05
-    max_batch_diff: int = 0  # 0: no cap on how far counts move per window
-    guard: str = "level"
-    meta_controller: bool = True
-    probe_batches: int = 1  # first (uncalibrated) window, batches per rank; 0 = the anchor
-    epoch_callback_policy: str = "fastest"  # who checkpoints / evaluates: "fastest" or "rank:N"
-    # checkpoints (flodl_coordinator.checkpoints): where, how often, how many, resume
-    checkpoint_dir: str = ""  # root of ckpt-<version>/ dirs; empty = no checkpoints
-    checkpoint_every: int = 0  # epochs between consensus checkpoints; 0 = off
-    checkpoint_keep: int = 0  # keep the newest N checkpoints; 0 = all
-    resume: str = ""  # checkpoint dir (or its root / latest / meta.json) to resume from
-    max_failure: str = ""  # dead ranks that end the run: "N" or "P%" of world_size; "" = never
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServiceKeys:
+    """The service's own settings (the run's are ``CoreConfig``'s). A declaration only:
+    ``Settings`` is built from these fields and the core's."""
 
-    def core_config(self) -> CoreConfig:
-        try:
-            return CoreConfig(
-                world_size=self.world_size,
-                batch_size=self.batch_size,
-                num_epochs=self.epochs,
-                seed=self.seed,
-                policy=self.policy,
-                plane=self.plane,
-                collective_backend=self.collective_backend,
-                collective_timeout_s=self.collective_timeout_s,
-                gamma=self.gamma,
-                easgd_alpha=self.easgd_alpha,
-                bf16_wire=self.bf16_wire,
-                total_samples=self.total_samples,
-                heartbeat_interval_s=self.heartbeat_interval_s,
-                liveness_timeout_s=self.liveness_timeout_s,
-                reduce_stall_s=self.reduce_stall_s,
-                form_timeout_s=self.form_timeout_s,
-                model_signature=_hex_signature(self.model_signature),
-                final_eval=self.final_eval,
-                anchor=self.anchor,
-                min_anchor=self.min_anchor or None,
-                max_anchor=self.max_anchor,
-                overhead_target=self.overhead_target,
-                max_batch_diff=self.max_batch_diff or None,
-                guard=self.guard,
-                meta_controller=self.meta_controller,
-                probe_batches=self.probe_batches or None,
-                epoch_callback_policy=self.epoch_callback_policy,
-                checkpoint_every=self.checkpoint_every,
-                checkpoint_on_failure=bool(self.checkpoint_dir),
-                max_failure=self.max_failure,
-            )
-        except ValueError as e:
-            raise SettingsError(f"config error: {e}") from None
+    bind: str = setting(
+        "tcp://127.0.0.1:5555", per_process=True,
+        help="ZeroMQ endpoint to bind (port 0 = any)",
+        doc="ZeroMQ endpoint (port 0 = any; the chosen one is printed as `COORDINATOR_READY <endpoint>`)",
+    )  # fmt: skip
+    session: str = setting(
+        "flodl", help="run id every peer must name; frames of another session are refused",
+        doc="run id every frame must name; frames of another session are refused",
+    )  # fmt: skip
+    journal: str = setting(
+        "", per_process=True,
+        help="append every decoded event to this JSON-lines file; an unfinished run in it is recovered",
+        doc="append every decoded event (JSON lines); `flodl-coordinator replay FILE` rebuilds the state. "
+        "Started on a journal that holds an unfinished run with the same settings, the service *recovers* "
+        "it (see Faults)",
+    )  # fmt: skip
+    rotate_journal: bool = setting(
+        False, per_process=True,
+        help="a journal holding a finished run is moved aside (J.N) and a new run starts",
+        doc="a journal that holds a finished run is moved aside (`J.1`, `J.2`, ...) and a new run starts, "
+        "instead of refusing to start",
+    )  # fmt: skip
+    summary: str = setting("", per_process=True, help="write the run summary JSON here at the end",
+                           doc="write the run summary JSON here")  # fmt: skip
+    http: str = setting("", per_process=True, help="serve /status and /metrics on host:port",
+                        doc="`host:port` for `/status` (JSON) and `/metrics` (Prometheus)")  # fmt: skip
+    tick_interval_s: float = setting(
+        0.05, per_process=True,
+        help="the service's poll period: a Tick (the core's clock) at least this often, traffic or not",
+    )  # fmt: skip
+    allow_insecure: bool = setting(
+        False, per_process=True,
+        help="accepted for old configurations; unused (a non-loopback bind without CURVE keys only warns)",
+    )  # fmt: skip
+    max_message_bytes: int = setting(
+        DEFAULT_MAX_MESSAGE_BYTES, per_process=True,
+        help="largest message part (one tensor) a peer may send; a bigger one disconnects it (ZeroMQ "
+        "MAXMSGSIZE; 2 GiB; 0 = no limit)",
+        doc="ZeroMQ `MAXMSGSIZE` of the coordinator's socket (2 GiB): the largest message *part* a peer may "
+        "send (libzmq checks each part, and each tensor is one part, so this is the largest tensor on the "
+        "wire; 2 GiB holds an f32 128k × 4096 embedding). A peer that sends a bigger part is disconnected. "
+        "0 = no limit. The worker side takes the same `FLODL_MAX_MESSAGE_BYTES` (or `--max-message-bytes` "
+        "on the agent and relay). Independently, an envelope (the protobuf part, never tensors) over 4 MiB "
+        "is dropped as `oversized`, and a hello whose model signature exceeds 64 bytes or whose host / task "
+        "exceeds 255 characters is refused by name and never journaled",
+    )  # fmt: skip
+    curve_secret_key: str = setting(
+        "", per_process=True,
+        help="CURVE: this coordinator's secret certificate (NAME.key_secret); with curve_allowed_keys, only "
+        "allowlisted clients can connect",
+        doc="CURVE: the coordinator's secret certificate (`NAME.key_secret`, see Security); needs "
+        "`curve_allowed_keys`",
+    )  # fmt: skip
+    curve_allowed_keys: str = setting(
+        "", per_process=True,
+        help="CURVE: directory of the allowed clients' public certificates (*.key)",
+        doc="CURVE: directory of the allowed clients' public certificates (`*.key`); only those can connect",
+    )  # fmt: skip
+    outer_optimizer: str = setting(
+        "none", choices=OUTER_KINDS,
+        help="bus: outer step on the averaged parameters: none (plain averaging) | slowmo | nesterov (DiLoCo)",
+        doc="bus: what the coordinator makes of each average: `none` (plain averaging), `slowmo` (heavy-ball "
+        "momentum on the round's progress), `nesterov` (DiLoCo's outer step). Its state is saved with "
+        "checkpoints (`outer.npz`)",
+    )  # fmt: skip
+    outer_lr: float = setting(1.0, help="bus: outer learning rate (1 with momentum 0 = plain averaging)")
+    outer_momentum: float = setting(
+        0.0, help="bus: outer momentum in [0, 1) (SlowMo beta / Nesterov mu; DiLoCo uses 0.9 with lr 0.7)",
+        doc="bus: outer momentum in [0, 1) (SlowMo β / Nesterov μ)",
+    )  # fmt: skip
+    max_contribution_ratio: float = setting(
+        10.0,
+        help="bus: refuse a contribution farther from the last consensus c than this times max(||c||, 1); "
+        "0 = no bound",
+        doc="bus: a contribution whose parameters `x` lie farther from the last consensus `c` than "
+        "`ratio · max(‖c‖₂, 1)` (L2 over all tensors) is refused; in the first round (no `c` yet) the "
+        "coordinate-wise median of the round's contributions stands in for `c` when there are ≥ 3, else the "
+        "bound is skipped. 0 = no bound. A refused contribution — this, or non-finite / malformed tensors, "
+        "or a claimed weight its steps do not explain — leaves the round at once: the round completes with "
+        "the others, the rank resets to the consensus, its window's samples are trained again, and "
+        "`dropped_frames` counts it as `contribution_<reason>`",
+    )  # fmt: skip
+    checkpoint_dir: str = setting(
+        "", help="write consensus checkpoints under this directory (shared storage); empty = none",
+        doc="where consensus checkpoints go (`ckpt-<version>/model.pt` + `meta.json`, `latest`)",
+    )  # fmt: skip
+    checkpoint_keep: int = setting(0, per_process=True, help="keep only the newest N checkpoints (0 = all)")
+    resume: str = setting(
+        "", help="resume from this checkpoint (its dir, meta.json, or a root with 'latest')",
+        doc="resume from a checkpoint (its dir, `meta.json`, or a root with `latest`): trains exactly the "
+        "samples its epoch had not committed, then carries on; a torn or mismatched checkpoint is refused "
+        "with the reason",
+    )  # fmt: skip
+
+
+# CoreConfig fields that are not settings: the service derives them.
+_DERIVED: dict[str, Callable[[Any], Any]] = {
+    "checkpoint_on_failure": lambda s: bool(s.checkpoint_dir),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One setting as the service spells it: ``name`` (TOML key; ``FLODL_<NAME>``,
+    ``--name-with-dashes``), its type (bool, int, float or str), default, ``Setting``
+    metadata and, for a run setting, the ``CoreConfig`` field it fills (``core``) and how
+    (``to_core``: an ``Optional[int]`` field's 0 is None, a ``bytes`` one is hex)."""
+
+    name: str
+    type: type
+    default: Any
+    meta: Setting
+    core: str = ""
+    to_core: Callable[[Any], Any] = lambda v: v
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def flags(self) -> list[str]:
+        """The flag, and for a key in seconds (``*_s``) the same without ``-s``."""
+        return [self.flag, self.flag[:-2]] if self.name.endswith("_s") else [self.flag]
+
+    @property
+    def required(self) -> bool:
+        return self.name == "world_size"
 
 
 def _hex_signature(text: str) -> bytes:
@@ -141,11 +189,62 @@ def _hex_signature(text: str) -> bytes:
     return sig
 
 
-_FIELDS = {f.name: f for f in fields(Settings)}
+def _zero_is_none(v: int) -> Optional[int]:
+    return v or None
+
+
+def _schema() -> dict[str, Key]:
+    keys: dict[str, Key] = {}
+    hints = get_type_hints(CoreConfig)
+    for f in fields(CoreConfig):
+        meta = f.metadata.get("setting")
+        if meta is None:
+            if f.name not in _DERIVED:
+                raise TypeError(f"CoreConfig.{f.name} is neither a setting nor derived by the service (_DERIVED)")
+            continue
+        default = 0 if f.default is MISSING else f.default  # world_size: required, 0 = unset
+        typ, to_core = hints[f.name], (lambda v: v)
+        if typ == Optional[int]:
+            typ, to_core, default = int, _zero_is_none, default or 0
+        elif typ is bytes:
+            typ, to_core, default = str, _hex_signature, default.hex()
+        keys[meta.key or f.name] = Key(meta.key or f.name, typ, default, meta, f.name, to_core)
+    hints = get_type_hints(ServiceKeys)
+    for f in fields(ServiceKeys):
+        keys[f.name] = Key(f.name, hints[f.name], f.default, f.metadata["setting"])
+    return keys
+
+
+SCHEMA: dict[str, Key] = _schema()
+# Settings that may differ between a run's first process and a restarted one.
+PER_PROCESS_KEYS = frozenset(k.name for k in SCHEMA.values() if k.meta.per_process)
+
+
+def _core_config(self) -> CoreConfig:
+    """The run's ``CoreConfig`` (a defect is a one-line ``SettingsError``)."""
+    values = {k.core: k.to_core(getattr(self, k.name)) for k in SCHEMA.values() if k.core}
+    values.update({name: derive(self) for name, derive in _DERIVED.items()})
+    try:
+        return CoreConfig(**values)
+    except ValueError as e:
+        raise SettingsError(f"config error: {e}") from None
+
+
+# The typed record: one field per key of SCHEMA (frozen; ``Settings(**journal_record)``).
+Settings = make_dataclass(
+    "Settings",
+    [(k.name, k.type, field(default=k.default, metadata={"setting": k.meta})) for k in SCHEMA.values()],
+    namespace={"core_config": _core_config, "__doc__": "The coordinator's settings (see SCHEMA)."},
+    frozen=True,
+    slots=True,
+)
+Settings.__module__ = __name__
+
+_FIELDS = SCHEMA
 
 
 def _coerce(key: str, value: Any, source: str) -> Any:
-    want = type(getattr(Settings(), key))
+    want = SCHEMA[key].type
     try:
         if want is bool:
             if isinstance(value, bool):
@@ -271,3 +370,73 @@ def _check_curve(s: Settings) -> None:
         server_keys(s.curve_secret_key, s.curve_allowed_keys)
     except CurveError as e:
         raise SettingsError(f"config error: {e}") from None
+
+
+# -- derived: flags, --help, the README table -------------------------------------------
+
+
+def shown_default(k: Key, *, markdown: bool = False) -> str:
+    """A key's default as ``--help`` and the README show it."""
+    v = k.default
+    if k.required:
+        return "— (required)" if markdown else "required"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, str):
+        if not v:
+            return "—" if markdown else "empty"
+        return f"`{v}`" if markdown else v
+    return str(v)
+
+
+def add_flags(parser: argparse.ArgumentParser, names: Iterable[str] | None = None, *, choices: bool = False) -> None:
+    """A flag per key (``--key-name``, and without ``-s`` for a key in seconds; a bool key
+    also ``--no-key-name``), dest = the key, default None (= not given). ``choices``: let
+    argparse refuse a word outside a key's choices (else ``load_settings`` does, in one line)."""
+    for k in (SCHEMA[n] for n in (SCHEMA if names is None else names)):
+        help_ = f"{k.meta.help} (default {shown_default(k)}; env {k.env})".replace("%", "%%")
+        if k.type is bool:
+            parser.add_argument(*k.flags, dest=k.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            parser.add_argument(*k.flags, dest=k.name, type=k.type, default=None, help=help_,
+                                choices=(k.meta.choices or None) if choices else None,
+                                metavar=None if choices and k.meta.choices else k.type.__name__.upper())  # fmt: skip
+
+
+def flag_argv(values: Mapping[str, Any]) -> list[str]:
+    """``values`` (key -> value; None: not given) as the flags ``add_flags`` reads."""
+    argv: list[str] = []
+    for name, v in values.items():
+        if v is None:
+            continue
+        k = SCHEMA[name]
+        if k.type is bool:
+            argv.append(k.flag if v else "--no-" + k.flag[2:])
+        else:
+            argv += [k.flag, str(v)]
+    return argv
+
+
+def markdown_table() -> str:
+    """The README's configuration table (section "Configuration (coordinator)")."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for k in SCHEMA.values():
+        if "|" in k.meta.doc or "\n" in k.meta.doc:
+            raise ValueError(f"{k.name}: its doc text must be one table cell (no '|' or newline)")
+        rows.append(f"| `{k.name}` | {shown_default(k, markdown=True)} | {k.meta.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flodl_coordinator.settings",
+                                description="print the settings schema")  # fmt: skip
+    p.add_argument("--markdown", action="store_true", help="the README's configuration table")
+    p.parse_args(argv)
+    sys.stdout.write(markdown_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

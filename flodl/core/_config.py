@@ -163,6 +163,7 @@ class CoreConfig:
     )  # fmt: skip
     guard: str = setting(
         "level", choices=GUARDS, help="cadence: convergence guard over replica divergence",
+        doc="cadence: convergence guard over replica divergence: `level`, `growth`, `none`",
     )  # fmt: skip
     meta_controller: bool = setting(
         True, help="cadence: shrink windows on a learning-rate cliff or a run of guard vetoes",
