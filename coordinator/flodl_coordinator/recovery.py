@@ -58,7 +58,7 @@ from flodl.core import (
     resume_plan,
     step,
 )
-from flodl.core._state import FINISHED
+from flodl.core import FINISHED
 
 from .settings import Settings, SettingsError
 

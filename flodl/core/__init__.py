@@ -42,15 +42,33 @@ from ._resync import CoordinatorRestarted, RankResynced
 from ._checkpoint import ResumePoint, checkpoint_meta, resume_plan, validate_meta
 from ._run import FINAL_SCHEDULE_ID
 from ._state import CoordinatorState
+from ._phases import (
+    ACTIVE,
+    DEAD,
+    FINAL_EVAL,
+    FINISHED,
+    FORMING,
+    IDLE,
+    JOINING,
+    LEFT,
+    MEMBERSHIP,
+    PENDING,
+    ROUND,
+    RUN,
+    SHUTTING_DOWN,
+    STOPPING,
+    TRAINING,
+    VACANT,
+    Sentinel,
+    diagram,
+)
 from ._step import initial_state, replay, step
-from ._status_view import status_view
 
 __all__ = [
     # entry points
     "initial_state",
     "step",
     "replay",
-    "status_view",
     "should_average",
     "CoreConfig",
     "CoordinatorState",
@@ -91,6 +109,25 @@ __all__ = [
     "ForgetRank",
     "Notice",
     "RunFinished",
+    # phases and their transition tables (``_phases``)
+    "Sentinel",
+    "VACANT",
+    "JOINING",
+    "ACTIVE",
+    "DEAD",
+    "LEFT",
+    "IDLE",
+    "PENDING",
+    "FORMING",
+    "TRAINING",
+    "FINAL_EVAL",
+    "SHUTTING_DOWN",
+    "STOPPING",
+    "FINISHED",
+    "MEMBERSHIP",
+    "ROUND",
+    "RUN",
+    "diagram",
     # errors
     "ProtocolViolation",
     "RankViolation",

@@ -82,7 +82,8 @@ from flodl.wire import pb
 from . import _averaging, _cadence, _coverage, _dispatch, _feedback
 from ._cadence import CadenceDispatcher, _held, offer_chunk
 from ._commands import Command, Notice
-from ._state import TRAINING, CoordinatorState
+from ._phases import TRAINING
+from ._state import CoordinatorState
 
 __all__ = ["AsyncDispatcher", "ASYNC", "source_epoch", "live_epochs", "wake"]
 

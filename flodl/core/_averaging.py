@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A round has two phases (``TRANSITIONS``)::
+A round has two phases (``_phases.ROUND``)::
 
     IDLE --trigger--> PENDING --finish--> IDLE
                       PENDING --stall---> IDLE   (the run then ends: ReduceStall)
@@ -61,12 +61,19 @@ from flodl.wire import pb
 from . import _checkpointing, _coverage
 from ._commands import Command, Notice, OpenRound
 from ._dispatch import dispatcher_for
-from ._errors import LocalViolation, next_phase
+from ._errors import LocalViolation
 from ._events import ContributionRefused, SyncAcked
-from ._state import ACTIVE, IDLE, PENDING, TRAINING, CoordinatorState, RoundState
+from ._phases import (
+    ACTIVE,
+    IDLE,
+    PENDING,
+    ROUND,
+    TRAINING,
+    next_phase,
+)
+from ._state import CoordinatorState, RoundState
 
 __all__ = [
-    "TRANSITIONS",
     "should_average",
     "GATES",
     "gate_for",
@@ -77,16 +84,8 @@ __all__ = [
     "waiting_for",
 ]
 
-TRANSITIONS: dict[tuple[Any, str], Any] = {
-    (IDLE, "trigger"): PENDING,
-    (PENDING, "finish"): IDLE,
-    (PENDING, "stall"): IDLE,
-    (PENDING, "abandon"): IDLE,
-}
-
-
 def _transition(rs: RoundState, trigger_name: str) -> None:
-    rs.phase = next_phase(TRANSITIONS, rs.phase, trigger_name, f"round {rs.cycle}")
+    rs.phase = next_phase(ROUND, rs.phase, trigger_name, f"round {rs.cycle}")
 
 
 def should_average(st: CoordinatorState) -> tuple[bool, str]:

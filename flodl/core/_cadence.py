@@ -94,7 +94,8 @@ from ._events import BatchDone
 from ._guards import make_guard
 from ._lr_meta import LrEventMeta
 from ._overshoot import OvershootBudget, barrier_paced
-from ._state import ACTIVE, PENDING, TRAINING, CadenceState, CoordinatorState
+from ._phases import ACTIVE, PENDING, TRAINING
+from ._state import CadenceState, CoordinatorState
 from ._window import WindowLedger
 
 __all__ = [

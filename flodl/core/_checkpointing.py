@@ -49,7 +49,8 @@ from ._checkpoint import ResumePoint, checkpoint_meta
 from ._commands import Command, Notice
 from ._events import CheckpointDone
 from ._guards import make_guard
-from ._state import ACTIVE, FINAL_EVAL, IDLE, TRAINING, CoordinatorState, EpochCoverage
+from ._phases import ACTIVE, FINAL_EVAL, IDLE, TRAINING
+from ._state import CoordinatorState, EpochCoverage
 
 __all__ = [
     "META_NOTICE",

@@ -78,7 +78,8 @@ from flodl.wire import pb
 from . import _run
 from ._commands import Command, Notice
 from ._events import CollectiveFailed, StoreReady
-from ._state import ACTIVE, TRAINING, CoordinatorState
+from ._phases import ACTIVE, TRAINING
+from ._state import CoordinatorState
 
 __all__ = [
     "CollectiveState",

@@ -48,7 +48,8 @@ from . import _coverage
 from ._commands import Command
 from ._errors import LocalViolation, RankViolation
 from ._events import BatchDone
-from ._state import ACTIVE, CoordinatorState
+from ._phases import ACTIVE
+from ._state import CoordinatorState
 
 __all__ = [
     "Dispatcher",

@@ -18,7 +18,7 @@ is exactly as it was (a test checks this). Two kinds of fault exist:
 
 from __future__ import annotations
 
-__all__ = ["ProtocolViolation", "RankViolation", "LocalViolation", "next_phase"]
+__all__ = ["ProtocolViolation", "RankViolation", "LocalViolation"]
 
 
 class ProtocolViolation(Exception):
@@ -47,11 +47,3 @@ class LocalViolation(ProtocolViolation):
 
     def __init__(self, reason: str, hint: str = "crash") -> None:
         super().__init__(reason, hint)
-
-
-def next_phase(table: dict, phase, trigger: str, who: str):
-    """Look up ``(phase, trigger)`` in a transition table; a missing entry is our bug."""
-    new = table.get((phase, trigger))
-    if new is None:
-        raise LocalViolation(f"{who}: no transition from {phase!r} on {trigger!r}")
-    return new

@@ -44,7 +44,8 @@ from typing import Any, Optional
 from . import _roles
 from ._commands import Command, Notice
 from ._guards import DivergenceReport, NudgeDown, Verdict
-from ._state import ACTIVE, CadenceState, CoordinatorState
+from ._phases import ACTIVE
+from ._state import CadenceState, CoordinatorState
 from ._window import WindowReport, delivered_capable
 
 __all__ = ["finish_window", "overhead_estimate", "summary"]

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Each rank slot has a phase. The moves are a table (``TRANSITIONS``); ``transition``
+Each rank slot has a phase. The moves are a table (``_phases.MEMBERSHIP``); ``transition``
 refuses any move not in it with a ``LocalViolation`` naming the phase and trigger::
 
     VACANT  --admit-->  JOINING  --form-->  ACTIVE
@@ -44,24 +44,23 @@ from typing import Any, Optional
 from flodl.wire import pb
 
 from ._commands import Command, ForgetRank, Notice, Reply
-from ._errors import next_phase
 from ._events import RankHello
-from ._state import (
+from ._phases import (
     ACTIVE,
     DEAD,
     FORMING,
     JOINING,
     LEFT,
+    MEMBERSHIP,
     SHUTTING_DOWN,
     STOPPING,
     TRAINING,
     VACANT,
-    CoordinatorState,
-    RankRecord,
+    next_phase,
 )
+from ._state import CoordinatorState, RankRecord
 
 __all__ = [
-    "TRANSITIONS",
     "transition",
     "refusal",
     "on_hello",
@@ -75,21 +74,12 @@ __all__ = [
     "refuse_deferred",
 ]
 
-TRANSITIONS: dict[tuple[Any, str], Any] = {
-    (VACANT, "admit"): JOINING,
-    (JOINING, "form"): ACTIVE,
-    (JOINING, "lost"): VACANT,
-    (JOINING, "leave"): VACANT,
-    (ACTIVE, "lost"): DEAD,
-    (ACTIVE, "leave"): LEFT,
-}
-
 _POLICY = {"sync": pb.POLICY_SYNC, "cadence": pb.POLICY_CADENCE, "async": pb.POLICY_ASYNC}
 _PLANE = {"bus": pb.PLANE_BUS, "collective": pb.PLANE_COLLECTIVE}
 
 
 def transition(rec: RankRecord, trigger: str) -> None:
-    rec.phase = next_phase(TRANSITIONS, rec.phase, trigger, f"rank {rec.rank}")
+    rec.phase = next_phase(MEMBERSHIP, rec.phase, trigger, f"rank {rec.rank}")
 
 
 def _sig(b: bytes) -> str:

@@ -36,7 +36,8 @@ from . import _checkpointing, _coverage, _run
 from ._commands import Command, Notice
 from ._errors import RankViolation
 from ._events import ChunkDone
-from ._state import ACTIVE, CoordinatorState
+from ._phases import ACTIVE
+from ._state import CoordinatorState
 
 __all__ = ["check_chunk", "on_chunk", "aggregate", "to_pb", "is_ready", "aggregate_ready"]
 

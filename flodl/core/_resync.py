@@ -77,16 +77,8 @@ from ._errors import RankViolation
 from ._events import EVENT_TYPES, BatchDone, ChunkDone, Event
 from . import _run
 from ._run import FINAL_SCHEDULE_ID
-from ._state import (
-    ACTIVE,
-    FINAL_EVAL,
-    JOINING,
-    PENDING,
-    SHUTTING_DOWN,
-    STOPPING,
-    TRAINING,
-    CoordinatorState,
-)
+from ._phases import ACTIVE, FINAL_EVAL, JOINING, PENDING, SHUTTING_DOWN, STOPPING, TRAINING
+from ._state import CoordinatorState
 
 __all__ = [
     "CoordinatorRestarted",

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-The run's phase moves by this table (``TRANSITIONS``)::
+The run's phase moves by this table (``_phases.RUN``)::
 
     FORMING --form--> TRAINING --final_eval--> FINAL_EVAL --shutdown--> SHUTTING_DOWN
                       TRAINING --shutdown---------------------------->  SHUTTING_DOWN
@@ -57,10 +57,9 @@ from flodl.wire import pb
 from . import _averaging, _checkpointing, _coverage, _feedback, _membership, _roles
 from ._commands import Command, Notice, RunFinished
 from ._dispatch import Dispatcher
-from ._errors import next_phase
 from ._max_failure import max_failure_limit
 from ._events import EvalDone, IntentRaised, StopRequested
-from ._state import (
+from ._phases import (
     ACTIVE,
     DEAD,
     FINAL_EVAL,
@@ -68,15 +67,15 @@ from ._state import (
     FORMING,
     JOINING,
     PENDING,
+    RUN,
     SHUTTING_DOWN,
     STOPPING,
     TRAINING,
-    CoordinatorState,
-    FinalEval,
+    next_phase,
 )
+from ._state import CoordinatorState, FinalEval
 
 __all__ = [
-    "TRANSITIONS",
     "FINAL_SCHEDULE_ID",
     "advance",
     "check_lost",
@@ -91,24 +90,8 @@ __all__ = [
 
 FINAL_SCHEDULE_ID = 2**64 - 1  # u64::MAX in the original: "the run's closing eval"
 
-TRANSITIONS: dict[tuple[Any, str], Any] = {
-    (FORMING, "form"): TRAINING,
-    (TRAINING, "final_eval"): FINAL_EVAL,
-    (TRAINING, "shutdown"): SHUTTING_DOWN,
-    (FINAL_EVAL, "shutdown"): SHUTTING_DOWN,
-    (SHUTTING_DOWN, "finish"): FINISHED,
-    (FORMING, "stop"): STOPPING,
-    (TRAINING, "stop"): STOPPING,
-    (FINAL_EVAL, "stop"): STOPPING,
-    (STOPPING, "finish"): FINISHED,
-    (FORMING, "fail"): FINISHED,  # form_timeout_s passed (``_fail_formation``)
-    (TRAINING, "fail"): FINISHED,
-    (FINAL_EVAL, "fail"): FINISHED,
-}
-
-
 def _transition(st: CoordinatorState, trigger: str) -> None:
-    st.run.phase = next_phase(TRANSITIONS, st.run.phase, trigger, "run")
+    st.run.phase = next_phase(RUN, st.run.phase, trigger, "run")
 
 
 def _form(st: CoordinatorState, out: list[Command]) -> None:

@@ -47,7 +47,8 @@ import math
 from typing import Optional
 
 from ._commands import Command, Notice
-from ._state import ACTIVE, CoordinatorState
+from ._phases import ACTIVE
+from ._state import CoordinatorState
 
 __all__ = ["SLACK_FLOOR_MS", "SLACK_WALL_FRACTION", "threshold_ms", "plan", "stage"]
 

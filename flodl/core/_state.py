@@ -32,8 +32,7 @@ guard, the meta-controller), which are plain objects without ``__eq__``; its own
 ``__eq__`` compares their attribute trees (``_plain``), so a replayed state still
 compares ``==`` to the original.
 
-Phases are sentinels (h11 style): classes whose repr is their own name, compared with
-``is``. They survive ``copy.deepcopy`` and compare equal after a replay.
+Phases are sentinels defined with their transition tables in ``_phases``.
 
 The state is mutated in place by ``step`` (ARCHITECTURE §3 allows it: the core owns
 it and nothing outside writes it). Equality is structural, so a replayed state compares
@@ -56,23 +55,24 @@ from flodl.wire import pb
 from ._commands import Command, Send
 from ._config import CoreConfig
 from ._errors import LocalViolation
+from ._phases import (  # noqa: F401  (re-exported: older imports of the phases from here)
+    ACTIVE,
+    DEAD,
+    FINAL_EVAL,
+    FINISHED,
+    FORMING,
+    IDLE,
+    JOINING,
+    LEFT,
+    PENDING,
+    SHUTTING_DOWN,
+    STOPPING,
+    TRAINING,
+    VACANT,
+)
 from ._roles import RoleState
 
 __all__ = [
-    "Sentinel",
-    "VACANT",
-    "JOINING",
-    "ACTIVE",
-    "DEAD",
-    "LEFT",
-    "IDLE",
-    "PENDING",
-    "FORMING",
-    "TRAINING",
-    "FINAL_EVAL",
-    "SHUTTING_DOWN",
-    "STOPPING",
-    "FINISHED",
     "RankRecord",
     "DispatchState",
     "RoundState",
@@ -86,41 +86,6 @@ __all__ = [
     "ResyncState",
     "CoordinatorState",
 ]
-
-
-class Sentinel(type):
-    """A class that is its own instance, printing as its name (h11's ``_util.Sentinel``)."""
-
-    def __new__(cls, name, bases, namespace, **kwds):
-        assert bases == (Sentinel,)
-        v = super().__new__(cls, name, bases, namespace, **kwds)
-        v.__class__ = v
-        return v
-
-    def __repr__(self) -> str:
-        return self.__name__
-
-
-# Rank membership phases (table in _membership.TRANSITIONS).
-class VACANT(Sentinel, metaclass=Sentinel): """No admitted process holds this rank."""
-class JOINING(Sentinel, metaclass=Sentinel): """Admitted; waiting for the world to form."""
-class ACTIVE(Sentinel, metaclass=Sentinel): """In the formed world, alive."""
-class DEAD(Sentinel, metaclass=Sentinel): """Lost (silence, crash, unroutable). Terminal."""
-class LEFT(Sentinel, metaclass=Sentinel): """Exited cleanly. Terminal, not a failure."""
-
-
-# Averaging-round phases (table in _averaging.TRANSITIONS).
-class IDLE(Sentinel, metaclass=Sentinel): """No round open."""
-class PENDING(Sentinel, metaclass=Sentinel): """Round open; waiting for SyncAcks."""
-
-
-# Run phases (table in _run.TRANSITIONS).
-class FORMING(Sentinel, metaclass=Sentinel): """Admitting ranks until world_size are in."""
-class TRAINING(Sentinel, metaclass=Sentinel): """Epochs being dispatched and averaged."""
-class FINAL_EVAL(Sentinel, metaclass=Sentinel): """Final canonical eval sent; waiting for it."""
-class SHUTTING_DOWN(Sentinel, metaclass=Sentinel): """Shutdown sent; waiting for exits."""
-class STOPPING(Sentinel, metaclass=Sentinel): """Operator stop; waiting for exits."""
-class FINISHED(Sentinel, metaclass=Sentinel): """RunFinished emitted. Terminal."""
 
 
 @dataclass(slots=True)

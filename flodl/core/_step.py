@@ -92,7 +92,8 @@ from ._events import (
     CollectiveFailed,
     ContributionRefused,
 )
-from ._state import ACTIVE, FINAL_EVAL, FINISHED, TRAINING, CoordinatorState, RankRecord
+from ._phases import ACTIVE, FINAL_EVAL, FINISHED, TRAINING
+from ._state import CoordinatorState, RankRecord
 
 __all__ = ["initial_state", "step", "replay", "forget_rank"]
 

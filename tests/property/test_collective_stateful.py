@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from flodl.core import CollectiveFailed, Send, StoreReady, replay
-from flodl.core._state import ACTIVE, TRAINING
+from flodl.core import ACTIVE, TRAINING
 from test_core_stateful import Cluster  # the one loader of tests/unit/core/cluster.py
 
 

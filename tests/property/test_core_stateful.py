@@ -34,7 +34,7 @@ from flodl.core import (
     Tick,
     replay,
 )
-from flodl.core._state import FORMING, TRAINING
+from flodl.core import FORMING, TRAINING
 
 
 def _load_cluster():

@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from flodl.core import CoordinatorRestarted, replay, to_record
-from flodl.core._state import FINISHED, TRAINING
+from flodl.core import FINISHED, TRAINING
 from flodl.wire import pb
 from flodl_coordinator.checkpointing import Checkpointing
 from flodl_coordinator.cli import main

@@ -16,7 +16,7 @@ from flodl.core._chunk_pool import ChunkPool
 from flodl.core._coverage import freeze, open_epoch
 from flodl.core._dispatch import dispatcher_for
 from flodl.core._membership import run_spec
-from flodl.core._state import ACTIVE, TRAINING
+from flodl.core import ACTIVE, TRAINING
 from flodl.wire import pb
 
 from .cluster import Cluster

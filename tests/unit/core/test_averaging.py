@@ -11,8 +11,8 @@ from flodl.core import (
     Tick,
     should_average,
 )
-from flodl.core._averaging import TRANSITIONS
-from flodl.core._state import IDLE, PENDING
+from flodl.core import ROUND as TRANSITIONS
+from flodl.core import IDLE, PENDING
 from flodl.wire import pb
 
 from flodl.core._dispatch import SYNC

@@ -32,7 +32,7 @@ from flodl.core._cadence import (
 )
 from flodl.core._chunk_pool import ChunkPool
 from flodl.core._coverage import open_epoch
-from flodl.core._state import ACTIVE, DEAD, IDLE, PENDING, TRAINING
+from flodl.core import ACTIVE, DEAD, IDLE, PENDING, TRAINING
 from .cluster import Cluster, controls
 
 EXACT = {"expected": 100, "trained": 100, "duplicates": 0, "missing": 0}

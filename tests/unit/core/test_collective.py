@@ -21,7 +21,7 @@ from flodl.core import (
     replay,
     to_record,
 )
-from flodl.core._state import ACTIVE
+from flodl.core import ACTIVE
 
 from .cluster import Cluster, controls
 

@@ -17,8 +17,10 @@ from flodl.core import (
     SendFailed,
     Tick,
 )
-from flodl.core._membership import TRANSITIONS, transition
-from flodl.core._state import ACTIVE, DEAD, JOINING, LEFT, VACANT, RankRecord
+from flodl.core import MEMBERSHIP as TRANSITIONS
+from flodl.core._membership import transition
+from flodl.core import ACTIVE, DEAD, JOINING, LEFT, VACANT
+from flodl.core._state import RankRecord
 from flodl.wire import pb
 
 from .cluster import Cluster

@@ -5,7 +5,7 @@ the rank stays in the run."""
 import pytest
 
 from flodl.core import ContributionRefused, Notice, SyncAcked, from_record, replay, to_record
-from flodl.core._state import ACTIVE, IDLE, PENDING
+from flodl.core import ACTIVE, IDLE, PENDING
 from .cluster import Cluster
 
 

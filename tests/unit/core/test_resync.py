@@ -28,7 +28,7 @@ from flodl.core import (
     to_record,
 )
 from flodl.core._resync import _subtract, lost_positions
-from flodl.core._state import ACTIVE, PENDING, TRAINING
+from flodl.core import ACTIVE, PENDING, TRAINING
 
 from .cluster import Cluster
 

@@ -19,7 +19,7 @@ from flodl.core import (
     replay,
 )
 from flodl.core import _roles
-from flodl.core._state import FINAL_EVAL, SHUTTING_DOWN
+from flodl.core import FINAL_EVAL, SHUTTING_DOWN
 
 from .cluster import Cluster, controls
 

@@ -16,8 +16,8 @@ from flodl.core import (
     StopRequested,
     Tick,
 )
-from flodl.core._run import TRANSITIONS
-from flodl.core._state import (
+from flodl.core import RUN as TRANSITIONS
+from flodl.core import (
     FINAL_EVAL,
     FINISHED,
     LEFT,

@@ -35,7 +35,7 @@ from flodl.core import (
     initial_state,
     step,
 )
-from flodl.core._state import ACTIVE, DEAD, FORMING, JOINING, VACANT
+from flodl.core import ACTIVE, DEAD, FORMING, JOINING, VACANT
 from flodl.wire import pb
 
 from .cluster import Cluster, controls

@@ -19,7 +19,7 @@ Deliberate differences from upstream (ARCHITECTURE.md wins):
 from __future__ import annotations
 
 from flodl.core import BatchDone, CoreConfig, OpenRound, RunFinished, SyncAcked
-from flodl.core._state import FINISHED, PENDING, SHUTTING_DOWN, TRAINING
+from flodl.core import FINISHED, PENDING, SHUTTING_DOWN, TRAINING
 from flodl.wire import pb
 
 from .cluster import Cluster, controls

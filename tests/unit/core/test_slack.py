@@ -15,7 +15,7 @@ import pytest
 
 from flodl.core import EpochFnElapsed, Notice, from_record, to_record
 from flodl.core import _slack
-from flodl.core._state import DEAD
+from flodl.core import DEAD
 from flodl.wire import pb
 
 from .cluster import Cluster
