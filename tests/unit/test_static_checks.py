@@ -1,5 +1,6 @@
 """Static checks that `make test` (and so CI) runs: the dependency rule of ARCHITECTURE §2
-(import-linter, contracts in .importlinter) and mypy over flodl/core (mypy.ini).
+(import-linter, contracts in .importlinter) and mypy over flodl/core and flodl/rank
+(mypy.ini).
 
 Both run from the repository root in a subprocess of this interpreter's environment, and
 a failure shows the tool's own report. Both take a few seconds.
@@ -27,12 +28,13 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_dependency_rule_holds():
-    """Layers wire < core < sim < coordinator | worker < launcher; core has no I/O imports."""
+    """Layers wire < core | rank < sim < coordinator | worker < launcher; core and rank
+    import no I/O, clock or randomness."""
     lint = BIN / "lint-imports"
     r = _run([str(lint) if lint.exists() else "lint-imports", "--config", str(ROOT / ".importlinter"), "--no-cache"])
     assert r.returncode == 0, f"lint-imports: the dependency rule is broken\n{r.stdout}\n{r.stderr}"
 
 
-def test_mypy_flodl_core():
+def test_mypy_flodl_core_and_rank():
     r = _run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "mypy.ini"), "--cache-dir", os.devnull])
-    assert r.returncode == 0, f"mypy flodl/core\n{r.stdout}\n{r.stderr}"
+    assert r.returncode == 0, f"mypy (mypy.ini)\n{r.stdout}\n{r.stderr}"
