@@ -63,12 +63,14 @@ from ._phases import (
     diagram,
 )
 from ._step import initial_state, replay, step
+from ._status_view import status_view
 
 __all__ = [
     # entry points
     "initial_state",
     "step",
     "replay",
+    "status_view",
     "should_average",
     "CoreConfig",
     "CoordinatorState",
