@@ -267,6 +267,18 @@ class HeldSends:
         self.unheard = set(hops)
         self.held: dict[bytes, deque] = {}
         self.overflow = 0
+        self.paused: set[bytes] = set()  # hops known to be down: hold, never flush yet
+
+    def expect(self, hop: bytes) -> None:
+        """``hop`` went away and will come back (a relay being restarted): hold its
+        frames, and do not try to deliver them until ``resume`` -- a frame left over
+        from the dead connection must not flush them into it."""
+        self.unheard.add(hop)
+        self.paused.add(hop)
+
+    def resume(self, hop: bytes) -> None:
+        """``hop`` is back (its agent says so): deliver what waited once it is heard."""
+        self.paused.discard(hop)
 
     def __bool__(self) -> bool:
         return bool(self.unheard)
@@ -289,6 +301,8 @@ class HeldSends:
         """A frame arrived from ``hop``: it is connected; deliver what waited for it."""
         if hop in self.unheard:
             self._flush(hop, send)
+            if hop not in self.paused and hop not in self.held:
+                self.unheard.discard(hop)  # heard, nothing waiting: send to it directly again
 
     def retry(self, send: Callable[[list], bool]) -> None:
         """Try every hop (a peer that reconnected but has said nothing yet, like an agent)."""
@@ -296,6 +310,8 @@ class HeldSends:
             self._flush(hop, send)
 
     def _flush(self, hop: bytes, send: Callable[[list], bool]) -> None:
+        if hop in self.paused:
+            return
         q = self.held.get(hop)
         while q:
             if not send(q[0]):

@@ -231,6 +231,12 @@ class BusReducer:
         self.refused_frames = 0  # frames that left their round refused
         self.nonfinite_rounds = 0  # rounds whose average was not finite (weight-0 fallback)
 
+    def abandon(self) -> None:
+        """Forget the open round and the folds in flight (a relay restarted: contributions
+        and folds inside it are lost; the core abandons the round and redoes it)."""
+        self._open = None
+        self.folds = FoldPlan()
+
     @property
     def open_cycle(self) -> int | None:
         return self._open.cycle if self._open else None

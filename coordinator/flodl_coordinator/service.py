@@ -128,9 +128,7 @@ class CoordinatorService:
         self.clock = recovery.continuing(clock, self.recovered)
         self.held = recovery.HeldSends(self.recovered.hops()) if self.recovered else None
         # A random incarnation per process: the ranks tell a restarted coordinator by it.
-        self.endpoint = Endpoint(
-            settings.session, pb.Sender.KIND_COORDINATOR, host=socket.gethostname(), incarnation=secrets.randbits(63) | 1
-        )
+        self.endpoint = self._new_endpoint()
         self.reducer = BusReducer(
             bf16_wire=settings.bf16_wire,
             outer=self.checkpointing.outer,
@@ -145,6 +143,8 @@ class CoordinatorService:
         # Which agent may report which rank's exit: only the one the rank itself named (agents).
         self.agents = AgentBook(self.config.world_size)
         self.agent_errors: list[str] = []  # agents that gave their host up, and why (summary)
+        self.relay_restarts: list[dict] = []  # relays restarted by their agent (summary)
+        self._relays_down: set[bytes] = set()  # their frames are held until the agent says "ready"
         for record in self.recovered.agent_records if self.recovered else ():
             self.agents.restore(record)
         self._peer_key = ""  # the CURVE client key (ZAP User-Id) of the frame being handled
@@ -333,6 +333,8 @@ class CoordinatorService:
         summary["checkpoints"] = self.checkpointing.summary(self.state)
         if self.agent_errors:
             summary["agent_errors"] = list(self.agent_errors)
+        if self.relay_restarts:
+            summary["relay_restarts"] = list(self.relay_restarts)
         summary.setdefault("bus", {})
         summary["bus"].update(
             rounds=self.reducer.rounds_completed, bytes_in=self.reducer.bytes_in, bytes_out=self.reducer.bytes_out
@@ -370,7 +372,7 @@ class CoordinatorService:
         except WireError as e:
             return self._drop((), e)
         if self.held and route:
-            self.held.heard(route[0], self._send_held)  # a peer back after a restart
+            self.held.heard(route[0], self._send_held)  # a peer back after a restart (not while paused)
         self._peer_key = _user_id(frames[-1]) if self.curve_keys is not None else ""
         try:
             d = decode(payload, session=self.settings.session)
@@ -460,6 +462,8 @@ class CoordinatorService:
             if why:  # a forged (or misrouted) report: the rank lives on, its own frames decide
                 raise RouteMismatch(why)
             self._feed(RankExitReported(now=now, rank=r.rank, code=r.code))
+        elif which == "relay_restarting":
+            self._on_relay_restarting(now, route, msg.relay_restarting)
         elif which == "abort":  # the agent gives its host up (its relay died), before its ranks' exits
             if route not in self.agents.agent_ranks:
                 raise RouteMismatch("abort from an agent that never said hello")
@@ -467,6 +471,50 @@ class CoordinatorService:
             if len(self.agent_errors) < 64:
                 self.agent_errors.append(reason)
             log.error("%s", reason)
+
+    def _on_relay_restarting(self, now: float, route: tuple, m) -> None:
+        """A relay died and its agent restarts it (same bind, same uplink identity).
+
+        While it is down its frames are held (``HeldSends.expect``), not failed: its ranks
+        are alive and will be reachable again. Once the agent says it is back (``ready``)
+        the run is resynchronised exactly as after a coordinator restart -- the frames
+        that were inside the dead relay (a consensus, an ack, a fold) are lost, and the
+        resync recovers them: a new incarnation, the open round abandoned and redone,
+        every rank's Resync report reconciled by the core (``CoordinatorRestarted``,
+        ``cause="relay"``, journaled like any event)."""
+        hop = bytes(m.identity)
+        ranks = [r for r in range(len(self.state.ranks)) if (self.state.route_of(r) or (b"",))[0] == hop]
+        if not ranks:
+            raise RouteMismatch("relay_restarting for a relay that routes no admitted rank")
+        for r in ranks:  # only the agent its ranks vouched for may say so
+            why = self.agents.report_refusal(route, r, m.token, self._peer_key)
+            if why:
+                raise RouteMismatch(f"relay_restarting refused: {why}")
+        name = hop.decode(errors="replace")
+        if not m.ready:
+            if self.held is None:
+                self.held = recovery.HeldSends(set())
+            self.held.expect(hop)
+            self._relays_down.add(hop)
+            self.relay_restarts.append({"relay": name, "reason": m.reason[:200], "ranks": ranks, "down_at": now})
+            log.warning("relay %s of ranks %s is being restarted by its agent (%s): holding its frames",
+                        name, ranks, m.reason[:200])
+            return
+        if hop not in self._relays_down:
+            return  # (a repeated "ready")
+        self._relays_down.discard(hop)
+        self.held.resume(hop)
+        self.relay_restarts[-1]["back_at"] = now
+        self.reducer.abandon()
+        self.endpoint = self._new_endpoint()
+        log.warning("relay %s is back: resynchronising the run (frames inside the dead relay are lost)", name)
+        self._feed(CoordinatorRestarted(now=now, incarnation=self.endpoint.sender.incarnation, cause="relay"))
+
+    def _new_endpoint(self) -> Endpoint:
+        # A random incarnation per process (and per resync): the ranks tell a restart by it.
+        return Endpoint(
+            self.settings.session, pb.Sender.KIND_COORDINATOR, host=socket.gethostname(), incarnation=secrets.randbits(63) | 1
+        )
 
     def _on_round(self, rank: int | None, header: pb.RoundHeader, blobs, *, relay: tuple = ()) -> None:
         try:

@@ -742,7 +742,18 @@ class RelayMsg(_message.Message):
     def __init__(self, hello: _Optional[_Union[RelayMsg.RelayHello, _Mapping]] = ..., rank_exit: _Optional[_Union[RelayMsg.RankExit, _Mapping]] = ..., declare_dead: _Optional[_Union[RelayMsg.DeclareDead, _Mapping]] = ..., fold_open: _Optional[_Union[RelayMsg.FoldOpen, _Mapping]] = ..., fold_drop: _Optional[_Union[RelayMsg.FoldDrop, _Mapping]] = ...) -> None: ...
 
 class AgentMsg(_message.Message):
-    __slots__ = ("hello", "rank_exited", "abort")
+    __slots__ = ("hello", "rank_exited", "abort", "relay_restarting")
+    class RelayRestarting(_message.Message):
+        __slots__ = ("identity", "reason", "token", "ready")
+        IDENTITY_FIELD_NUMBER: _ClassVar[int]
+        REASON_FIELD_NUMBER: _ClassVar[int]
+        TOKEN_FIELD_NUMBER: _ClassVar[int]
+        READY_FIELD_NUMBER: _ClassVar[int]
+        identity: bytes
+        reason: str
+        token: bytes
+        ready: bool
+        def __init__(self, identity: _Optional[bytes] = ..., reason: _Optional[str] = ..., token: _Optional[bytes] = ..., ready: _Optional[bool] = ...) -> None: ...
     class AgentHello(_message.Message):
         __slots__ = ("host", "ranks", "token")
         HOST_FIELD_NUMBER: _ClassVar[int]
@@ -769,7 +780,9 @@ class AgentMsg(_message.Message):
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RANK_EXITED_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    RELAY_RESTARTING_FIELD_NUMBER: _ClassVar[int]
     hello: AgentMsg.AgentHello
     rank_exited: AgentMsg.RankExited
     abort: AgentMsg.Abort
-    def __init__(self, hello: _Optional[_Union[AgentMsg.AgentHello, _Mapping]] = ..., rank_exited: _Optional[_Union[AgentMsg.RankExited, _Mapping]] = ..., abort: _Optional[_Union[AgentMsg.Abort, _Mapping]] = ...) -> None: ...
+    relay_restarting: AgentMsg.RelayRestarting
+    def __init__(self, hello: _Optional[_Union[AgentMsg.AgentHello, _Mapping]] = ..., rank_exited: _Optional[_Union[AgentMsg.RankExited, _Mapping]] = ..., abort: _Optional[_Union[AgentMsg.Abort, _Mapping]] = ..., relay_restarting: _Optional[_Union[AgentMsg.RelayRestarting, _Mapping]] = ...) -> None: ...

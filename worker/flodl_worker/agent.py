@@ -69,16 +69,12 @@ PIPE_DRAIN_S = 1.0  # after the last rank ended, wait this long at most for pipe
 # A relay that dies is restarted (same bind, same uplink identity: the ranks' DEALERs
 # reconnect to it and the coordinator's routes to them stay valid), after these delays;
 # one more death within RELAY_RESTART_WINDOW_S of the first of them, and the agent gives
-# up on its host: it tells the coordinator why and stops its ranks.
-#
-# OFF (no restarts) until the coordinator can resynchronise a host whose relay restarted:
-# a kill -9 of the relay loses the frames inside it (a consensus, a SyncAck, a fold in
-# progress), and nothing recovers them -- measured: 3 of 3 restarted runs stalled with
-# heartbeats flowing but one rank's SyncAck for the open cycle lost. The routing part
-# works (same identity and bind: the coordinator's routes and the ranks' DEALERs carry
-# on). What is missing: the restarted relay's ``RelayHello`` making the coordinator run
-# the resync of ``flodl.core._resync`` (new incarnation, abandoned round) for the run.
-RELAY_RESTART_DELAYS_S: tuple[float, ...] = ()
+# up on its host: it tells the coordinator why and stops its ranks. Before a restart the
+# agent tells the coordinator (``relay_restarting``): it holds the relay's frames while it
+# is down and, once it is back, resynchronises the run as after its own restart -- the
+# frames that were inside the dead relay (a consensus, a SyncAck, a fold) are lost, and
+# the resync is what recovers them.
+RELAY_RESTART_DELAYS_S: tuple[float, ...] = (0.1, 1.0, 3.0)
 RELAY_RESTART_WINDOW_S = 60.0
 
 
@@ -382,8 +378,11 @@ class Agent:
         n = len(self.relay_deaths)
         if n <= len(RELAY_RESTART_DELAYS_S):
             delay = RELAY_RESTART_DELAYS_S[n - 1]
-            log.error("relay exited unexpectedly (%s): restarting it in %gs (restart %d of %d within %gs)",
-                      _exit_str(code), delay, n, len(RELAY_RESTART_DELAYS_S), RELAY_RESTART_WINDOW_S)
+            why = f"relay exited unexpectedly ({_exit_str(code)})"
+            log.error("%s: restarting it in %gs (restart %d of %d within %gs)",
+                      why, delay, n, len(RELAY_RESTART_DELAYS_S), RELAY_RESTART_WINDOW_S)
+            self._send_agent(relay_restarting=pb.AgentMsg.RelayRestarting(
+                identity=self.relay_identity.encode(), reason=why, token=self.token))  # fmt: skip
             self.relay_restart_at = now + delay
             return
         times = f", {n} times within {RELAY_RESTART_WINDOW_S:g}s" if RELAY_RESTART_DELAYS_S else ""
@@ -401,6 +400,8 @@ class Agent:
             return
         log.warning("relay restarted at %s (same identity %s): the ranks reconnect to it",
                     endpoint, self.relay_identity)
+        self._send_agent(relay_restarting=pb.AgentMsg.RelayRestarting(
+            identity=self.relay_identity.encode(), reason="restarted", token=self.token, ready=True))  # fmt: skip
 
     def _give_up_relay(self, why: str) -> None:
         reason = f"agent on {self.cfg.host_name}: {why}; giving up: stopping ranks {[c.rank for c in self._alive()]}"
