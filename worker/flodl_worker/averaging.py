@@ -23,6 +23,11 @@ contributions it holds (``contributing_ranks``):
 
 Either way the rank answers ``timing.sync_ack{cycle, step_count, divergence (snapshot vs
 consensus), pre_norm, post_norm}``; ``step_count`` commits the rank's batches up to it.
+
+The accounting (n, the weight, the credit, the folded step, which step the ack names)
+is the rank machine's (``flodl.rank``): it answers ``RequestParams`` with
+``TakeSnapshot`` and a ``ConsensusReady`` with ``ApplyConsensus``. This module only
+copies, packs, checks and applies tensors.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flodl.rank import ApplyConsensus, TakeSnapshot
 from flodl.wire import WireError, pack_round, pb, unpack_round
 
-from .params import as_tensor, f32, gamma_mass, l2_norm
+from .params import as_tensor, f32, l2_norm
 
 __all__ = ["BusAverager", "Snapshot"]
 
@@ -53,91 +59,97 @@ class Snapshot:
 class BusAverager:
     """Snapshots, contributions and consensus application for one rank.
 
-    ``rank`` is the owning runtime: it holds the parameters, the step counters and the
-    socket (``_send``/``_timing``/``_drop``); this object never touches a socket itself.
+    ``rank`` is the owning shell (``flodl_worker.shell.MachineShell``): it holds the
+    machine ``m``, the parameters and the socket (``_send``/``_timing``/``_drop``) and
+    hears of a consensus through ``consensus_ready``; this object never touches a
+    socket itself.
     """
 
     def __init__(self, rank) -> None:
         self.rank = rank
         self.snapshots: dict[int, Snapshot] = {}
-        self.folded_step = 0  # local step count of the last snapshot folded into a consensus
 
-    def on_request(self, cycle: int) -> None:
-        r = self.rank
-        n = r.steps_since_avg
-        w = gamma_mass(n, r.spec.gamma)
-        pre = [f32(p).copy() for p in r.params]  # deep copy: never a torn/aliased view
+    @property
+    def folded_step(self) -> int:
+        return self.rank.m.folded_step
+
+    def take(self, cmd: TakeSnapshot) -> None:
+        """``TakeSnapshot``: deep-copy the parameters and send the weighted round."""
+        r, w = self.rank, cmd.weight
+        pre = self._snapshot(cmd)
         scaled = [a * np.float32(w) for a in pre] if w > 0 else pre
-        header, blobs = pack_round(scaled, cycle=cycle, weight=w, bf16=r.spec.bf16_wire)
-        self.snapshots[cycle] = Snapshot(n=n, step_count=r.local_step, pre=pre, weight=w)
+        header, blobs = pack_round(scaled, cycle=cmd.cycle, weight=w, bf16=r.spec.bf16_wire)
         r._send("round", header, blobs)
 
-    def on_consensus(self, header: pb.RoundHeader, blobs: list) -> int | None:
-        """Apply a consensus and ack it; return its cycle, or None when it was dropped."""
+    def _snapshot(self, cmd: TakeSnapshot) -> list:
+        pre = [f32(p).copy() for p in self.rank.params]  # deep copy: never a torn/aliased view
+        self.snapshots[cmd.cycle] = Snapshot(n=cmd.n, step_count=cmd.step_count, pre=pre, weight=cmd.weight)
+        return pre
+
+    def settle(self) -> None:
+        """Before a coordinator restart is handled: finish what already completed (bus: nothing)."""
+
+    def abandon(self, cycles) -> None:
+        """The coordinator restarted: these cycles' rounds are gone (no ack, credit kept)."""
+        for c in cycles:
+            self.snapshots.pop(c, None)
+
+    def on_consensus(self, header: pb.RoundHeader, blobs: list) -> None:
+        """Check a consensus frame and hand it to the machine (``rank.consensus_ready``)."""
         r = self.rank
-        snap = self.snapshots.get(header.cycle)
-        if snap is None:
+        if header.cycle not in self.snapshots:
             r._drop("unknown_cycle", f"consensus for cycle {header.cycle}, which this rank never snapshotted")
-            return None
+            return
         if header.phase != pb.ROUND_PHASE_PARAMS or header.kind != pb.ROUND_KIND_MODEL:
             r._drop("unsupported_round", f"round phase {header.phase} kind {header.kind}")
-            return None
+            return
         try:
             arrays = unpack_round(header, blobs)
         except WireError as e:
             r._drop(e.reason, e.detail)
-            return None
+            return
         if header.weight == 0 and not header.tensors:
             # Nothing was accepted and the reducer never saw the schema (every frame of the
             # round refused undecoded): the same answer as a weight-0 consensus.
             arrays = [np.zeros(tuple(p.shape), dtype=np.float32) for p in r.params]
         if len(arrays) != len(r.params) or any(tuple(a.shape) != tuple(p.shape) for a, p in zip(arrays, r.params)):
             r._drop("bad_tensor", f"consensus for cycle {header.cycle} does not match the model's schema")
-            return None
-        del self.snapshots[header.cycle]
+            return
         included = header.weight > 0 and (
             not header.contributing_ranks or r.cfg.rank in header.contributing_ranks
         )
         if not included and header.weight > 0:
             log.info("cycle %d: this rank's contribution is not in the consensus; keeping local parameters", header.cycle)
-        return self.conclude(header.cycle, snap, arrays if included else None)
+        r.consensus_ready(header.cycle, arrays if included else None)
 
-    def conclude(self, cycle: int, snap: Snapshot, arrays: list | None) -> int:
-        """Apply the consensus ``arrays`` of ``cycle`` and ack it; return the cycle.
+    def apply(self, cmd: ApplyConsensus) -> None:
+        """``ApplyConsensus``: apply ``cmd.arrays`` against the snapshot and ack the cycle.
 
         ``arrays`` None: this rank's work is not in a consensus (weight 0, its fold was
         dropped, or -- collective plane -- the all-reduce failed): keep the local
-        parameters and the credit, and ack the last folded step (commits nothing new).
+        parameters; the ack names the step the machine says (the last folded one).
         Shared by both data planes (``flodl_worker.collective``)."""
-        r = self.rank
+        snap = self.snapshots.pop(cmd.cycle)
         post = snap.pre  # not included: the consensus is our own snapshot (keep local)
-        acked_step = self.folded_step
-        if arrays is not None:
-            post = self._apply(arrays, snap)
-            r.steps_since_avg = max(0, r.steps_since_avg - snap.n)
-            self.folded_step = acked_step = snap.step_count
-        hold = getattr(getattr(r, "checkpoints", None), "hold", None)
-        if hold is not None:  # held until the next consensus: a later Checkpoint{cycle} saves it
-            hold(cycle, arrays)
+        if cmd.arrays is not None:
+            post = self._apply(cmd.arrays, snap, cmd.moved)
         post_norm = l2_norm(post)
         diff = l2_norm([b - a for a, b in zip(snap.pre, post)])
-        r._timing(
+        self.rank._timing(
             sync_ack=pb.Timing.SyncAck(
-                cycle=cycle,
-                step_count=acked_step,
+                cycle=cmd.cycle,
+                step_count=cmd.ack_step,
                 divergence=diff / post_norm if post_norm > 1e-10 else 0.0,
                 pre_norm=l2_norm(snap.pre),
                 post_norm=post_norm,
             )
         )
-        return cycle
 
-    def _apply(self, arrays: list, snap: Snapshot) -> list:
+    def _apply(self, arrays: list, snap: Snapshot, moved: bool) -> list:
         """theta <- consensus (+ steps since the snapshot), or the EASGD blend; returns post."""
         r = self.rank
         alpha = r.spec.easgd_alpha
         blend = r.spec.policy == pb.POLICY_ASYNC and 0.0 < alpha < 1.0
-        moved = r.local_step != snap.step_count
         consensus = []
         with torch.no_grad():
             for p, a, pre in zip(r.params, arrays, snap.pre):

@@ -4,7 +4,7 @@
 c = the consensus of averaging cycle c. That one is saved right after it is applied
 (the save is *armed* when the command comes first), or at once if c is the last
 consensus the rank applied -- even after steps since: the rank *holds* the consensus
-arrays of its last applied cycle (``hold``, called by the averager; one parameter-sized
+arrays of its last applied cycle (the machine's ``held``; one parameter-sized
 copy, dropped when the next consensus lands) and saves those parameters, with the
 model's other state (buffers) and the optimizer's state as they are now. That is the
 normal case: the coordinator asks after the round finished (its acks committed the
@@ -13,6 +13,10 @@ than the last applied one is no longer held: the answer is an error naming it, a
 coordinator fails over to another rank (and reports the checkpoint missing if no rank
 holds it). The file is written atomically by ``flodl_worker.checkpoint``; the answer is
 ``timing.checkpoint_result{version, sha256}`` (or ``error``).
+
+Which weights, and whether to save now, later or not at all, is the rank machine's
+decision (``flodl.rank``: arming, holding, refusing by name); it says ``SaveCheckpoint``
+and this module does the torch part: the state dict, the file, the answer.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import time
 
 from flodl.fsutil import describe_write_error, no_space
+from flodl.rank import SaveCheckpoint
 from flodl.wire import pb
 
 from .checkpoint import save_model_file
@@ -33,52 +38,13 @@ log = logging.getLogger("flodl.rank")
 
 
 class CheckpointDuty:
+    """Executes ``SaveCheckpoint`` for the rank shell ``rank`` (model, optimizer, ``m``)."""
+
     def __init__(self, rank) -> None:
         self.rank = rank
-        # The last consensus applied and the local step count right after it.
-        self.applied_cycle = 0
-        self.applied_at_step = 0
-        self.armed: dict[int, pb.Control.Checkpoint] = {}  # cycle -> command, saved on apply
-        self.held: tuple[int, list] | None = None  # (cycle, consensus arrays) of the last applied round
 
-    def hold(self, cycle: int, arrays: list | None) -> None:
-        """The averager applied ``arrays`` as the consensus of ``cycle`` (None: this
-        rank's weights are not in a consensus; it kept its own, nothing to hold)."""
-        self.held = (cycle, list(arrays)) if arrays is not None else None
-
-    def on_command(self, m: pb.Control.Checkpoint) -> None:
-        r = self.rank
-        if not m.path:
-            self._failed(m, "no path in the Checkpoint command (the coordinator has no checkpoint_dir)")
-        elif m.cycle == 0:
-            self._save(m)
-        elif m.cycle > self.applied_cycle:
-            armed = pb.Control.Checkpoint()
-            armed.CopyFrom(m)
-            self.armed[m.cycle] = armed
-        elif m.cycle == self.applied_cycle and self.held is not None and self.held[0] == m.cycle:
-            self._save(m, params=self.held[1])
-        elif m.cycle == self.applied_cycle and r.local_step == self.applied_at_step:
-            self._save(m)
-        else:
-            moved = r.local_step - self.applied_at_step
-            self._failed(
-                m,
-                f"the consensus of cycle {m.cycle} is no longer held (last applied cycle "
-                f"{self.applied_cycle}, {moved} step(s) since)",
-            )
-
-    def after_consensus(self, cycle: int) -> None:
-        """The consensus of ``cycle`` was just applied: save what was armed for it."""
-        self.applied_cycle, self.applied_at_step = cycle, self.rank.local_step
-        if self.held is not None and self.held[0] != cycle:
-            self.held = None  # an older round's consensus: no longer what this rank holds
-        for c in sorted(k for k in self.armed if k <= cycle):
-            m = self.armed.pop(c)
-            if c == cycle:
-                self._save(m, params=self.held[1] if self.held is not None else None)
-            else:
-                self._failed(m, f"the consensus of cycle {c} never reached this rank")
+    def save(self, cmd: SaveCheckpoint) -> None:
+        self._save(cmd.command, params=cmd.params)
 
     def _consensus_state(self, arrays: list) -> dict:
         """The model's state dict with its parameters replaced by ``arrays`` (CPU copies)."""
@@ -97,7 +63,7 @@ class CheckpointDuty:
             state = self._consensus_state(params) if params is not None else None
             digest = save_model_file(
                 m.path, r.model, r.optimizer, version=m.version, cycle=m.cycle, rank=r.cfg.rank,
-                global_step=r.global_step, local_step=r.local_step, model_state=state,
+                global_step=r.m.global_step, local_step=r.m.local_step, model_state=state,
             )  # fmt: skip
         except Exception as e:  # disk full, permissions, a user state_dict that raises
             # A full disk is named as such (torch.save hides it behind "unexpected pos").
@@ -112,11 +78,10 @@ class CheckpointDuty:
             )
         )
 
-    def _failed(self, m: pb.Control.Checkpoint, error: str, t0: float | None = None) -> None:
+    def _failed(self, m: pb.Control.Checkpoint, error: str, t0: float) -> None:
         log.warning("checkpoint v%d not saved: %s", m.version, error)
-        elapsed = (time.perf_counter() - t0) * 1e3 if t0 is not None else 0.0
         self.rank._timing(
             checkpoint_result=pb.Timing.CheckpointResult(
-                version=m.version, elapsed_ms=elapsed, error=error, cycle=m.cycle
+                version=m.version, elapsed_ms=(time.perf_counter() - t0) * 1e3, error=error, cycle=m.cycle
             )
         )

@@ -7,7 +7,8 @@ weighted parameters with ``torch.distributed`` (gloo on CPU tensors, NCCL on GPU
 tensors). The coordinator never sees a tensor: it says *when* (``RequestParams{cycle}``,
 exactly as on the bus) and *with whom* (``Rendezvous``, ``flodl.core._collective``).
 ``CollectiveAverager`` offers ``BusAverager``'s interface and reuses its snapshot, apply
-and ack logic (``BusAverager.conclude``); only the transport differs.
+and ack logic (``BusAverager.apply``, driven by the rank machine's ``ApplyConsensus``);
+only the transport differs.
 
 Generations. Every re-formation of the group is a new *generation*, announced in two
 steps: ``Rendezvous{generation, store_addr=""}`` (to every member; the member with
@@ -28,7 +29,8 @@ and goes back to training. ``wait`` (called by the rank's pump instead of a plai
 poll) watches the socket and a wake-up fd that the all-reduce's completion callback
 writes, so a finished reduce is handled at once even while the rank is blocked waiting
 for a plan or an ``Update``. On completion: W = the summed weights; consensus = sum / W;
-applied and acked by ``conclude`` exactly as a bus consensus (theta <- consensus +
+handed to the machine (``rank.consensus_ready``), applied and acked exactly as a bus
+consensus (theta <- consensus +
 (theta - snapshot); EASGD blend under Async). W = 0 (nobody stepped): keep local.
 
 Failure. A failed or abandoned all-reduce is a round this rank's work is not in: it
@@ -57,10 +59,11 @@ round brings every survivor back to one consensus.
 
 Coordinator restart. The restarted coordinator abandoned the open round and re-forms
 the group as a new generation (``flodl.core._collective``). The rank's resync
-(``flodl_worker.resync``) calls ``on_coordinator_restart`` before handling the new
-incarnation's first frame: a reduce that already completed is applied and acked (the
-ack is stale for the new coordinator; the resync's ``folded_step`` carries it), every
-request and reduce still pending is dropped *without* an ack (its round is gone, like a
+(``flodl_worker.resync``) calls ``settle`` before handling the new incarnation's first
+frame: a reduce that already completed is applied and acked (the ack is stale for the
+new coordinator; the resync's ``folded_step`` carries it); then the machine's
+``AbandonRounds`` (``abandon``) drops every request and reduce still pending *without*
+an ack (its round is gone, like a
 bus snapshot; the credit stays) and its group's work is parked. The generation the
 coordinator announces next then retires the old group as usual.
 
@@ -92,8 +95,9 @@ import zmq
 
 from flodl.wire import pb
 
-from .averaging import BusAverager, Snapshot
-from .params import f32, gamma_mass
+from flodl.rank import TakeSnapshot
+
+from .averaging import BusAverager
 
 __all__ = ["CollectiveAverager", "BACKENDS", "STORE_PREFIX", "new_group"]
 
@@ -186,9 +190,9 @@ class _Stats:
 class CollectiveAverager(BusAverager):
     """``BusAverager``'s interface over torch.distributed all-reduces.
 
-    ``rank`` is the owning runtime (``flodl_worker.rank._Rank`` or a test double with
-    ``cfg``, ``spec``, ``params``, ``local_step``, ``steps_since_avg``, ``sock``,
-    ``checkpoints``, ``_timing`` and ``_drop``).
+    ``rank`` is the owning shell (``flodl_worker.rank._Rank`` or a test double with
+    ``cfg``, ``spec``, ``params``, ``m``, ``sock``, ``consensus_ready``, ``_timing`` and
+    ``_drop``).
     """
 
     def __init__(self, rank) -> None:
@@ -255,18 +259,14 @@ class CollectiveAverager(BusAverager):
         gen.store_addr = m.store_addr
         self._start_forming(gen)
 
-    def on_request(self, cycle: int) -> None:
-        r = self.rank
-        n = r.steps_since_avg
-        w = gamma_mass(n, r.spec.gamma)
-        pre = [f32(p).copy() for p in r.params]  # deep copy: never a torn/aliased view
-        self.snapshots[cycle] = Snapshot(n=n, step_count=r.local_step, pre=pre, weight=w)
-        self.requests.append((cycle, self.gen.number if self.gen is not None else 0))
+    def take(self, cmd: TakeSnapshot) -> None:
+        """``TakeSnapshot``: the snapshot, bound to the latest generation announced."""
+        self._snapshot(cmd)
+        self.requests.append((cmd.cycle, self.gen.number if self.gen is not None else 0))
         self.progress()
 
-    def on_consensus(self, header: pb.RoundHeader, blobs: list) -> int | None:
+    def on_consensus(self, header: pb.RoundHeader, blobs: list) -> None:
         self.rank._drop("unexpected_round", f"a bus round (cycle {header.cycle}) on the collective plane")
-        return None
 
     # -- progress -----------------------------------------------------------------------
 
@@ -294,8 +294,7 @@ class CollectiveAverager(BusAverager):
             self.parked = [op for op in self.parked if not op.done()]
 
     def _skip(self, cycle: int) -> None:
-        snap = self.snapshots.pop(cycle)
-        self.rank.checkpoints.after_consensus(self.conclude(cycle, snap, None))
+        self.rank.consensus_ready(cycle, None)
 
     def _launch(self, cycle: int, gen: _Generation) -> None:
         snap = self.snapshots[cycle]
@@ -315,14 +314,14 @@ class CollectiveAverager(BusAverager):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _completed(self, op: _Op) -> None:
-        snap = self.snapshots.pop(op.cycle)
+        snap = self.snapshots[op.cycle]
         try:
             op.future.value()  # done: raises at once if the reduce failed
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError & co.
             reason = _one_line(e)
             self.stats.failed += 1
             log.warning("cycle %d: all-reduce failed in generation %d: %s; keeping local parameters", op.cycle, op.generation, reason)
-            self.rank.checkpoints.after_consensus(self.conclude(op.cycle, snap, None))
+            self.rank.consensus_ready(op.cycle, None)
             self._broken(op.generation, op.cycle, reason)
             return
         self.stats.reduced += 1
@@ -330,7 +329,7 @@ class CollectiveAverager(BusAverager):
         out = op.buf.detach().to("cpu").numpy()
         total = float(out[-1])
         arrays = _unflatten(out, snap.pre) if total > 0 else None
-        self.rank.checkpoints.after_consensus(self.conclude(op.cycle, snap, arrays))
+        self.rank.consensus_ready(op.cycle, arrays)
 
     def _broken(self, generation: int, cycle: int, reason: str) -> None:
         """The group of ``generation`` failed here: stop using it; the coordinator re-forms."""
@@ -348,7 +347,7 @@ class CollectiveAverager(BusAverager):
     def _park(self, op: _Op) -> None:
         """Abandon ``op``: ack its cycle without a reduce; keep its group alive until done."""
         self.stats.abandoned += 1
-        self.rank.checkpoints.after_consensus(self.conclude(op.cycle, self.snapshots.pop(op.cycle), None))
+        self.rank.consensus_ready(op.cycle, None)
         if not op.done():
             self.parked.append(op)
             if self.gen is not None and self.gen.backend == "nccl":
@@ -362,13 +361,21 @@ class CollectiveAverager(BusAverager):
             self._park(op)
         # A formation still running finishes (or fails) in its thread; its result is dropped.
 
-    def on_coordinator_restart(self) -> int:
-        """The coordinator restarted (see the module doc): apply what already completed,
-        drop every pending request and reduce without an ack; returns how many cycles
-        were dropped."""
+    def settle(self) -> None:
+        """Before a coordinator restart is handled: apply the reduces that completed."""
         while self.ops and self.ops[0].done():
             self._completed(self.ops.popleft())
+
+    def on_coordinator_restart(self) -> int:
+        """``settle``, then ``abandon`` every pending cycle; returns how many were dropped."""
+        self.settle()
         dropped = len(self.snapshots)
+        self.abandon(tuple(self.snapshots))
+        return dropped
+
+    def abandon(self, cycles) -> None:
+        """The coordinator restarted (see the module doc): drop every pending request and
+        reduce without an ack (the machine names the snapshots it dropped: all of them)."""
         for op in list(self.ops):
             self.ops.remove(op)
             self.stats.abandoned += 1
@@ -380,7 +387,6 @@ class CollectiveAverager(BusAverager):
         self.stats.skipped += len(self.requests)
         self.requests.clear()
         self.snapshots.clear()
-        return dropped
 
     # -- formation ----------------------------------------------------------------------
 

@@ -9,13 +9,20 @@ plan, throttled at a barrier) inside ``_wait_until``, which polls the socket wit
 timeout so that heartbeats and the liveness check run on every pass — silence is
 exactly when they are needed.
 
+What the rank *decides* (plans, throttle, credit and folded step, checkpoint arming,
+the resync report) is the sans-IO rank machine's, ``flodl.rank.RankMachine``, the same
+one the simulator drives: this module decodes frames into its events (``IncarnationSeen``,
+``ControlReceived``, ``ConsensusReady``, ``BatchTrained``), asks it what to train next
+(``next_action``) and carries out its commands with torch and the socket
+(``flodl_worker.shell``).
+
 1. hello -> hello_ack. The model signature (sha256 over parameter names, shapes and
    dtypes) goes in the hello, but the seed that initialises the weights comes back in
    the ack's RunSpec. So the model is built twice: once under ``manual_seed(0)`` as a
    probe for the signature (then dropped), and again under ``manual_seed(spec.seed)``
    after admission, so every rank starts bit-identical. Afterwards the torch RNG is
    re-seeded per rank (``seed + 1 + rank``) so that dropout & co. differ across ranks.
-2. Plans (``flodl_worker.plans``): ``StartEpoch``/``Update.next_plan`` queue a range of
+2. Plans (the machine's): ``StartEpoch``/``Update.next_plan`` queue a range of
    positions of the epoch permutation, FIFO; ``ExtendPartition`` appends a segment.
 3. Averaging (``flodl_worker.averaging``): ``RequestParams{cycle}`` snapshots and sends
    the weighted parameters; the consensus ``round{cycle}`` is applied and acked. On the
@@ -51,7 +58,7 @@ import secrets
 import sys
 import time
 import traceback
-from collections import Counter, deque
+from collections import Counter
 from typing import Any, Callable, Mapping, NoReturn
 
 import numpy as np
@@ -59,6 +66,19 @@ import torch
 import zmq
 
 from flodl.limits import zmq_maxmsgsize
+from flodl.rank import (
+    WAIT_PLAN,
+    WAIT_THROTTLE,
+    Admitted,
+    BatchTrained,
+    ControlReceived,
+    Drop,
+    Exit,
+    IncarnationSeen,
+    RankMachine,
+    SendMetrics,
+    TrainBatch,
+)
 from flodl.shuffle import epoch_permutation
 from flodl.wire import (
     Endpoint,
@@ -76,8 +96,7 @@ from .collective import CollectiveAverager
 from .checkpoint import CheckpointLoadError, load_model_file
 from .checkpoint_duty import CheckpointDuty
 from .params import gamma_mass, model_signature, param_digest
-from .plans import Chunk
-from .resync import RankResync
+from .shell import MachineShell
 
 __all__ = [
     "run_rank",
@@ -133,7 +152,7 @@ class _Abort(Exception):
 # ---------------------------------------------------------------------------------------
 
 
-class _Rank:
+class _Rank(MachineShell):
     def __init__(self, cfg: RankEnv, model_fn, optimizer_fn, step_fn, dataset, eval_fn, task: str, epoch_fn=None):
         self.cfg = cfg
         self.model_fn, self.optimizer_fn, self.step_fn = model_fn, optimizer_fn, step_fn
@@ -173,23 +192,19 @@ class _Rank:
         self.liveness_s = DEFAULT_LIVENESS_S
         self.last_heard = time.monotonic()
         self.next_heartbeat = 0.0
-        # Training state.
-        self.local_step = 0
-        self.steps_since_avg = 0
-        self.global_step = 0
-        self.throttled = False
-        self.plans: deque[Chunk] = deque()
-        self.current: Chunk | None = None
-        self.chunk_seq = 0
+        self.m = RankMachine(cfg.rank)  # what the rank decides (flodl.rank)
         self.averager = BusAverager(self)
         self.collective: CollectiveAverager | None = None  # the averager too, on the collective plane
         self.checkpoints = CheckpointDuty(self)
-        self.resync = RankResync(self)  # coordinator restarts (flodl_worker.resync)
         self.perm: tuple[int, np.ndarray] | None = None  # (epoch, permutation) cache
         self.trace = None
         if cfg.trace_dir:
             os.makedirs(cfg.trace_dir, exist_ok=True)
             self.trace = open(os.path.join(cfg.trace_dir, f"rank{cfg.rank}.trace"), "a", encoding="ascii")
+
+    @property
+    def local_step(self) -> int:
+        return self.m.local_step
 
     # -- sending ------------------------------------------------------------------------
 
@@ -232,7 +247,12 @@ class _Rank:
             except WireError as e:
                 self._drop(e.reason, e.detail)
                 continue
-            if not self.resync.on_frame(d.envelope):  # a restarted coordinator: report first
+            inc = d.envelope.sender.incarnation
+            if self.m.is_restart(inc):
+                self.averager.settle()  # a reduce that completed counts in the report
+            # A restarted coordinator: the resync report goes first (or a stale frame is dropped).
+            seen = self.feed(IncarnationSeen(incarnation=inc, hello_ack=d.envelope.HasField("hello_ack")))
+            if any(type(c) is Drop for c in seen):
                 continue
             self.last_heard = time.monotonic()
             self._dispatch(d.envelope, d.blobs)
@@ -259,7 +279,7 @@ class _Rank:
 
     def _heartbeat_if_due(self, now: float) -> None:
         if self.spec is not None and now >= self.next_heartbeat:
-            self._timing(heartbeat=pb.Timing.Heartbeat(step_count=self.local_step))
+            self._timing(heartbeat=pb.Timing.Heartbeat(step_count=self.m.local_step))
             self.next_heartbeat = now + self.heartbeat_s
 
     # -- admission ----------------------------------------------------------------------
@@ -327,16 +347,19 @@ class _Rank:
         self.heartbeat_s = spec.heartbeat_interval_s if spec.heartbeat_interval_s > 0 else DEFAULT_HEARTBEAT_S
         self.liveness_s = spec.liveness_timeout_s if spec.liveness_timeout_s > 0 else DEFAULT_LIVENESS_S
         self.sock.setsockopt(zmq.SNDTIMEO, int(self.liveness_s * 1000))
-        self.build()  # now, so that frames queued behind the ack see a built model
+        global_step = self.build()  # now, so that frames queued behind the ack see a built model
         if spec.plane == pb.PLANE_COLLECTIVE:
             self.averager = self.collective = CollectiveAverager(self)
+        self.feed(Admitted(spec=spec, global_step=global_step))
         log.info(
             "admitted: world %d, %d samples, batch %d, %d epochs, seed %d, gamma %g",
             spec.world_size, spec.total_samples, spec.batch_size, spec.num_epochs, spec.seed, spec.gamma,
         )
 
-    def build(self) -> None:
+    def build(self) -> int:
+        """Build model and optimizer (and load the resume checkpoint); its global step."""
         assert self.spec is not None
+        global_step = 0
         torch.manual_seed(self.spec.seed)
         self.model = self.model_fn()
         self.optimizer = self.optimizer_fn(self.model)
@@ -345,12 +368,13 @@ class _Rank:
                 info = load_model_file(self.spec.resume_from, self.model, self.optimizer)
             except CheckpointLoadError as e:
                 raise _Refused(f"cannot resume: {e}") from None
-            self.global_step = int(info.get("global_step", 0))
+            global_step = int(info.get("global_step", 0))
             log.info("resumed model and optimizer from %s (checkpoint v%s)", self.spec.resume_from, info.get("version"))
         self.params = list(self.model.parameters())
         self.model.train()
         # Identical weights everywhere, distinct random streams (dropout...) per rank.
         torch.manual_seed((self.spec.seed + 1 + self.cfg.rank) % (1 << 63))
+        return global_step
 
     # -- dispatch -----------------------------------------------------------------------
 
@@ -361,83 +385,16 @@ class _Rank:
         elif self.spec is None:
             self._drop("before_admission", f"{kind} before hello_ack")
         elif kind == "control":
-            self._on_control(env.control)
+            self.feed(ControlReceived(control=env.control))
         elif kind == "round":
-            cycle = self.averager.on_consensus(env.round, blobs)
-            if cycle is not None:
-                # Acked first (the round finishes without waiting for the disk), saved
-                # before the next step: the file holds exactly this consensus.
-                self.checkpoints.after_consensus(cycle)
+            # Acked first (the round finishes without waiting for the disk); an armed
+            # checkpoint is saved before the next step: the file holds exactly this consensus.
+            self.averager.on_consensus(env.round, blobs)
         else:
             self._drop("unexpected_body", f"a {kind} body is not for a rank")
 
-    def _on_control(self, c: pb.Control) -> None:
-        which = c.WhichOneof("cmd")
-        self.resync.on_control(c)
-        if which == "request_params":
-            self.averager.on_request(c.request_params.cycle)
-        elif which == "start_epoch":
-            self._queue_plan(c.start_epoch.plan, "StartEpoch")
-        elif which == "update":
-            if c.update.HasField("next_plan"):
-                self._queue_plan(c.update.next_plan, "Update.next_plan")
-            self.throttled = False
-        elif which == "throttle":
-            self.throttled = True
-        elif which == "extend_partition":
-            self._extend(c.extend_partition)
-        elif which == "execute_eval":
-            if c.execute_eval.target_rank == self.cfg.rank:
-                self._run_eval(c.execute_eval)
-        elif which == "set_global_step":
-            self.global_step = c.set_global_step.global_step
-        elif which == "checkpoint":
-            if c.checkpoint.target_rank == self.cfg.rank:
-                self.checkpoints.on_command(c.checkpoint)
-        elif which in ("shutdown", "shutdown_with_save"):
-            raise _Shutdown(which)
-        elif which == "set_epoch_callback_role":
-            self.epoch_role = c.set_epoch_callback_role.rank
-        elif which == "epoch_aggregated":
-            if self.epoch_fn is not None and self.epoch_role == self.cfg.rank:
-                self._run_epoch_fn(c.epoch_aggregated.metrics)
-        elif which in (
-            "coord_heartbeat", "declare_dead",
-            "eval_broadcast", "stage_advisory", "save_consensus_model", "arm_consensus_eval",
-        ):
-            pass  # informational for a bus-plane rank; hearing it already reset liveness
-        elif which == "rendezvous" and self.collective is not None:
-            self.collective.on_rendezvous(c.rendezvous)
-        elif which is None:
-            self._drop("malformed", "control with no command")
-        else:  # sync_now (the NCCL-inline variant), rendezvous on the bus plane
-            self._drop("unsupported_control", f"{which} (collective plane) is not supported by this rank")
-
-    def _queue_plan(self, plan: pb.EpochPlan, source: str) -> None:
-        self._add_chunk(plan.epoch, plan.partition_offset, plan.partition_size, source)
-
-    def _add_chunk(self, epoch: int, offset: int, size: int, source: str) -> None:
-        assert self.spec is not None
-        if offset + size > self.spec.total_samples:
-            self._drop("bad_plan", f"{source} [{offset}, {offset + size}) exceeds {self.spec.total_samples} samples")
-            return
-        if self.plans:
-            # Reference hazard 11: two outstanding plans usually mean a coordinator bug.
-            # Keep both (dropping one would strand its samples), but say so.
-            log.warning("%s arrived while another plan is still queued; keeping both (FIFO)", source)
-        self.chunk_seq += 1
-        self.plans.append(Chunk(epoch=int(epoch), seq=self.chunk_seq, segments=deque([[int(offset), int(size)]])))
-
-    def _extend(self, m) -> None:
-        cur = self.current
-        if cur is not None and cur.epoch == m.epoch:
-            if m.partition_offset + m.partition_size > self.spec.total_samples:
-                self._drop("bad_plan", "ExtendPartition beyond the epoch")
-                return
-            cur.segments.append([int(m.partition_offset), int(m.partition_size)])
-        else:
-            # No plan in training (or another epoch): the extension is a chunk of its own.
-            self._add_chunk(m.epoch, m.partition_offset, m.partition_size, "ExtendPartition")
+    def _exit(self, c: Exit) -> None:
+        raise _Shutdown(c.reason)
 
     # -- eval ---------------------------------------------------------------------------
 
@@ -503,80 +460,45 @@ class _Rank:
         except (TypeError, ValueError):
             return 0.0
 
-    def train_chunk(self, chunk: Chunk) -> None:
-        bs = self.spec.batch_size
-        chunk.started = time.perf_counter()
-        while True:
-            self._pump(0)  # drain control between steps, never blocking
-            self._heartbeat_if_due(time.monotonic())
-            if chunk.exhausted():
-                return  # metrics go out even while throttled: reporting is not training
-            if self.throttled:
-                self._wait_until(lambda: not self.throttled, "throttled")
-                continue
-            offset, count = chunk.take(bs)
-            t0 = time.perf_counter()
-            ids = self._samples(chunk.epoch, offset, count)
-            batch = self._gather(ids)
-            t1 = time.perf_counter()
-            loss = self.step_fn(self.model, self.optimizer, batch)
-            if self.cfg.emulated_ms > 0:
-                time.sleep(self.cfg.emulated_ms / 1e3)  # emulated device speed (FLODL_SLOWDOWN)
-            t2 = time.perf_counter()
-            loss_f = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-            self.local_step += 1
-            self.steps_since_avg += 1
-            data_ms, batch_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-            chunk.batches += 1
-            chunk.samples += count
-            chunk.loss_sum += loss_f
-            chunk.compute_ms += batch_ms
-            chunk.data_ms += data_ms
-            if self.trace is not None:
-                self.trace.write("".join(f"{chunk.epoch} {int(i)}\n" for i in ids))
-                self.trace.flush()
-            batch = pb.Timing.Batch(
-                batch_ms=batch_ms,
-                data_ms=data_ms,
-                step_count=self.local_step,
-                batch_loss=loss_f,
-                lr=self._lr(),
-                samples=count,
-                epoch=chunk.epoch,
-                offset=offset,
+    def _train(self, b: TrainBatch) -> None:
+        """One optimizer step on the batch the machine handed out, reported to it."""
+        t0 = time.perf_counter()
+        ids = self._samples(b.epoch, b.offset, b.count)
+        batch = self._gather(ids)
+        t1 = time.perf_counter()
+        loss = self.step_fn(self.model, self.optimizer, batch)
+        if self.cfg.emulated_ms > 0:
+            time.sleep(self.cfg.emulated_ms / 1e3)  # emulated device speed (FLODL_SLOWDOWN)
+        t2 = time.perf_counter()
+        loss_f = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        if self.trace is not None:
+            self.trace.write("".join(f"{b.epoch} {int(i)}\n" for i in ids))
+            self.trace.flush()
+        self.feed(
+            BatchTrained(
+                epoch=b.epoch, offset=b.offset, samples=b.count, batch_ms=(t2 - t1) * 1e3, data_ms=(t1 - t0) * 1e3,
+                loss=loss_f, lr=self._lr(),
             )
-            self.resync.note_batch(batch)  # until folded: a restarted coordinator may ask
-            self._timing(batch=batch)
-
-    def send_metrics(self, chunk: Chunk) -> None:
-        elapsed = (time.perf_counter() - chunk.started) * 1e3
-        m = pb.Metrics(
-            rank=self.cfg.rank,
-            epoch=chunk.epoch,
-            chunk_seq=chunk.seq,
-            avg_loss=chunk.loss_sum / chunk.batches if chunk.batches else 0.0,
-            batches_processed=chunk.batches,
-            samples_processed=chunk.samples,
-            epoch_ms=elapsed,
-            compute_only_ms=chunk.compute_ms,
-            data_starve_ms=chunk.data_ms,
-            share_complete_ms=chunk.compute_ms + chunk.data_ms,
-        )
-        self.resync.note_metrics(m)  # until its epoch is aggregated (flodl_worker.resync)
-        self._send("metrics", m)
+        )  # fmt: skip
 
     def run(self) -> None:
         self.hello()
         self.next_heartbeat = time.monotonic() + self.heartbeat_s
         while True:
-            self._wait_until(lambda: bool(self.plans), "waiting for a plan")
-            self.current = self.plans.popleft()
-            self.train_chunk(self.current)
-            chunk, self.current = self.current, None
-            self.send_metrics(chunk)
+            self._pump(0)  # drain control between steps, never blocking
+            self._heartbeat_if_due(time.monotonic())
+            act = self.m.next_action(time.perf_counter())
+            if act is WAIT_PLAN:
+                self._wait_until(self.m.has_plan, "waiting for a plan")
+            elif act is WAIT_THROTTLE:
+                self._wait_until(lambda: not self.m.throttled, "throttled")
+            elif type(act) is SendMetrics:  # even while throttled: reporting is not training
+                self.execute([act])
+            else:
+                self._train(act)
 
     def say_exiting(self) -> None:
-        self._timing(exiting=pb.Timing.Exiting(param_digest=param_digest(self.params), steps=self.local_step))
+        self._timing(exiting=pb.Timing.Exiting(param_digest=param_digest(self.params), steps=self.m.local_step))
 
     def close(self) -> None:
         if self.trace is not None:

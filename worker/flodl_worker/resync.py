@@ -29,6 +29,12 @@ averager's ``on_coordinator_restart`` does it, abandoning the pending all-reduce
 their snapshots (``flodl_worker.collective``). A frame of an incarnation it
 has already left behind is dropped (``stale_incarnation``).
 
+The bookkeeping and the report are the rank machine's (``flodl.rank``:
+``IncarnationSeen`` -> ``AbandonRounds`` + ``SendTiming(resync)``, or
+``Drop("stale_incarnation")``); the shell's only part is ``settle``: a collective
+reduce that already completed is applied before the machine is told, so the report's
+``folded_step`` counts it.
+
 If the coordinator stays away, nothing changes: a rank waiting for it (for a plan, at a
 throttle) still gives up after ``liveness_timeout_s`` of silence. The restarted
 coordinator has to be back within that window.
@@ -36,106 +42,4 @@ coordinator has to be back within that window.
 
 from __future__ import annotations
 
-import logging
-
-from flodl.wire import pb
-
-__all__ = ["RankResync"]
-
-log = logging.getLogger("flodl.rank")
-
-
-class RankResync:
-    """Restart detection and the resync report for one rank runtime (``rank``)."""
-
-    def __init__(self, rank) -> None:
-        self.rank = rank
-        self.incarnation: int | None = None  # the coordinator's, from hello_ack
-        self.left_behind: set[int] = set()
-        self.last_command_id = 0
-        self.unfolded: list[pb.Timing.Batch] = []  # reported, not yet folded (step order)
-        self.finished: list[pb.Metrics] = []  # chunks of epochs not seen aggregated
-        self.restarts = 0
-
-    # -- bookkeeping ----------------------------------------------------------------------
-
-    def _folded_step(self) -> int:
-        return int(getattr(self.rank.averager, "folded_step", 0))
-
-    def note_batch(self, batch: pb.Timing.Batch) -> None:
-        folded = self._folded_step()
-        self.unfolded = [b for b in self.unfolded if b.step_count > folded]
-        self.unfolded.append(batch)
-
-    def note_metrics(self, m: pb.Metrics) -> None:
-        self.finished.append(m)
-
-    def on_control(self, c: pb.Control) -> None:
-        if c.command_id > self.last_command_id:
-            self.last_command_id = c.command_id
-        if c.WhichOneof("cmd") == "epoch_aggregated":
-            done = c.epoch_aggregated.metrics.epoch
-            self.finished = [m for m in self.finished if m.epoch > done]
-
-    # -- detection --------------------------------------------------------------------------
-
-    def on_frame(self, env: pb.Envelope) -> bool:
-        """Check the coordinator's incarnation; False: drop the frame (a stale one)."""
-        inc = env.sender.incarnation
-        if self.incarnation is None:
-            if env.WhichOneof("body") == "hello_ack":
-                self.incarnation = inc
-            return True
-        if inc == self.incarnation:
-            return True
-        if inc in self.left_behind:
-            self.rank._drop("stale_incarnation", f"a frame of coordinator incarnation {inc}, which restarted")
-            return False
-        self.left_behind.add(self.incarnation)
-        self.incarnation = inc
-        self.restarts += 1
-        if self.rank.spec is not None:
-            self._report(inc)
-        return True
-
-    def _held(self) -> list[pb.EpochPlan]:
-        r = self.rank
-        chunks = ([r.current] if r.current is not None else []) + list(r.plans)
-        return [
-            pb.EpochPlan(epoch=ch.epoch, partition_offset=int(off), partition_size=int(size))
-            for ch in chunks
-            for off, size in ch.segments
-            if size > 0
-        ]
-
-    def _report(self, inc: int) -> None:
-        r = self.rank
-        abandon = getattr(r.averager, "on_coordinator_restart", None)
-        if abandon is not None:  # collective plane: pending reduces go with their snapshots
-            dropped = abandon()
-        else:
-            snapshots = getattr(r.averager, "snapshots", None)
-            dropped = len(snapshots) if snapshots else 0
-            if snapshots:
-                snapshots.clear()  # their rounds died with the old coordinator's reducer
-        folded = self._folded_step()  # after the abandon: a reduce it applied counts
-        batches = [b for b in self.unfolded if b.step_count > folded]
-        held = self._held()
-        r._timing(
-            resync=pb.Timing.Resync(
-                coordinator_incarnation=inc,
-                last_command_id=self.last_command_id,
-                local_step=r.local_step,
-                folded_step=folded,
-                throttled=bool(r.throttled),
-                idle=not held,
-                batches=batches,
-                held=held,
-                chunks=self.finished,
-            )
-        )
-        log.warning(
-            "the coordinator restarted (incarnation %x): resync sent (%d unfolded batches, %d samples held, "
-            "%d snapshot(s) dropped, throttled=%s)",
-            inc, len(batches), sum(p.partition_size for p in held), dropped, r.throttled,
-        )  # fmt: skip
+__all__: list[str] = []

@@ -13,22 +13,23 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from flodl.rank import Admitted, BatchTrained, ControlReceived, RankMachine
 from flodl.wire import pb
-from flodl_worker.averaging import BusAverager, Snapshot
+from flodl_worker.averaging import BusAverager
 from flodl_worker.checkpoint_duty import CheckpointDuty
+from flodl_worker.shell import MachineShell
 
 
-class FakeRank:
+class FakeRank(MachineShell):
     def __init__(self) -> None:
         torch.manual_seed(0)
         self.model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
         self.params = list(self.model.parameters())
         self.cfg = SimpleNamespace(rank=0)
-        self.spec = pb.RunSpec(policy=pb.POLICY_CADENCE, gamma=1.0)
-        self.local_step = 0
-        self.steps_since_avg = 0
-        self.global_step = 0
+        self.spec = pb.RunSpec(policy=pb.POLICY_CADENCE, gamma=1.0, total_samples=100, batch_size=8)
+        self.m = RankMachine(0)
+        self.m.handle(Admitted(spec=self.spec))
         self.timings: list = []
         self.checkpoints = CheckpointDuty(self)
         self.averager = BusAverager(self)
@@ -36,20 +37,27 @@ class FakeRank:
     def _timing(self, **event) -> None:
         self.timings.append(event)
 
+    def _send(self, field, body, blobs=()) -> None:
+        pass  # the round frame: the test plays the reducer
+
+    def _drop(self, reason, detail) -> None:
+        raise AssertionError(f"dropped: {reason}: {detail}")
+
     def step(self) -> None:
         x = torch.randn(8, 4)
         loss = self.model(x).pow(2).mean()
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
-        self.local_step += 1
-        self.steps_since_avg += 1
+        self.feed(BatchTrained(epoch=0, offset=0, samples=8, loss=float(loss.detach())))
 
-    def apply(self, cycle: int, consensus: list[np.ndarray]) -> None:
-        """What ``round{cycle}`` does: snapshot, conclude with ``consensus``, after_consensus."""
-        pre = [p.detach().numpy().copy() for p in self.params]
-        snap = Snapshot(n=self.steps_since_avg, step_count=self.local_step, pre=pre, weight=1.0)
-        self.checkpoints.after_consensus(self.averager.conclude(cycle, snap, consensus))
+    def request(self, cycle: int) -> None:
+        self.feed(ControlReceived(control=pb.Control(request_params=pb.Control.RequestParams(cycle=cycle))))
+
+    def apply(self, cycle: int, consensus) -> None:
+        """What ``round{cycle}`` does: snapshot, then the consensus (None: not included)."""
+        self.request(cycle)
+        self.consensus_ready(cycle, consensus)
 
     def results(self) -> list[pb.Timing.CheckpointResult]:
         return [t["checkpoint_result"] for t in self.timings if "checkpoint_result" in t]
@@ -61,7 +69,8 @@ def consensus_for(r: FakeRank, seed: int) -> list[np.ndarray]:
 
 
 def ask(r: FakeRank, version: int, cycle: int, path) -> pb.Timing.CheckpointResult:
-    r.checkpoints.on_command(pb.Control.Checkpoint(version=version, target_rank=0, path=str(path), cycle=cycle))
+    r.feed(ControlReceived(control=pb.Control(
+        checkpoint=pb.Control.Checkpoint(version=version, target_rank=0, path=str(path), cycle=cycle))))
     return r.results()[-1]
 
 
@@ -103,8 +112,7 @@ def test_a_rank_whose_weights_are_not_in_the_consensus_holds_nothing(tmp_path):
     r.step()
     r.apply(1, consensus_for(r, 1))
     r.step()
-    pre = [p.detach().numpy().copy() for p in r.params]
-    r.checkpoints.after_consensus(r.averager.conclude(2, Snapshot(n=1, step_count=2, pre=pre, weight=0.0), None))
+    r.apply(2, None)  # not included (e.g. weight 0)
     r.step()  # moved on from its own weights: cycle 2 is not held as a consensus
     res = ask(r, 7, 2, tmp_path / "c" / "model.pt")
     assert res.HasField("error") and "no longer held" in res.error

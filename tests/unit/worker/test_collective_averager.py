@@ -16,28 +16,44 @@ import pytest
 import torch
 import zmq
 
+from flodl.rank import Admitted, BatchTrained, ControlReceived, RankMachine
 from flodl.wire import pb
 from flodl_worker.collective import CollectiveAverager
+from flodl_worker.shell import MachineShell
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 DEADLINE_S = 60.0  # thread start + gloo rendezvous on a loaded machine: seconds
 
 
-class FakeRank:
-    """What the averager uses of ``flodl_worker.rank._Rank``."""
+class FakeRank(MachineShell):
+    """What the averager uses of ``flodl_worker.rank._Rank``: the rank machine and the shell."""
 
     def __init__(self, ctx, rank: int, params: list[np.ndarray], steps: int, gamma: float = 1.0):
         self.cfg = SimpleNamespace(rank=rank, store_host="127.0.0.1", fault_exit_cycle=None)
-        self.spec = pb.RunSpec(gamma=gamma, policy=pb.POLICY_CADENCE, plane=pb.PLANE_COLLECTIVE)
+        self.spec = pb.RunSpec(gamma=gamma, policy=pb.POLICY_CADENCE, plane=pb.PLANE_COLLECTIVE, total_samples=1)
         self.params = [torch.nn.Parameter(torch.from_numpy(a.copy())) for a in params]
-        self.local_step = steps
-        self.steps_since_avg = steps
+        self.m = RankMachine(rank)
+        self.m.handle(Admitted(spec=self.spec))
+        for _ in range(steps):
+            self.m.handle(BatchTrained(epoch=0, offset=0, samples=1))
         self.sock = ctx.socket(zmq.PULL)  # polled alongside the wake-up fd; never readable
         self.sock.bind(f"inproc://fake-rank-{id(self)}")
         self.applied: list[int] = []
-        self.checkpoints = SimpleNamespace(after_consensus=self.applied.append)
         self.timings: list[tuple[str, object]] = []
+        self.averager = None  # set by _cluster
+
+    @property
+    def local_step(self) -> int:
+        return self.m.local_step
+
+    @property
+    def steps_since_avg(self) -> int:
+        return self.m.steps_since_avg
+
+    def consensus_ready(self, cycle, arrays):
+        super().consensus_ready(cycle, arrays)
+        self.applied.append(cycle)
 
     def _timing(self, **event):
         ((kind, msg),) = event.items()
@@ -54,8 +70,7 @@ class FakeRank:
         with torch.no_grad():
             for p in self.params:
                 p.add_(delta)
-        self.local_step += 1
-        self.steps_since_avg += 1
+        self.m.handle(BatchTrained(epoch=0, offset=0, samples=1))
 
 
 @pytest.fixture
@@ -73,7 +88,14 @@ def _params(seed: int) -> list[np.ndarray]:
 def _cluster(ctx, steps):
     ranks = [FakeRank(ctx, r, _params(r), n) for r, n in enumerate(steps)]
     avs = [CollectiveAverager(r) for r in ranks]
+    for r, av in zip(ranks, avs):
+        r.averager = r.collective = av
     return ranks, avs
+
+
+def _request(av, cycle):
+    """The coordinator's RequestParams{cycle}, through the rank machine."""
+    av.rank.feed(ControlReceived(control=pb.Control(request_params=pb.Control.RequestParams(cycle=cycle))))
 
 
 def _until(avs, done, what):
@@ -122,7 +144,7 @@ def test_consensus_is_the_work_weighted_average_and_steps_since_the_snapshot_are
         before = [[p.detach().numpy().copy() for p in r.params] for r in ranks]
         # The request comes before the group has formed: it waits for it (queued).
         for av in avs:
-            av.on_request(1)
+            _request(av, 1)
         ranks[1].step(0.5)  # rank 1 trains on while the reduce is in flight
         _until(avs, lambda: all(_acks(r, 1) for r in ranks), "cycle 1 acked everywhere")
         w = np.array([1.0, 2.0, 3.0])
@@ -143,7 +165,7 @@ def test_consensus_is_the_work_weighted_average_and_steps_since_the_snapshot_are
         ranks[2].step(-1.0)
         before = [[p.detach().numpy().copy() for p in r.params] for r in ranks]
         for av in avs:
-            av.on_request(2)
+            _request(av, 2)
         _until(avs, lambda: all(_acks(r, 2) for r in ranks), "cycle 2 acked everywhere")
         w = np.array([1.0, 1.0, 1.0])  # rank 1: the overlap step; ranks 0, 2: one step each
         want = [sum(w[r] * before[r][i] for r in range(3)) / 3.0 for i in range(2)]
@@ -161,7 +183,7 @@ def test_nobody_stepped_keeps_local_parameters(ctx):
         _form(ranks, avs, 1, [0, 1])
         before = [[p.detach().numpy().copy() for p in r.params] for r in ranks]
         for av in avs:
-            av.on_request(1)
+            _request(av, 1)
         _until(avs, lambda: all(_acks(r, 1) for r in ranks), "acked")
         for r, b in zip(ranks, before):
             assert _acks(r, 1)[0].step_count == 0
@@ -177,8 +199,8 @@ def test_a_newer_generation_abandons_a_pending_reduce_and_the_survivors_reform(c
         _form(ranks, avs, 1, [0, 1, 2])
         _until(avs, lambda: all(av.gen.group is not None for av in avs), "generation 1 formed")
         before = [[p.detach().numpy().copy() for p in r.params] for r in ranks[:2]]
-        avs[0].on_request(1)
-        avs[1].on_request(1)  # rank 2 hangs: it never joins the all-reduce of cycle 1
+        _request(avs[0], 1)
+        _request(avs[1], 1)  # rank 2 hangs: it never joins the all-reduce of cycle 1
         for av in avs[:2]:
             av.wait(0)
         assert all(len(av.ops) == 1 for av in avs[:2]) and not _acks(ranks[0], 1)
@@ -193,7 +215,7 @@ def test_a_newer_generation_abandons_a_pending_reduce_and_the_survivors_reform(c
         assert all(av.stats.abandoned == 1 and len(av.parked) == 1 for av in avs[:2])
         assert not ranks[0].got("collective_failed")  # abandoned, not failed: nothing to report
         for av in avs[:2]:
-            av.on_request(2)
+            _request(av, 2)
         _until(avs[:2], lambda: all(_acks(r, 2) for r in ranks[:2]), "cycle 2 in generation 2")
         want = [(2 * before[0][i] + 4 * before[1][i]) / 6 for i in range(2)]
         for r in ranks[:2]:
@@ -214,8 +236,8 @@ def test_a_coordinator_restart_abandons_pending_reduces_without_acks_and_a_new_g
         _form(ranks, avs, 1, [0, 1, 2])
         _until(avs, lambda: all(av.gen.group is not None for av in avs), "generation 1 formed")
         before = [[p.detach().numpy().copy() for p in r.params] for r in ranks]
-        avs[0].on_request(1)
-        avs[1].on_request(1)
+        _request(avs[0], 1)
+        _request(avs[1], 1)
         for av in avs[:2]:
             av.wait(0)
         assert all(len(av.ops) == 1 for av in avs[:2])
@@ -228,7 +250,7 @@ def test_a_coordinator_restart_abandons_pending_reduces_without_acks_and_a_new_g
         assert [len(av.parked) for av in avs] == [1, 1, 0]
         _form(ranks, avs, 2, [0, 1, 2])  # the restarted coordinator's new generation
         for av in avs:
-            av.on_request(2)
+            _request(av, 2)
         _until(avs, lambda: all(_acks(r, 2) for r in ranks), "cycle 2 in generation 2")
         assert not any(_acks(r, 1) for r in ranks)  # the dead round is never acked
         want = [(2 * before[0][i] + 4 * before[1][i] + 6 * before[2][i]) / 12 for i in range(2)]
@@ -246,7 +268,7 @@ def test_a_coordinator_restart_applies_a_reduce_that_already_completed(ctx):
         _form(ranks, avs, 1, [0, 1])
         _until(avs, lambda: all(av.gen.group is not None for av in avs), "generation 1 formed")
         for av in avs:
-            av.on_request(1)
+            _request(av, 1)
         # Completed (both launched, gloo finishes it in its threads) but not yet handled
         # by the rank's pump.
         assert all(len(av.ops) == 1 for av in avs)
@@ -265,7 +287,7 @@ def test_a_request_of_a_replaced_generation_is_acked_without_a_reduce(ctx):
     ranks, avs = _cluster(ctx, steps=[3])
     try:
         avs[0].on_rendezvous(pb.Control.Rendezvous(generation=1, new_rank=0, new_world_size=1, backend="gloo", timeout_s=30))
-        avs[0].on_request(1)  # bound to generation 1, whose group never formed
+        _request(avs[0], 1)  # bound to generation 1, whose group never formed
         avs[0].on_rendezvous(pb.Control.Rendezvous(generation=2, new_rank=0, new_world_size=1, backend="gloo", timeout_s=30))
         (ack,) = _acks(ranks[0], 1)
         assert ack.step_count == 0 and avs[0].stats.skipped == 1
@@ -284,13 +306,13 @@ def test_a_reduce_that_times_out_is_reported_and_acked_without_a_reduce(ctx):
     try:
         _form(ranks, avs, 1, [0, 1], timeout_s=1.0)
         _until(avs, lambda: all(av.gen.group is not None for av in avs), "formed")
-        avs[0].on_request(5)  # rank 1 never joins: gloo gives up after 1 s
+        _request(avs[0], 5)  # rank 1 never joins: gloo gives up after 1 s
         _until(avs[:1], lambda: _acks(ranks[0], 5), "the timed-out reduce acked")
         assert _acks(ranks[0], 5)[0].step_count == 0
         (failed,) = ranks[0].got("collective_failed")
         assert (failed.generation, failed.cycle) == (1, 5) and failed.reason
         assert avs[0].gen.broken and avs[0].stats.failed == 1
-        avs[0].on_request(6)  # the broken group is never used again
+        _request(avs[0], 6)  # the broken group is never used again
         assert _acks(ranks[0], 6)[0].step_count == 0
     finally:
         _close(avs)
@@ -307,11 +329,11 @@ def test_a_finished_reduce_wakes_a_blocked_wait(ctx):
     try:
         _form(ranks, avs, 1, [0, 1])
         _until(avs, lambda: all(av.gen.group is not None for av in avs), "formed")
-        avs[0].on_request(1)
+        _request(avs[0], 1)
         assert len(avs[0].ops) == 1  # launched; it cannot finish before rank 1 joins
 
         def rank1():
-            avs[1].on_request(1)
+            _request(avs[1], 1)
             _until([avs[1]], lambda: _acks(ranks[1], 1), "rank 1 acked")
 
         t = threading.Thread(target=rank1)

@@ -1,89 +1,60 @@
-"""``flodl_worker.resync``: a rank tells a restarted coordinator what it may have lost."""
+"""A rank tells a restarted coordinator what it may have lost (docs/protocol.md,
+"Coordinator restart"): the rank machine's report (``flodl.rank``), as the rank shell
+(``flodl_worker.rank``) feeds it."""
 
 from __future__ import annotations
 
-from collections import deque
-from types import SimpleNamespace
-
+from flodl.rank import AbandonRounds, Admitted, BatchTrained, ConsensusReady, ControlReceived, IncarnationSeen, RankMachine, Warn
 from flodl.wire import pb
-from flodl_worker.plans import Chunk
-from flodl_worker.resync import RankResync
 
+from tests.unit.rank.test_machine import ctl, machine, plan, request
 
-class FakeRank:
-    def __init__(self) -> None:
-        self.spec = None
-        self.averager = SimpleNamespace(folded_step=0, snapshots={})
-        self.current = None
-        self.plans: deque = deque()
-        self.local_step = 0
-        self.throttled = False
-        self.sent: list = []
-        self.drops: list = []
-
-    def _timing(self, **event) -> None:
-        self.sent.append(event)
-
-    def _drop(self, reason: str, detail: str) -> None:
-        self.drops.append(reason)
-
-
-def _env(incarnation: int, body: str = "control") -> pb.Envelope:
-    env = pb.Envelope(seq=1)
-    env.sender.kind = pb.Sender.KIND_COORDINATOR
-    env.sender.incarnation = incarnation
-    if body == "hello_ack":
-        env.hello_ack.accepted = True
-    else:
-        env.control.coord_heartbeat.beat = 1
-    return env
-
-
-def _batch(step: int, offset: int) -> pb.Timing.Batch:
-    return pb.Timing.Batch(step_count=step, epoch=1, offset=offset, samples=4, batch_ms=1.0, batch_loss=0.5)
+def _batch(m: RankMachine, epoch: int, offset: int) -> None:
+    m.handle(BatchTrained(epoch=epoch, offset=offset, samples=4, batch_ms=1.0, loss=0.5))
 
 
 def test_a_new_incarnation_triggers_one_report_before_the_frame():
-    r = FakeRank()
-    rs = RankResync(r)
-    assert rs.on_frame(_env(11, "control"))  # before admission: nothing known, nothing to do
-    assert rs.incarnation is None
-    assert rs.on_frame(_env(11, "hello_ack")) and rs.incarnation == 11
-    r.spec = pb.RunSpec()
-    for step in range(1, 7):
-        rs.note_batch(_batch(step, 4 * step))
-    r.averager.folded_step = 3  # a consensus folded steps 1..3
-    rs.note_batch(_batch(7, 28))
-    rs.on_control(pb.Control(command_id=41, start_epoch=pb.Control.StartEpoch()))
-    rs.note_metrics(pb.Metrics(epoch=0, chunk_seq=1))
-    rs.note_metrics(pb.Metrics(epoch=1, chunk_seq=2))
+    m = RankMachine(0)
+    assert m.handle(IncarnationSeen(incarnation=11)) == []  # before admission: nothing known
+    assert m.incarnation is None
+    assert m.handle(IncarnationSeen(incarnation=11, hello_ack=True)) == [] and m.incarnation == 11
+    m.handle(Admitted(spec=pb.RunSpec(total_samples=200, batch_size=4, gamma=1.0)))
+    for step in range(1, 4):
+        _batch(m, 1, 4 * step)
+    request(m, 1)
+    m.handle(ConsensusReady(cycle=1, arrays=[]))  # a consensus folded steps 1..3
+    for step in range(4, 8):
+        _batch(m, 1, 4 * step)
+    m.handle(ctl(41, start_epoch=pb.Control.StartEpoch()))
+    m.finished += [pb.Metrics(epoch=0, chunk_seq=1), pb.Metrics(epoch=1, chunk_seq=2)]
     ea = pb.Control(command_id=42)
     ea.epoch_aggregated.metrics.epoch = 0
-    rs.on_control(ea)
-    r.current = Chunk(epoch=1, seq=3, segments=deque([[32, 8], [100, 0]]))
-    r.plans.append(Chunk(epoch=1, seq=4, segments=deque([[60, 12]])))
-    r.local_step, r.throttled = 7, True
-    r.averager.snapshots[5] = object()
-    assert rs.on_frame(_env(11)) and r.sent == []  # same coordinator
-    assert rs.on_frame(_env(12))  # restarted: report, then handle the frame
-    (ev,) = r.sent
-    m = ev["resync"]
-    assert m.coordinator_incarnation == 12 and m.last_command_id == 42
-    assert (m.local_step, m.folded_step, m.throttled, m.idle) == (7, 3, True, False)
-    assert [b.step_count for b in m.batches] == [4, 5, 6, 7]
-    assert [(p.epoch, p.partition_offset, p.partition_size) for p in m.held] == [(1, 32, 8), (1, 60, 12)]
-    assert [(c.epoch, c.chunk_seq) for c in m.chunks] == [(1, 2)]
-    assert r.averager.snapshots == {}  # their rounds died with the old reducer
-    assert rs.on_frame(_env(12)) and len(r.sent) == 1  # once per incarnation
-    assert not rs.on_frame(_env(11))  # a straggler of the dead one
-    assert r.drops == ["stale_incarnation"]
+    m.handle(ControlReceived(control=ea))
+    m.plans.clear()
+    m.handle(plan(1, 32, 8))
+    m.next_action(0.0)  # the chunk in training: [32, 8) minus its first batch
+    m.current.segments = type(m.current.segments)([[32, 8], [100, 0]])
+    m.handle(plan(1, 60, 12))
+    m.throttled = True
+    request(m, 5)
+    assert m.handle(IncarnationSeen(incarnation=11)) == []  # same coordinator
+    assert m.is_restart(12) and not m.is_restart(11)
+    abandon, sent, warn = m.handle(IncarnationSeen(incarnation=12))  # restarted: report, then the frame
+    assert abandon == AbandonRounds(cycles=(5,)) and isinstance(warn, Warn)
+    r = sent.body
+    assert sent.kind == "resync" and r.coordinator_incarnation == 12 and r.last_command_id == 42
+    assert (r.local_step, r.folded_step, r.throttled, r.idle) == (7, 3, True, False)
+    assert [b.step_count for b in r.batches] == [4, 5, 6, 7]
+    assert [(p.epoch, p.partition_offset, p.partition_size) for p in r.held] == [(1, 32, 8), (1, 60, 12)]
+    assert [(c.epoch, c.chunk_seq) for c in r.chunks] == [(1, 2)]
+    assert m.snapshots == {}  # their rounds died with the old reducer; the credit stays
+    assert m.steps_since_avg == 4
+    assert m.handle(IncarnationSeen(incarnation=12)) == []  # once per incarnation
+    (drop,) = m.handle(IncarnationSeen(incarnation=11))  # a straggler of the dead one
+    assert drop.reason == "stale_incarnation"
 
 
 def test_an_idle_rank_reports_idle_and_nothing_held():
-    r = FakeRank()
-    rs = RankResync(r)
-    rs.on_frame(_env(1, "hello_ack"))
-    r.spec = pb.RunSpec()
-    rs.on_frame(_env(2))
-    m = r.sent[0]["resync"]
-    assert m.idle and not m.held and not m.batches and m.folded_step == 0
+    m = machine()
+    _, sent, _ = m.handle(IncarnationSeen(incarnation=2))
+    assert sent.body.idle and not sent.body.held and not sent.body.batches and sent.body.folded_step == 0
