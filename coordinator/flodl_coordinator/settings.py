@@ -240,8 +240,6 @@ Settings = make_dataclass(
 )
 Settings.__module__ = __name__
 
-_FIELDS = SCHEMA
-
 
 def _coerce(key: str, value: Any, source: str) -> Any:
     want = SCHEMA[key].type
@@ -272,15 +270,15 @@ def _coerce(key: str, value: Any, source: str) -> Any:
 
 def _did_you_mean(key: str, prefix: str = "") -> str:
     """' (did you mean X?)' for the closest known key, or '' (difflib)."""
-    close = difflib.get_close_matches(key.lower(), list(_FIELDS), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key.lower(), list(SCHEMA), n=1, cutoff=0.6)
     return f" (did you mean {prefix}{close[0].upper() if prefix else close[0]}?)" if close else ""
 
 
 def _merge(base: dict, items: Mapping[str, Any], source: str) -> None:
     for key, value in items.items():
         k = key.replace("-", "_")
-        if k not in _FIELDS:
-            known = ", ".join(sorted(_FIELDS))
+        if k not in SCHEMA:
+            known = ", ".join(sorted(SCHEMA))
             raise SettingsError(f"config error: unknown key {key!r} in {source}{_did_you_mean(k)} (known: {known})")
         base[k] = _coerce(k, value, source)
 
@@ -293,7 +291,7 @@ def _env_items(env: Mapping[str, str]) -> dict[str, str]:
         if not name.startswith(ENV_PREFIX):
             continue
         key = name[len(ENV_PREFIX):].lower()
-        if key in _FIELDS:
+        if key in SCHEMA:
             items[key] = value
         elif name not in WORKER_ENV:
             raise SettingsError(

@@ -22,6 +22,7 @@ from flodl_coordinator.settings import (
     flag_argv,
     load_settings,
     markdown_table,
+    shown_default,
 )
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -42,6 +43,15 @@ def test_the_readme_configuration_table_is_the_schemas():
         "README.md's configuration table differs from the settings schema: paste the output of "
         "`.venv/bin/python -m flodl_coordinator.settings --markdown` over it"
     )
+
+
+def test_the_collective_docs_show_the_schemas_defaults():
+    rows = [line.split("|") for line in (ROOT / "docs" / "collective.md").read_text(encoding="utf-8").split("\n")
+            if line.startswith("| `")]  # fmt: skip
+    shown = {cells[1].strip().strip("`"): cells[2].strip() for cells in rows}
+    assert {"plane", "collective_backend", "collective_timeout_s"} <= set(shown)
+    for key, default in shown.items():
+        assert default == shown_default(SCHEMA[key], markdown=True), key
 
 
 def test_the_generator_prints_the_table():
