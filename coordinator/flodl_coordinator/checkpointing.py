@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 The core decides *when* to checkpoint and *who* saves (a ``Checkpoint{version,
 target_rank, cycle}`` command) and *what* the coordinator remembers (a
-``Notice("checkpoint_meta", {"version", "meta"})`` built by
+``StageCheckpoint(version, meta)`` built by
 ``flodl.core.checkpoint_meta``). Paths are not the core's business: this
 shell stamps them onto the outgoing frames.
 
@@ -13,9 +13,9 @@ shell stamps them onto the outgoing frames.
 * ``stamp_ack(ack)``: on a resumed run, an accepted ``hello_ack`` carries
   ``RunSpec.resume_from`` = the verified ``model.pt``; the rank loads it after
   building its model and optimizer.
-* ``on_notice`` consumes ``checkpoint_meta``; ``on_result`` a rank's
+* ``stage`` consumes the core's ``StageCheckpoint``; ``on_result`` a rank's
   ``CheckpointResult``. The store joins the two per version and commits atomically.
-* ``outer``: the bus outer optimizer (``outer``). ``on_notice`` hands the store its state
+* ``outer``: the bus outer optimizer (``outer``). ``stage`` hands the store its state
   right after the checkpoint's cycle as the ``outer.npz`` sidecar (written before
   ``meta.json``, sha256 in it); a resume restores it, and refuses a torn or foreign one.
 * ``lingering(now)``: a ``ShutdownWithSave`` ends the core's run in the same step that
@@ -43,7 +43,7 @@ import os
 from dataclasses import replace
 from typing import Any, Optional
 
-from flodl.core import Notice
+from flodl.core import CHECKPOINT_META, Notice, StageCheckpoint
 from flodl.fsutil import describe_write_error
 from flodl.wire import pb
 
@@ -55,7 +55,7 @@ __all__ = ["Checkpointing", "META_NOTICE", "OUTER_FILE"]
 
 log = logging.getLogger("flodl.checkpoint")
 
-META_NOTICE = "checkpoint_meta"  # Notice kind the core emits with {"version", "meta"}
+META_NOTICE = CHECKPOINT_META  # the kind of the core's StageCheckpoint (a Notice, for the log)
 OUTER_FILE = "outer.npz"  # the outer optimizer's state, a sidecar of the checkpoint
 
 
@@ -135,17 +135,26 @@ class Checkpointing:
 
     # -- inbound -------------------------------------------------------------------------
 
-    def on_notice(self, cmd: Notice) -> bool:
-        """True if ``cmd`` was the core's checkpoint meta (consumed here)."""
-        if cmd.kind != META_NOTICE:
-            return False
-        version = int(cmd.data["version"])
+    def stage(self, cmd: StageCheckpoint) -> None:
+        """The core decided checkpoint ``cmd.version`` (its ``Checkpoint`` to the saving
+        rank goes out with it): stage the meta, and the outer state as a sidecar."""
+        version = cmd.version
         if self.store is None:
             log.warning("checkpoint v%d decided but no checkpoint_dir is set: ignored", version)
-            return True
+            return
         self.asked.add(version)
-        meta = cmd.data["meta"]
+        meta = cmd.meta
         self._report(self.store.stage_meta(version, meta, sidecars=self._outer_sidecar(version, meta)))
+
+    def on_notice(self, cmd: Notice) -> bool:
+        """True if ``cmd`` was the core's checkpoint order, staged here: a
+        ``StageCheckpoint``, or a plain ``Notice`` of its kind (as a caller replaying
+        logged records hands it over)."""
+        if not isinstance(cmd, StageCheckpoint):
+            if cmd.kind != META_NOTICE:
+                return False
+            cmd = StageCheckpoint.of(cmd.data["version"], cmd.data["meta"])
+        self.stage(cmd)
         return True
 
     def _outer_sidecar(self, version: int, meta: dict) -> dict:

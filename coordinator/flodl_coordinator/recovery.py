@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional
 
 from flodl.core import (
     LocalViolation,
-    Notice,
+    StageCheckpoint,
     RankViolation,
     from_record,
     initial_state,
@@ -87,7 +87,7 @@ class Recovered:
     last_now: float = 0.0
     events: int = 0
     restarts: int = 0  # earlier restarts recorded in the journal
-    pending_metas: list[Notice] = field(default_factory=list)
+    pending_metas: list[StageCheckpoint] = field(default_factory=list)
 
     def hops(self) -> set[bytes]:
         """First hops of every route the rebuilt service may send to."""
@@ -184,7 +184,7 @@ def recover(settings: Settings, checkpointing) -> Optional[Recovered]:
     except ValueError as e:
         raise SettingsError(f"journal {path}: its resume_meta is unreadable: {e}") from None
     rec = Recovered(path=path, state=initial_state(settings.core_config(), point), endpoint=start.get("endpoint", ""))
-    metas: dict[int, Notice] = {}
+    metas: dict[int, StageCheckpoint] = {}
     for i, r in enumerate(records[1:], start=2):
         kind = r.get("type", "")
         if kind == "_agent":
@@ -210,8 +210,8 @@ def recover(settings: Settings, checkpointing) -> Optional[Recovered]:
         except LocalViolation as e:
             raise SettingsError(f"journal {path}: replay failed at record {i}: {e.reason}") from None
         for c in cmds:
-            if isinstance(c, Notice) and c.kind == "checkpoint_meta":
-                metas[int(c.data["version"])] = c
+            if isinstance(c, StageCheckpoint):
+                metas[c.version] = c
     if rec.state.run.phase is FINISHED:
         if getattr(settings, "rotate_journal", False):
             moved = _rotate(path)

@@ -49,6 +49,7 @@ from flodl.core import (
     CoordinatorRestarted,
     ForgetRank,
     Notice,
+    StageCheckpoint,
     OpenRound,
     RankExitReported,
     RankViolation,
@@ -221,7 +222,7 @@ class CoordinatorService:
         self._ready(ep)
         if self.recovered is not None and self.finished is None:  # the ranks resync when they hear the new incarnation
             for meta in self.recovered.pending_metas:
-                self.checkpointing.on_notice(meta)
+                self.checkpointing.stage(meta)
             self._feed(CoordinatorRestarted(now=self.clock(), incarnation=self.endpoint.sender.incarnation))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -606,9 +607,10 @@ class CoordinatorService:
             if fold_drop is not None:  # its relay stops waiting for it; the rest flush
                 self._send_frames(self.endpoint.frames("relay", fold_drop[1], route=fold_drop[0]))
             self._send_round(self.reducer.drop(cmd.rank))
+        elif isinstance(cmd, StageCheckpoint):  # an order to stage a meta, before the notices
+            self.checkpointing.stage(cmd)
         elif isinstance(cmd, Notice):
-            if not self.checkpointing.on_notice(cmd):
-                self._notice(cmd)
+            self._notice(cmd)
         elif isinstance(cmd, RunFinished):
             self.finished = cmd
 

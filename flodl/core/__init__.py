@@ -12,7 +12,18 @@ Everything else lives in ``_``-prefixed modules; whatever is listed in ``__all__
 below is the public API.
 """
 
-from ._commands import Command, ForgetRank, Notice, OpenRound, Reply, RunFinished, Send
+from ._commands import (
+    CHECKPOINT_META,
+    FINAL_SCHEDULE_ID,
+    Command,
+    ForgetRank,
+    Notice,
+    OpenRound,
+    Reply,
+    RunFinished,
+    Send,
+    StageCheckpoint,
+)
 from ._config import CoreConfig
 from ._errors import LocalViolation, ProtocolViolation, RankViolation
 from ._events import (
@@ -32,15 +43,15 @@ from ._events import (
     StoreReady,
     CollectiveFailed,
     ContributionRefused,
+    CoordinatorRestarted,
+    RankResynced,
     SyncAcked,
     Tick,
     from_record,
     to_record,
 )
 from ._averaging import should_average
-from ._resync import CoordinatorRestarted, RankResynced
 from ._checkpoint import ResumePoint, checkpoint_meta, resume_plan, validate_meta
-from ._run import FINAL_SCHEDULE_ID
 from ._state import CoordinatorState
 from ._phases import (
     ACTIVE,
@@ -110,6 +121,8 @@ __all__ = [
     "OpenRound",
     "ForgetRank",
     "Notice",
+    "StageCheckpoint",
+    "CHECKPOINT_META",
     "RunFinished",
     # phases and their transition tables (``_phases``)
     "Sentinel",

@@ -5,8 +5,8 @@ Theory of operation
 The core decides; the shell does the I/O (``flodl_coordinator.checkpointing``). A save is
 two commands emitted together: ``Checkpoint{version, target_rank, cycle}`` to the
 checkpoint role (``st.roles.checkpoint_role``, elected by ``_roles``; the lowest alive
-rank if it is gone) and ``Notice("checkpoint_meta", {"version", "meta"})`` with
-``_checkpoint.checkpoint_meta`` of that instant. The record is ``CheckpointState``.
+rank if it is gone) and ``StageCheckpoint(version, meta)`` with
+``_checkpoint.checkpoint_meta`` of that instant (the shell stages the meta). The record is ``CheckpointState``.
 
 * ``on_epoch_aggregated`` (regular, ``checkpoint_every = N > 0``): right after epoch
   ``e`` aggregated, when ``(e + 1) % N == 0``. Every rank then holds the last consensus
@@ -46,14 +46,13 @@ from flodl.wire import pb
 
 from . import _coverage, _roles
 from ._checkpoint import ResumePoint, checkpoint_meta
-from ._commands import Command, Notice
+from ._commands import Command, Notice, StageCheckpoint
 from ._events import CheckpointDone
 from ._guards import make_guard
 from ._phases import ACTIVE, FINAL_EVAL, IDLE, TRAINING
 from ._state import CoordinatorState, EpochCoverage
 
 __all__ = [
-    "META_NOTICE",
     "on_epoch_aggregated",
     "on_round_finished",
     "on_done",
@@ -62,9 +61,6 @@ __all__ = [
     "apply_resume",
     "resume_ranges",
 ]
-
-META_NOTICE = "checkpoint_meta"
-
 
 def _role(st: CoordinatorState) -> Optional[int]:
     """The checkpoint role (``_roles``) if it is alive, else the lowest alive rank."""
@@ -79,8 +75,7 @@ def _save(st: CoordinatorState, out: list[Command], rank: int, version: int, cyc
     ck.last_version = version
     ck.pending[version] = (cycle, (rank,))
     st.send(out, rank, checkpoint=pb.Control.Checkpoint(version=version, target_rank=rank, cycle=cycle))
-    meta = checkpoint_meta(st, version, reason=reason, cycle=cycle)
-    out.append(Notice(META_NOTICE, {"version": version, "meta": meta}))
+    out.append(StageCheckpoint.of(version, checkpoint_meta(st, version, reason=reason, cycle=cycle)))
 
 
 def configured(st: CoordinatorState) -> bool:

@@ -12,7 +12,21 @@ from typing import Any
 
 from flodl.wire import pb
 
-__all__ = ["Command", "Send", "Reply", "OpenRound", "ForgetRank", "Notice", "RunFinished"]
+__all__ = [
+    "Command",
+    "Send",
+    "Reply",
+    "OpenRound",
+    "ForgetRank",
+    "Notice",
+    "StageCheckpoint",
+    "RunFinished",
+    "FINAL_SCHEDULE_ID",
+    "CHECKPOINT_META",
+]
+
+FINAL_SCHEDULE_ID = 2**64 - 1  # ExecuteEval.schedule_id of the run's closing eval (u64::MAX upstream)
+CHECKPOINT_META = "checkpoint_meta"  # StageCheckpoint's kind, as the operator log has always named it
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +83,29 @@ class Notice(Command):
 
     kind: str
     data: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StageCheckpoint(Notice):
+    """The shell must stage ``meta`` for checkpoint ``version`` (the ``Checkpoint``
+    command to the saving rank goes out with it): an order, not a notice.
+
+    Built with ``StageCheckpoint.of(version, meta)``. It is a ``Notice`` of kind
+    ``"checkpoint_meta"`` only so the decision log keeps its record (``data`` is
+    ``{"version", "meta"}``); the shell matches it by type (``isinstance``), never by
+    kind, before it logs notices."""
+
+    @classmethod
+    def of(cls, version: int, meta: dict) -> "StageCheckpoint":
+        return cls(CHECKPOINT_META, {"version": int(version), "meta": meta})
+
+    @property
+    def version(self) -> int:
+        return int(self.data["version"])
+
+    @property
+    def meta(self) -> dict:
+        return self.data["meta"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,8 @@ __all__ = [
     "StoreReady",
     "CollectiveFailed",
     "ContributionRefused",
+    "CoordinatorRestarted",
+    "RankResynced",
     "EVENT_TYPES",
     "to_record",
     "from_record",
@@ -220,6 +222,45 @@ class ContributionRefused(Event):
     reason: str = ""
 
 
+def _tuples(v):
+    return tuple(_tuples(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorRestarted(Event):
+    """The service restarted on its journal (after replaying it), or a relay restarted
+    and the frames inside it are lost (``cause="relay"``: the same resynchronisation).
+    ``incarnation`` is the coordinator's new one (informational)."""
+
+    incarnation: int = 0
+    cause: str = "coordinator"  # "coordinator" | "relay" (summary rows say which)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankResynced(Event):
+    """A rank's ``Timing.Resync``: what a restarted coordinator may have lost.
+
+    ``batches``: ``(step_count, epoch, offset, samples, batch_ms, data_ms, loss, lr)``
+    for every step after ``folded_step``; ``held``: ``(epoch, offset, size)`` not trained
+    yet, in order; ``chunks``: finished chunks ``(epoch, chunk_seq, batches, samples,
+    avg_loss, epoch_ms, share_complete_ms, compute_only_ms, data_starve_ms)``.
+    """
+
+    rank: int
+    last_command_id: int = 0
+    local_step: int = 0
+    folded_step: int = 0
+    throttled: bool = False
+    idle: bool = False
+    batches: tuple[tuple, ...] = ()
+    held: tuple[tuple[int, int, int], ...] = ()
+    chunks: tuple[tuple, ...] = ()
+
+    def __post_init__(self) -> None:  # a journal record holds lists: make them tuples
+        for name in ("batches", "held", "chunks"):
+            object.__setattr__(self, name, _tuples(getattr(self, name)))
+
+
 EVENT_TYPES = {
     cls.__name__: cls
     for cls in (
@@ -240,6 +281,8 @@ EVENT_TYPES = {
         StoreReady,
         CollectiveFailed,
         ContributionRefused,
+        CoordinatorRestarted,
+        RankResynced,
     )
 }
 

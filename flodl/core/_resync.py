@@ -72,17 +72,14 @@ from typing import Any, Callable
 from flodl.wire import pb
 
 from . import _averaging, _collective, _coverage, _dispatch, _membership, _metrics
-from ._commands import Command, Notice, Reply, Send
+from ._commands import FINAL_SCHEDULE_ID, Command, Notice, Reply, Send
 from ._errors import RankViolation
-from ._events import EVENT_TYPES, BatchDone, ChunkDone, Event
+from ._events import BatchDone, ChunkDone, CoordinatorRestarted, RankResynced
 from . import _run
-from ._run import FINAL_SCHEDULE_ID
 from ._phases import ACTIVE, FINAL_EVAL, JOINING, PENDING, SHUTTING_DOWN, STOPPING, TRAINING
 from ._state import CoordinatorState
 
 __all__ = [
-    "CoordinatorRestarted",
-    "RankResynced",
     "on_restarted",
     "on_resynced",
     "note_sent",
@@ -95,49 +92,6 @@ __all__ = [
 #               share_complete_ms, compute_only_ms, data_starve_ms)
 _PLAN_KINDS = ("start_epoch", "update", "extend_partition")
 _RESEND_KINDS = ("execute_eval", "shutdown", "shutdown_with_save")
-
-
-def _tuples(v: Any) -> Any:
-    return tuple(_tuples(x) for x in v) if isinstance(v, (list, tuple)) else v
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CoordinatorRestarted(Event):
-    """The service restarted on its journal (after replaying it), or a relay restarted
-    and the frames inside it are lost (``cause="relay"``: the same resynchronisation).
-    ``incarnation`` is the coordinator's new one (informational)."""
-
-    incarnation: int = 0
-    cause: str = "coordinator"  # "coordinator" | "relay" (summary rows say which)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankResynced(Event):
-    """A rank's ``Timing.Resync``: what a restarted coordinator may have lost.
-
-    ``batches``: ``(step_count, epoch, offset, samples, batch_ms, data_ms, loss, lr)``
-    for every step after ``folded_step``; ``held``: ``(epoch, offset, size)`` not trained
-    yet, in order; ``chunks``: finished chunks ``(epoch, chunk_seq, batches, samples,
-    avg_loss, epoch_ms, share_complete_ms, compute_only_ms, data_starve_ms)``.
-    """
-
-    rank: int
-    last_command_id: int = 0
-    local_step: int = 0
-    folded_step: int = 0
-    throttled: bool = False
-    idle: bool = False
-    batches: tuple[tuple, ...] = ()
-    held: tuple[tuple[int, int, int], ...] = ()
-    chunks: tuple[tuple, ...] = ()
-
-    def __post_init__(self) -> None:  # a journal record holds lists: make them tuples
-        for name in ("batches", "held", "chunks"):
-            object.__setattr__(self, name, _tuples(getattr(self, name)))
-
-
-for _cls in (CoordinatorRestarted, RankResynced):
-    EVENT_TYPES.setdefault(_cls.__name__, _cls)
 
 
 # -- range arithmetic ----------------------------------------------------------------------

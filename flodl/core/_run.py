@@ -55,7 +55,7 @@ from typing import Any, Optional
 from flodl.wire import pb
 
 from . import _averaging, _checkpointing, _coverage, _feedback, _membership, _roles
-from ._commands import Command, Notice, RunFinished
+from ._commands import FINAL_SCHEDULE_ID, Command, Notice, RunFinished
 from ._dispatch import Dispatcher
 from ._max_failure import max_failure_limit
 from ._events import EvalDone, IntentRaised, StopRequested
@@ -76,7 +76,6 @@ from ._phases import (
 from ._state import CoordinatorState, FinalEval
 
 __all__ = [
-    "FINAL_SCHEDULE_ID",
     "advance",
     "check_lost",
     "fail",
@@ -87,8 +86,6 @@ __all__ = [
     "on_stop",
     "summary",
 ]
-
-FINAL_SCHEDULE_ID = 2**64 - 1  # u64::MAX in the original: "the run's closing eval"
 
 def _transition(st: CoordinatorState, trigger: str) -> None:
     st.run.phase = next_phase(RUN, st.run.phase, trigger, "run")

@@ -67,7 +67,6 @@ from . import _cadence  # noqa: F401  (registers the Cadence dispatcher and gate
 from . import _async  # noqa: F401  (registers the Async dispatcher and gate)
 from . import _resync
 from . import _collective
-from ._resync import CoordinatorRestarted, RankResynced
 from ._commands import Command, ForgetRank, Notice
 from ._checkpoint import ResumePoint
 from ._config import CoreConfig
@@ -91,6 +90,8 @@ from ._events import (
     StoreReady,
     CollectiveFailed,
     ContributionRefused,
+    CoordinatorRestarted,
+    RankResynced,
 )
 from ._phases import ACTIVE, FINAL_EVAL, FINISHED, TRAINING
 from ._state import CoordinatorState, RankRecord

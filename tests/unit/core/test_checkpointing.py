@@ -59,7 +59,7 @@ def test_the_checkpoint_comes_after_the_aggregation_and_before_the_next_epoch():
     k = kinds(c)
     first = k.index("checkpoint")
     assert "epoch_aggregated" in k[:first]
-    assert k[first + 1] == "Notice"  # the meta travels right behind the command
+    assert k[first + 1] == "StageCheckpoint"  # the meta travels right behind the command
     later_starts = [i for i, x in enumerate(k) if x == "start_epoch" and i > first]
     assert later_starts, "epoch 1 is dispatched after the checkpoint"
 
