@@ -73,10 +73,13 @@ class Event:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Admitted(Event):
     """hello_ack accepted this rank, and the shell built its model from ``spec``.
-    ``global_step``: the checkpoint's, when the run resumed from one."""
+    ``global_step``: the checkpoint's, when the run resumed from one. ``hello_resent``:
+    the hello went out more than once before this answer (an ack may have been lost
+    with a coordinator that restarted meanwhile: the machine reports at once)."""
 
     spec: pb.RunSpec
     global_step: int = 0
+    hello_resent: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,7 +16,9 @@ clock: the only time is the ``now`` the shell passes to ``next_action`` (a chunk
    beyond the epoch is dropped (``bad_plan``). ``next_action`` pops the next chunk,
    hands out batches (``TrainBatch``) that never straddle a segment, and answers
    ``SendMetrics`` when a chunk runs out -- even while throttled: reporting is not
-   training. ``WAIT_PLAN`` / ``WAIT_THROTTLE`` tell the shell to block (servicing
+   training. A batch handed out and not yet trained is *in hand*: still held, so a
+   resync report sent meanwhile (a shell that handles frames while its device works,
+   like the simulator) neither loses nor doubles it. ``WAIT_PLAN`` / ``WAIT_THROTTLE`` tell the shell to block (servicing
    frames, heartbeating) until ``has_plan`` / ``not throttled``.
 2. Throttle. ``Throttle`` stops training until ``Update`` (or Shutdown).
 3. Credit. Every ``BatchTrained`` adds one local step and one step of credit
@@ -40,7 +42,10 @@ clock: the only time is the ``now`` the shell passes to ``next_action`` (a chunk
    credit stays) and one ``timing.resync`` with the batches reported since the last
    folded step, the positions held untrained, the metrics of epochs not seen
    aggregated, ``last_command_id``, steps, ``throttled``, ``idle``. A frame of an
-   incarnation already left behind: ``Drop("stale_incarnation")``.
+   incarnation already left behind: ``Drop("stale_incarnation")``. A rank admitted by an
+   answer to a *repeated* hello reports too: its first ``hello_ack`` (and its first
+   plan) may have died with a coordinator that restarted, whose successor acks it as a
+   member awaiting resync; found by the simulator's restart campaign (seed 20, sync).
 6. ``ExecuteEval`` for this rank: ``RunEval``; ``EpochAggregated`` on the rank
    ``SetEpochCallbackRole`` named: ``RunEpochFn``; ``Rendezvous`` on the collective
    plane: ``FormGroup``; ``Shutdown``/``ShutdownWithSave``: ``Exit`` (the machine then
@@ -119,6 +124,7 @@ class RankMachine:
         # Plans and throttle.
         self.plans: deque[Chunk] = deque()
         self.current: Chunk | None = None
+        self.in_hand: TrainBatch | None = None  # handed out by next_action, not trained yet
         self.chunk_seq = 0
         self.throttled = False
         # Steps and credit.
@@ -158,13 +164,17 @@ class RankMachine:
         return self.incarnation is not None and incarnation != self.incarnation and incarnation not in self.left_behind
 
     def held_positions(self) -> list[pb.EpochPlan]:
-        """What this rank was handed and has not trained: the current chunk, then the queue."""
+        """What this rank was handed and has not trained: the batch being trained (a shell
+        that handles frames while its device works), the current chunk, then the queue."""
+        b = self.in_hand
+        held = [pb.EpochPlan(epoch=b.epoch, partition_offset=b.offset, partition_size=b.count)] if b else []
         chunks = ([self.current] if self.current is not None else []) + list(self.plans)
-        return [
+        held += [
             pb.EpochPlan(epoch=ch.epoch, partition_offset=off, partition_size=size)
             for ch in chunks
             for off, size in ch.held()
         ]
+        return held
 
     # -- the entry points ---------------------------------------------------------------
 
@@ -195,15 +205,24 @@ class RankMachine:
             return WAIT_THROTTLE
         assert self.spec is not None
         offset, count = cur.take(self.spec.batch_size)  # type: ignore[misc]
-        return TrainBatch(epoch=cur.epoch, offset=offset, count=count)
+        self.in_hand = TrainBatch(epoch=cur.epoch, offset=offset, count=count)
+        return self.in_hand
 
     # -- admission and batches ----------------------------------------------------------
 
     def _admitted(self, ev: Admitted, out: list[Command]) -> None:
         self.spec = ev.spec
         self.global_step = ev.global_step
+        if ev.hello_resent and self.incarnation is not None:
+            # The first answer may have been lost with a coordinator that restarted: this
+            # one then comes from the new process, which already counts the rank as a
+            # member awaiting its resync -- and the plan it sent before dying is gone.
+            # The rank cannot tell, so it reports (a coordinator that did not restart
+            # ignores a report it is not awaiting).
+            self._report(self.incarnation, out)
 
     def _batch(self, ev: BatchTrained, out: list[Command]) -> None:
+        self.in_hand = None
         self.local_step += 1
         self.steps_since_avg += 1
         cur = self.current

@@ -5,17 +5,26 @@ Theory of operation
 Everything that could be nondeterministic is owned here: one ``random.Random(seed)``
 draws every jitter, delay and (optional) fault; a heap of ``(time, seq, action)``
 orders everything; the clock only moves by jumping to the next action. The core is
-the real one — ``step(state, event)`` — and ``SimRank`` plays each rank by the same
-protocol as ``flodl_worker.rank`` (``docs/protocol.md``):
+the real one — ``step(state, event)`` — and so is each rank's: ``SimRank``
+(``flodl.sim._rank``) drives the real rank machine (``flodl.rank.RankMachine``, the one
+``flodl_worker.rank`` drives with torch), so plans, throttle, credit, the folded step and
+the resync report are the real logic on both ends (``docs/protocol.md``):
 
-* a plan (``StartEpoch`` / ``ExtendPartition`` / ``Update.next_plan``) is trained
-  batch by batch; each batch takes ``ms_per_batch * (1 ± jitter)`` of virtual time and
-  is reported (``BatchDone``) after a network delay;
-* ``RequestParams`` snapshots the step counter and contributes to the simulated
-  reducer; when every expected rank contributed (or died), each contributor gets the
+* a plan is trained batch by batch; each batch takes ``ms_per_batch * (1 ± jitter)`` of
+  virtual time and is reported (``BatchDone``) after a network delay;
+* ``RequestParams`` snapshots and contributes to the simulated reducer (weights only, no
+  tensors); when every expected rank contributed (or died), each contributor gets the
   consensus after a delay and acks it (``SyncAcked``);
-* ``Throttle`` pauses training at the next batch boundary until ``Update``;
-* ``Shutdown`` -> ``RankExiting``.
+* every link (core -> rank, rank -> core) is FIFO, as one ZeroMQ connection is.
+
+Coordinator restarts: ``crash_at`` lists journal lengths at which the coordinator dies
+right after journaling and stepping that event (its commands never leave). Every frame
+in flight either way is lost, and so is the reducer's open round; frames the ranks and
+agents send while it is down are queued and delivered after the restart. After
+``restart_after_s`` the core is rebuilt as the service does it, ``replay(config,
+journal)``, checked equal to the state it had, fed ``CoordinatorRestarted``, and gets a
+new incarnation: the rank machines notice it on its first frame and send their resync
+report. ``Result.restarts`` / ``Result.lost_frames`` count what happened.
 
 Faults are data: ``fail_at={rank: step}`` kills a rank after that many steps (the
 agent reports the exit after ``report_delay_s``); ``hang_at={rank: step}`` silences it
@@ -31,24 +40,21 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from flodl.core import (
-    BatchDone,
-    ChunkDone,
+    CoordinatorRestarted,
     CoreConfig,
-    EvalDone,
     ForgetRank,
-    HeartbeatSeen,
     Notice,
     OpenRound,
-    RankExiting,
-    RankExitReported,
-    RankHello,
+    Reply,
     RunFinished,
     Send,
-    SyncAcked,
     Tick,
     initial_state,
+    replay,
     step,
 )
+
+from ._rank import INCLUDED, SimRank
 
 __all__ = ["SimConfig", "Result", "simulate"]
 
@@ -72,6 +78,9 @@ class SimConfig:
     report_delay_s: float = 0.01
     max_virtual_s: float = 36_000.0
     core_overrides: dict[str, Any] = field(default_factory=dict)
+    crash_at: tuple[int, ...] = ()  # journal lengths at which the coordinator dies
+    restart_after_s: float = 0.5  # down this long (well within liveness_timeout_s)
+    check_replay: bool = True  # a restart asserts replay(journal) == the state it had
 
 
 @dataclass
@@ -83,6 +92,8 @@ class Result:
     state: Any
 
     solo_samples_per_s: float = 0.0  # what the ranks could do alone, summed
+    restarts: int = 0  # coordinator restarts that happened
+    lost_frames: int = 0  # frames lost in flight to or from a dying coordinator
 
     @property
     def summary(self) -> dict:
@@ -99,118 +110,6 @@ class Result:
         return self.samples_per_s / self.solo_samples_per_s if self.solo_samples_per_s else 0.0
 
 
-class SimRank:
-    def __init__(self, world: "_World", rank: int, ms: float):
-        self.w, self.rank, self.ms = world, rank, ms
-        self.plans: list[list[int]] = []  # [epoch, offset, size]
-        self.step = 0
-        self.training = False
-        self.throttled = False
-        self.alive = True
-        self.silent = False
-        self.snapshot_step = 0
-        self.chunk_batches = 0
-        self.chunk_samples = 0
-        self.chunk_started = 0.0
-
-    # -- inbound ----------------------------------------------------------------------
-    def on_control(self, ctl) -> None:
-        if not self.alive:
-            return
-        kind = ctl.WhichOneof("cmd")
-        if kind == "start_epoch":
-            p = ctl.start_epoch.plan
-            self._add_plan(p.epoch, p.partition_offset, p.partition_size)
-        elif kind == "extend_partition":
-            e = ctl.extend_partition
-            self._add_plan(e.epoch, e.partition_offset, e.partition_size)
-        elif kind == "request_params":
-            self.snapshot_step = self.step
-            self.w.reducer_contribute(self.rank, ctl.request_params.cycle, self.snapshot_step)
-        elif kind == "throttle":
-            self.throttled = True
-        elif kind == "update":
-            self.throttled = False
-            if ctl.update.HasField("next_plan"):
-                p = ctl.update.next_plan
-                self._add_plan(p.epoch, p.partition_offset, p.partition_size)
-            self._maybe_train()
-        elif kind == "execute_eval":
-            ev = ctl.execute_eval
-            self.w.to_core(EvalDone, rank=self.rank, schedule_id=ev.schedule_id, epoch=ev.epoch,
-                           metric=0.5, final=ev.final)  # fmt: skip
-        elif kind == "shutdown" or kind == "shutdown_with_save":
-            self.w.to_core(RankExiting, rank=self.rank, param_digest="sim", steps=self.step)
-            self.alive = False
-
-    def on_consensus(self, cycle: int, step_count: int) -> None:
-        if self.alive:
-            self.w.to_core(SyncAcked, rank=self.rank, cycle=cycle, step_count=step_count, divergence=0.0)
-
-    # -- training ---------------------------------------------------------------------
-    def _add_plan(self, epoch: int, off: int, size: int) -> None:
-        if size > 0:
-            self.plans.append([epoch, off, size])
-            self._maybe_train()
-
-    def _maybe_train(self) -> None:
-        if self.training or self.throttled or not self.plans or not self.alive:
-            return
-        self.training = True
-        if self.chunk_batches == 0:
-            self.chunk_started = self.w.now
-        j = self.w.cfg.jitter
-        dt = self.ms / 1000.0 * self.w.rng.uniform(1 - j, 1 + j)
-        self.w.at(self.w.now + dt, self._batch_done, dt)
-
-    def _batch_done(self, dt: float) -> None:
-        self.training = False
-        if not self.alive:
-            return
-        epoch, off, size = self.plans[0]
-        n = min(self.w.cfg.batch_size, size)
-        self.step += 1
-        self.chunk_batches += 1
-        self.chunk_samples += n
-        self.w.to_core(BatchDone, rank=self.rank, batch_ms=dt * 1000, data_ms=0.0, step_count=self.step,
-                       loss=1.0, samples=n, epoch=epoch, offset=off)  # fmt: skip
-        if size - n > 0:
-            self.plans[0] = [epoch, off + n, size - n]
-        else:
-            self.plans.pop(0)
-            if not self.plans or self.plans[0][0] != epoch:
-                self._chunk_done(epoch)
-        if self._fault():
-            return
-        self._maybe_train()
-
-    def _chunk_done(self, epoch: int) -> None:
-        ms = (self.w.now - self.chunk_started) * 1000
-        self.w.to_core(ChunkDone, rank=self.rank, epoch=epoch, chunk_seq=self.step, batches=self.chunk_batches,
-                       samples=self.chunk_samples, avg_loss=1.0, epoch_ms=ms, share_complete_ms=ms,
-                       compute_only_ms=ms)  # fmt: skip
-        self.chunk_batches = self.chunk_samples = 0
-
-    def _fault(self) -> bool:
-        cfg = self.w.cfg
-        if cfg.fail_at.get(self.rank) == self.step:
-            self.alive = False
-            self.w.at(self.w.now + cfg.report_delay_s, self.w.feed, RankExitReported, dict(rank=self.rank, code=-9))
-            self.w.reducer_drop(self.rank)
-            return True
-        if cfg.hang_at.get(self.rank) == self.step:
-            self.alive = False
-            self.silent = True
-            self.w.reducer_drop(self.rank)
-            return True
-        return False
-
-    def heartbeat(self) -> None:
-        if self.alive:
-            self.w.to_core(HeartbeatSeen, rank=self.rank, step_count=self.step)
-            self.w.at(self.w.now + self.w.cfg.heartbeat_s, self.heartbeat)
-
-
 class _World:
     def __init__(self, cfg: SimConfig):
         self.cfg = cfg
@@ -225,11 +124,23 @@ class _World:
                               **cfg.core_overrides)  # fmt: skip
         self.state = initial_state(core_cfg)
         self.ranks = [SimRank(self, r, ms) for r, ms in enumerate(cfg.ms_per_batch)]
-        self.events: list = []
+        self.events: list = []  # the journal
         self.commands = 0
         self.finished: Optional[RunFinished] = None
         self.round: Optional[dict] = None
         self.notices: list[Notice] = []
+        # Links are FIFO: the time the last frame on (direction, rank) arrives.
+        self._up: dict[int, float] = {}
+        self._down: dict[int, float] = {}
+        # Coordinator restarts: a generation per coordinator process; frames carry the
+        # one they were sent in, and a frame of a dead process is lost.
+        self.incarnation = 1
+        self.gen = 0
+        self.down = False
+        self.backlog: list = []  # (cls, kw) sent while the coordinator was down
+        self._crashes = sorted(cfg.crash_at)
+        self.restarts = 0
+        self.lost_frames = 0
 
     def at(self, t: float, fn: Callable, *args) -> None:
         self._seq += 1
@@ -238,23 +149,66 @@ class _World:
     def delay(self) -> float:
         return self.cfg.latency_s * self.rng.uniform(0.5, 1.5)
 
-    def to_core(self, cls, **kw) -> None:
-        rank = self.ranks[kw["rank"]]
-        if rank.silent:
+    # -- links ------------------------------------------------------------------------
+
+    def to_core(self, cls, kw: dict) -> None:
+        """A rank's frame to the coordinator (FIFO per rank)."""
+        rank = kw["rank"]
+        if self.ranks[rank].silent:
             return
-        self.at(self.now + self.delay(), self.feed, cls, kw)
+        t = max(self.now + self.delay(), self._up.get(rank, 0.0))
+        self._up[rank] = t
+        self.at(t, self._arrive_core, self.gen, cls, kw)
+
+    def agent_report(self, cls, kw: dict) -> None:
+        """The agent's report of a rank's exit (its own connection)."""
+        self.at(self.now + self.cfg.report_delay_s, self._arrive_core, self.gen, cls, kw)
+
+    def _arrive_core(self, gen: int, cls, kw: dict) -> None:
+        if gen != self.gen:
+            self.lost_frames += 1  # in flight when the coordinator died
+        elif self.down:
+            self.backlog.append((cls, kw))  # queued by the DEALER until it reconnects
+        else:
+            self.feed(cls, kw)
+
+    def _to_rank(self, rank: int, fn: Callable, *args, base: Optional[float] = None) -> None:
+        """A coordinator frame to a rank (FIFO per rank; ``base``: sent at that time)."""
+        t = max((self.now if base is None else base) + self.delay(), self._down.get(rank, 0.0))
+        self._down[rank] = t
+        self.at(t, self._arrive_rank, self.gen, fn, args)
+
+    def _arrive_rank(self, gen: int, fn: Callable, args: tuple) -> None:
+        if gen != self.gen:
+            self.lost_frames += 1
+            return
+        fn(*args)
+
+    # -- the coordinator ----------------------------------------------------------------
 
     def feed(self, cls, kw: dict) -> None:
         ev = cls(now=self.now, **kw)
         self.events.append(ev)
         self.state, cmds = step(self.state, ev)
         self.commands += len(cmds)
+        if self._crashes and len(self.events) >= self._crashes[0]:
+            self._crashes.pop(0)
+            # Not after the event that ends the run: a finished run has nothing to restart
+            # (recovery refuses it), and its summary is the one thing the test reads.
+            if not any(isinstance(c, RunFinished) for c in cmds):
+                self._crash()
+                return  # journaled and stepped; its commands die with the process
         for c in cmds:
             self._execute(c)
 
     def _execute(self, c) -> None:
         if isinstance(c, Send):
-            self.at(self.now + self.delay(), self.ranks[c.rank].on_control, c.control)
+            r = self.ranks[c.rank]
+            self._to_rank(c.rank, r.on_control, c.control, self.incarnation)
+        elif isinstance(c, Reply):
+            for r in self.ranks:
+                if r.route == c.route:
+                    self._to_rank(r.rank, r.on_hello_ack, c.ack, self.incarnation)
         elif isinstance(c, OpenRound):
             self.round = {"cycle": c.cycle, "expected": set(c.ranks), "got": {}}
         elif isinstance(c, ForgetRank):
@@ -264,15 +218,43 @@ class _World:
         elif isinstance(c, RunFinished):
             self.finished = c
 
-    # -- the simulated reducer ------------------------------------------------------------
-    def reducer_contribute(self, rank: int, cycle: int, step_count: int) -> None:
-        self.at(self.now + self.delay(), self._arrive, rank, cycle, step_count)
+    def _crash(self) -> None:
+        self.down = True
+        self.gen += 1
+        self.round = None  # the reducer's open round dies with the process
+        self.at(self.now + self.cfg.restart_after_s, self._restart)
 
-    def _arrive(self, rank: int, cycle: int, step_count: int) -> None:
+    def _restart(self) -> None:
+        """What ``flodl_coordinator.recovery`` does: replay the journal, restart the core."""
+        rebuilt = replay(self.state.config, self.events)
+        if self.cfg.check_replay and rebuilt != self.state:
+            raise AssertionError(f"replay of {len(self.events)} journaled events differs from the state it had")
+        self.state = rebuilt
+        self.incarnation += 1
+        self.down = False
+        self.restarts += 1
+        self.feed(CoordinatorRestarted, dict(incarnation=self.incarnation))
+        backlog, self.backlog = self.backlog, []
+        for cls, kw in backlog:
+            if self.down:  # crashed again while catching up: the rest is lost
+                self.lost_frames += 1
+            else:
+                self.feed(cls, kw)
+
+    # -- the simulated reducer ------------------------------------------------------------
+    def reducer_contribute(self, rank: int, cycle: int, weight: float) -> None:
+        t = max(self.now + self.delay(), self._up.get(rank, 0.0))
+        self._up[rank] = t
+        self.at(t, self._arrive, self.gen, rank, cycle, weight)
+
+    def _arrive(self, gen: int, rank: int, cycle: int, weight: float) -> None:
         rd = self.round
+        if gen != self.gen or self.down:
+            self.lost_frames += 1
+            return
         if rd is None or rd["cycle"] != cycle or rank not in rd["expected"]:
             return
-        rd["got"][rank] = step_count
+        rd["got"][rank] = weight
         self._maybe_reduce()
 
     def reducer_drop(self, rank: int) -> None:
@@ -287,20 +269,21 @@ class _World:
             return
         self.round = None
         done = self.now + self.cfg.reduce_s_per_rank * max(1, len(rd["got"]))
-        for rank, step_count in sorted(rd["got"].items()):
-            self.at(done + self.delay(), self.ranks[rank].on_consensus, rd["cycle"], step_count)
+        arrays = INCLUDED if sum(rd["got"].values()) > 0 else None  # total weight 0: keep local
+        for rank in sorted(rd["got"]):
+            r = self.ranks[rank]
+            self._to_rank(rank, r.on_consensus, rd["cycle"], arrays, self.incarnation, base=done)
 
     # -- run ----------------------------------------------------------------------------
     def _tick(self) -> None:
         if self.finished is None:
-            self.feed(Tick, {})
+            if not self.down:
+                self.feed(Tick, {})
             self.at(self.now + self.cfg.tick_s, self._tick)
 
     def run(self) -> Result:
         for r in self.ranks:
-            self.at(self.delay(), self.feed, RankHello,
-                    dict(route=(b"sim%d" % r.rank,), rank=r.rank, world_size=len(self.ranks),
-                         model_sig=b"\x01" * 32, dataset_len=self.cfg.total_samples, incarnation=r.rank + 1))  # fmt: skip
+            self.at(0.0, r.hello)
             self.at(self.cfg.heartbeat_s, r.heartbeat)
         self.at(self.cfg.tick_s, self._tick)
         while self._q and self.finished is None:
@@ -310,7 +293,8 @@ class _World:
             self.now = max(self.now, t)
             fn(*args)
         solo = sum(self.cfg.batch_size * 1000.0 / ms for ms in self.cfg.ms_per_batch)
-        return Result(self.finished, self.now, self.events, self.commands, self.state, solo)
+        return Result(self.finished, self.now, self.events, self.commands, self.state, solo,
+                      restarts=self.restarts, lost_frames=self.lost_frames)  # fmt: skip
 
 
 def simulate(cfg: SimConfig) -> Result:

@@ -4,10 +4,23 @@
 
 from __future__ import annotations
 
-from flodl.rank import AbandonRounds, Admitted, BatchTrained, ConsensusReady, ControlReceived, IncarnationSeen, RankMachine, Warn
+from collections import deque
+
+from flodl.rank import (
+    AbandonRounds,
+    Admitted,
+    BatchTrained,
+    Chunk,
+    ConsensusReady,
+    ControlReceived,
+    IncarnationSeen,
+    RankMachine,
+    TrainBatch,
+    Warn,
+)
 from flodl.wire import pb
 
-from tests.unit.rank.test_machine import ctl, machine, plan, request
+from tests.unit.rank.test_machine import ctl, machine, request
 
 def _batch(m: RankMachine, epoch: int, offset: int) -> None:
     m.handle(BatchTrained(epoch=epoch, offset=offset, samples=4, batch_ms=1.0, loss=0.5))
@@ -31,10 +44,8 @@ def test_a_new_incarnation_triggers_one_report_before_the_frame():
     ea.epoch_aggregated.metrics.epoch = 0
     m.handle(ControlReceived(control=ea))
     m.plans.clear()
-    m.handle(plan(1, 32, 8))
-    m.next_action(0.0)  # the chunk in training: [32, 8) minus its first batch
-    m.current.segments = type(m.current.segments)([[32, 8], [100, 0]])
-    m.handle(plan(1, 60, 12))
+    m.current = Chunk(epoch=1, seq=3, segments=deque([[32, 8], [100, 0]]))
+    m.plans.append(Chunk(epoch=1, seq=4, segments=deque([[60, 12]])))
     m.throttled = True
     request(m, 5)
     assert m.handle(IncarnationSeen(incarnation=11)) == []  # same coordinator
@@ -58,3 +69,32 @@ def test_an_idle_rank_reports_idle_and_nothing_held():
     m = machine()
     _, sent, _ = m.handle(IncarnationSeen(incarnation=2))
     assert sent.body.idle and not sent.body.held and not sent.body.batches and sent.body.folded_step == 0
+
+
+def test_a_batch_being_trained_is_held_neither_lost_nor_doubled():
+    """A shell that handles frames while its device works (the simulator) reports the
+    batch in hand as held; once trained it is a reported batch."""
+    m = machine()
+    m.handle(ControlReceived(control=pb.Control(start_epoch=pb.Control.StartEpoch(
+        plan=pb.EpochPlan(epoch=0, partition_offset=0, partition_size=16)))))
+    act = m.next_action(0.0)
+    assert act == TrainBatch(epoch=0, offset=0, count=8)
+    _, sent, _ = m.handle(IncarnationSeen(incarnation=2))
+    assert [(p.partition_offset, p.partition_size) for p in sent.body.held] == [(0, 8), (8, 8)]
+    m.handle(BatchTrained(epoch=0, offset=0, samples=8))
+    _, sent, _ = m.handle(IncarnationSeen(incarnation=3))
+    assert [(p.partition_offset, p.partition_size) for p in sent.body.held] == [(8, 8)]
+    assert [(b.offset, b.samples) for b in sent.body.batches] == [(0, 8)]
+
+
+def test_an_answer_to_a_repeated_hello_is_followed_by_a_report():
+    """The first hello_ack (and the first plan) may have died with a coordinator that
+    restarted; its successor acks the repeated hello of a member it awaits a resync from."""
+    m = RankMachine(0)
+    m.handle(IncarnationSeen(incarnation=7, hello_ack=True))
+    abandon, sent, _ = m.handle(Admitted(spec=pb.RunSpec(total_samples=8, batch_size=4), hello_resent=True))
+    assert abandon == AbandonRounds(cycles=()) and sent.kind == "resync"
+    assert sent.body.coordinator_incarnation == 7 and sent.body.idle and sent.body.last_command_id == 0
+    quiet = RankMachine(0)
+    quiet.handle(IncarnationSeen(incarnation=7, hello_ack=True))
+    assert quiet.handle(Admitted(spec=pb.RunSpec(total_samples=8, batch_size=4))) == []

@@ -1,0 +1,219 @@
+"""A simulated rank: the real rank machine (``flodl.rank``) in virtual time.
+
+``SimRank`` is the shell the simulator gives each ``RankMachine``, as
+``flodl_worker.rank`` is the torch one: it delivers the coordinator's frames as
+machine events and carries out the machine's commands -- a ``TrainBatch`` takes
+``ms_per_batch * (1 ± jitter)`` of virtual time, a ``TakeSnapshot`` contributes to the
+world's simulated reducer, an ``ApplyConsensus`` acks, every ``SendTiming`` /
+``SendMetrics`` becomes the core event the coordinator's shell would decode from it
+(``to_event``, the simulator's copy of ``flodl_coordinator.translate``). There are no
+tensors: a consensus is the marker ``INCLUDED`` (or None: keep local).
+
+Faults are wrappers around the machine, not part of it: ``fail_at`` kills the process
+(the agent reports the exit), ``hang_at`` silences it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from flodl.core import (
+    BatchDone,
+    CheckpointDone,
+    ChunkDone,
+    EvalDone,
+    HeartbeatSeen,
+    RankExiting,
+    RankExitReported,
+    RankHello,
+    RankResynced,
+    SyncAcked,
+)
+from flodl.rank import (
+    WAIT_PLAN,
+    WAIT_THROTTLE,
+    AbandonRounds,
+    Admitted,
+    ApplyConsensus,
+    BatchTrained,
+    ConsensusReady,
+    ControlReceived,
+    Drop,
+    Exit,
+    FormGroup,
+    IncarnationSeen,
+    RankMachine,
+    RunEpochFn,
+    RunEval,
+    SaveCheckpoint,
+    SendMetrics,
+    SendTiming,
+    TakeSnapshot,
+    TrainBatch,
+    Warn,
+)
+from flodl.wire import pb
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._world import _World
+
+__all__ = ["SimRank", "INCLUDED", "to_event"]
+
+INCLUDED: tuple = ()  # the consensus "arrays" of a simulated round: this rank's work is in it
+HELLO_RESEND_S = 5.0  # flodl_worker.rank's
+
+
+def to_event(rank: int, kind: str, body: Any) -> tuple[type, dict]:
+    """The core event (class, fields) for ``timing.<kind> = body`` from ``rank``."""
+    if kind == "batch":
+        b = body
+        return BatchDone, dict(rank=rank, batch_ms=b.batch_ms, data_ms=b.data_ms, step_count=b.step_count,
+                               loss=b.batch_loss, samples=b.samples, epoch=b.epoch, offset=b.offset, lr=b.lr)  # fmt: skip
+    if kind == "checkpoint_result":
+        return CheckpointDone, dict(rank=rank, version=body.version, elapsed_ms=body.elapsed_ms,
+                                    error=body.error if body.HasField("error") else None)  # fmt: skip
+    if kind == "resync":
+        m = body
+        return RankResynced, dict(
+            rank=rank, last_command_id=m.last_command_id, local_step=m.local_step, folded_step=m.folded_step,
+            throttled=m.throttled, idle=m.idle,
+            batches=tuple((b.step_count, b.epoch, b.offset, b.samples, b.batch_ms, b.data_ms, b.batch_loss, b.lr)
+                          for b in m.batches),
+            held=tuple((p.epoch, p.partition_offset, p.partition_size) for p in m.held),
+            chunks=tuple((c.epoch, c.chunk_seq, c.batches_processed, c.samples_processed, c.avg_loss, c.epoch_ms,
+                          c.share_complete_ms, c.compute_only_ms, c.data_starve_ms) for c in m.chunks),
+        )  # fmt: skip
+    raise ValueError(f"the simulator does not translate timing.{kind}")
+
+
+def metrics_event(m: pb.Metrics) -> tuple[type, dict]:
+    return ChunkDone, dict(rank=m.rank, epoch=m.epoch, chunk_seq=m.chunk_seq, batches=m.batches_processed,
+                           samples=m.samples_processed, avg_loss=m.avg_loss, epoch_ms=m.epoch_ms,
+                           share_complete_ms=m.share_complete_ms, compute_only_ms=m.compute_only_ms,
+                           data_starve_ms=m.data_starve_ms)  # fmt: skip
+
+
+class SimRank:
+    def __init__(self, world: "_World", rank: int, ms: float):
+        self.w, self.rank, self.ms = world, rank, ms
+        self.route = (b"sim%d" % rank,)
+        self.hellos = 0  # hellos sent
+        self.m = RankMachine(rank)
+        self.training = False  # a batch is on the (virtual) device
+        self.alive = True
+        self.silent = False
+        self.drops: dict[str, int] = {}
+
+    # -- inbound (frames of the coordinator, in link order) -----------------------------
+
+    def _seen(self, incarnation: int, hello_ack: bool = False) -> bool:
+        cmds = self.m.handle(IncarnationSeen(incarnation=incarnation, hello_ack=hello_ack))
+        self._do(cmds)
+        return not any(type(c) is Drop for c in cmds)
+
+    def on_hello_ack(self, ack: pb.HelloAck, incarnation: int) -> None:
+        if not self.alive or not self._seen(incarnation, hello_ack=True):
+            return
+        if ack.accepted and not self.m.admitted:
+            self._do(self.m.handle(Admitted(spec=ack.run, hello_resent=self.hellos > 1)))
+
+    def on_control(self, ctl: pb.Control, incarnation: int) -> None:
+        if not self.alive or not self._seen(incarnation) or not self.m.admitted:
+            return
+        self._do(self.m.handle(ControlReceived(control=ctl)))
+        self._maybe_train()
+
+    def on_consensus(self, cycle: int, arrays: Any, incarnation: int) -> None:
+        if not self.alive or not self._seen(incarnation):
+            return
+        self._do(self.m.handle(ConsensusReady(cycle=cycle, arrays=arrays)))
+        self._maybe_train()
+
+    # -- the machine's commands ---------------------------------------------------------
+
+    def _do(self, cmds: list) -> None:
+        w = self.w
+        for c in cmds:
+            t = type(c)
+            if t is SendTiming:
+                cls, kw = to_event(self.rank, c.kind, c.body)
+                w.to_core(cls, kw)
+            elif t is SendMetrics:
+                cls, kw = metrics_event(c.metrics)
+                w.to_core(cls, kw)
+            elif t is TakeSnapshot:
+                w.reducer_contribute(self.rank, c.cycle, c.weight)
+            elif t is ApplyConsensus:
+                w.to_core(SyncAcked, dict(rank=self.rank, cycle=c.cycle, step_count=c.ack_step, divergence=0.0))
+            elif t is RunEval:
+                ev = c.command
+                w.to_core(EvalDone, dict(rank=self.rank, schedule_id=ev.schedule_id, epoch=ev.epoch, metric=0.5,
+                                         final=ev.final))  # fmt: skip
+            elif t is SaveCheckpoint:
+                w.to_core(CheckpointDone, dict(rank=self.rank, version=c.command.version))
+            elif t is Exit:
+                w.to_core(RankExiting, dict(rank=self.rank, param_digest="sim", steps=c.steps))
+                self.alive = False
+            elif t is Drop:
+                self.drops[c.reason] = self.drops.get(c.reason, 0) + 1
+            elif t in (AbandonRounds, Warn, RunEpochFn, FormGroup):
+                pass  # no tensors to drop, no log, no epoch_fn, bus plane only
+            else:
+                raise TypeError(f"the simulator has no shell for {t.__name__}")
+
+    # -- training ---------------------------------------------------------------------
+
+    def _maybe_train(self) -> None:
+        if self.training or not self.alive:
+            return
+        while True:
+            act = self.m.next_action(self.w.now)
+            if act is WAIT_PLAN or act is WAIT_THROTTLE:
+                return
+            if type(act) is SendMetrics:
+                self._do([act])
+                continue
+            break
+        self.training = True
+        j = self.w.cfg.jitter
+        dt = self.ms / 1000.0 * self.w.rng.uniform(1 - j, 1 + j)
+        self.w.at(self.w.now + dt, self._batch_done, act, dt)
+
+    def _batch_done(self, act: TrainBatch, dt: float) -> None:
+        self.training = False
+        if not self.alive:
+            return
+        ev = BatchTrained(epoch=act.epoch, offset=act.offset, samples=act.count, batch_ms=dt * 1000, loss=1.0)
+        self._do(self.m.handle(ev))
+        if self._fault():
+            return
+        self._maybe_train()
+
+    def _fault(self) -> bool:
+        cfg, step = self.w.cfg, self.m.local_step
+        if cfg.fail_at.get(self.rank) == step:
+            self.alive = False
+            self.w.agent_report(RankExitReported, dict(rank=self.rank, code=-9))
+            self.w.reducer_drop(self.rank)
+            return True
+        if cfg.hang_at.get(self.rank) == step:
+            self.alive = False
+            self.silent = True
+            self.w.reducer_drop(self.rank)
+            return True
+        return False
+
+    def hello(self) -> None:
+        """Send the hello, again every ``HELLO_RESEND_S`` until admitted (a coordinator
+        that restarted may have lost it; the core answers a repeat idempotently)."""
+        if self.alive and not self.m.admitted:
+            self.hellos += 1
+            self.w.to_core(RankHello, dict(route=self.route, rank=self.rank, world_size=len(self.w.ranks),
+                                           model_sig=b"\x01" * 32, dataset_len=self.w.cfg.total_samples,
+                                           incarnation=self.rank + 1))  # fmt: skip
+            self.w.at(self.w.now + HELLO_RESEND_S, self.hello)
+
+    def heartbeat(self) -> None:
+        if self.alive:
+            self.w.to_core(HeartbeatSeen, dict(rank=self.rank, step_count=self.m.local_step))
+            self.w.at(self.w.now + self.w.cfg.heartbeat_s, self.heartbeat)
