@@ -133,6 +133,8 @@ DRAIN_BATCH = 256
 # An unanswered hello is sent again this often: a coordinator restarted from its journal
 # may have lost it (a hello from the same process is answered again, not refused).
 HELLO_RESEND_S = 5.0
+HELLO_WARN_S = 5.0  # no answer this long: say what is probably wrong (and keep trying)
+HELLO_REWARN_S = 30.0
 
 
 class _Shutdown(Exception):
@@ -185,6 +187,7 @@ class _Rank(MachineShell):
         self.spec: pb.RunSpec | None = None
         self._hello_deadline = float("inf")  # set by hello(); a deferred ack moves it
         self._deferred_reason = ""
+        self._hello_resent = False  # the answer came to a repeated hello (flodl.rank.Admitted)
         self.model: torch.nn.Module | None = None
         self.optimizer = None
         self.params: list[torch.Tensor] = []
@@ -307,19 +310,29 @@ class _Rank(MachineShell):
         self._hello_deadline = time.monotonic() + self.cfg.hello_timeout_s
         self._deferred_reason = ""
         resend = time.monotonic() + HELLO_RESEND_S
+        start = time.monotonic()
+        warn = start + HELLO_WARN_S
         while self.spec is None:
             now = time.monotonic()
             if now >= resend:  # a coordinator that restarted may have lost it (idempotent)
                 self._send("hello", hello)
+                self._hello_resent = True
                 resend = now + HELLO_RESEND_S
             deadline = self._hello_deadline  # a deferred answer moves it
-            left = min(deadline, resend) - now
+            left = min(deadline, resend, warn) - now
             if deadline <= now:
                 raise _Abort(
-                    f"no hello_ack from the coordinator at {self.cfg.connect} within "
+                    f"no hello_ack from the coordinator at {self.cfg.coordinator_name} within "
                     f"{self.cfg.hello_timeout_s:g}s (FLODL_HELLO_TIMEOUT_S): is it running, and are "
-                    f"FLODL_CONNECT and FLODL_SESSION ({self.cfg.session!r}) right?"
+                    f"its address and the session ({self.cfg.session!r}) right?"
                 )
+            if now >= warn and not self._deferred_reason:  # say it early, keep trying
+                log.warning(
+                    "no answer yet from the coordinator at %s after %.0fs: is it running there, and is %r its "
+                    "session? still trying (giving up after %gs)",
+                    self.cfg.coordinator_name, now - start, self.cfg.session, self.cfg.hello_timeout_s,
+                )
+                warn = now + HELLO_REWARN_S
             self._pump(max(1, int(left * 1000)))
 
     def _on_hello_ack(self, ack: pb.HelloAck) -> None:
@@ -350,7 +363,7 @@ class _Rank(MachineShell):
         global_step = self.build()  # now, so that frames queued behind the ack see a built model
         if spec.plane == pb.PLANE_COLLECTIVE:
             self.averager = self.collective = CollectiveAverager(self)
-        self.feed(Admitted(spec=spec, global_step=global_step))
+        self.feed(Admitted(spec=spec, global_step=global_step, hello_resent=self._hello_resent))
         log.info(
             "admitted: world %d, %d samples, batch %d, %d epochs, seed %d, gamma %g",
             spec.world_size, spec.total_samples, spec.batch_size, spec.num_epochs, spec.seed, spec.gamma,
