@@ -27,6 +27,7 @@ WORKER_ENV = frozenset({
     "FLODL_CURVE_SERVER_KEY",
     "FLODL_FAULT",
     "FLODL_AGENT_TOKEN",
+    "FLODL_RESTART_COUNT",
     # Also coordinator keys (world_size, session, curve_secret_key): read by both sides.
     "FLODL_WORLD_SIZE",
     "FLODL_SESSION",

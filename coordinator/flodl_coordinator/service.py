@@ -73,6 +73,7 @@ from flodl.wire import (
     SeqTracker,
     VersionMismatch,
     WireError,
+    WrongSession,
     decode,
     pb,
     split_routing,
@@ -379,6 +380,8 @@ class CoordinatorService:
             d = decode(payload, session=self.settings.session)
         except VersionMismatch as e:
             return self._refuse_version(route, payload, e)
+        except WrongSession as e:
+            return self._refuse_session(route, payload, e)
         except WireError as e:
             return self._drop(route, e)
         env = d.envelope
@@ -452,7 +455,9 @@ class CoordinatorService:
         if which == "hello":
             record, note = self.agents.hello(route, msg.hello, self._peer_key)
             if record is None:
+                self._answer_agent(route, False, note)
                 raise RouteMismatch(note)
+            self._answer_agent(route, True, note)
             self._journal_write(record)  # a restart needs it
             if note:
                 log.warning("%s", note)
@@ -472,6 +477,11 @@ class CoordinatorService:
             if len(self.agent_errors) < 64:
                 self.agent_errors.append(reason)
             log.error("%s", reason)
+
+    def _answer_agent(self, route: tuple, accepted: bool, reason: str) -> None:
+        """The agent learns in one round trip that it reached the right coordinator."""
+        ack = pb.AgentMsg(hello_ack=pb.AgentMsg.HelloAck(accepted=accepted, reason=reason))
+        self._send_frames(self.endpoint.frames("agent", ack, route=route))
 
     def _on_relay_restarting(self, now: float, route: tuple, m) -> None:
         """A relay died and its agent restarts it (same bind, same uplink identity).
@@ -548,6 +558,29 @@ class CoordinatorService:
         if env.WhichOneof("body") == "hello" and route:
             ack = pb.HelloAck(accepted=False, reason=f"protocol version mismatch: {err.detail}")
             self._send_frames(self.endpoint.frames("hello_ack", ack, route=route))
+
+    def _refuse_session(self, route, payload, err: WrongSession) -> None:
+        """A hello (rank or agent) that names another session is answered -- in *its*
+        session, so that it can read the answer, and without ours (no leak) -- so that a
+        mistyped --session fails in seconds, by name, instead of timing out."""
+        self._drop(route, err)
+        env = pb.Envelope()
+        try:
+            env.ParseFromString(bytes(payload[0]))
+        except Exception:  # noqa: BLE001 - unparseable: nothing to answer
+            return
+        body = env.WhichOneof("body")
+        agent_hello = body == "agent" and env.agent.WhichOneof("msg") == "hello"
+        if not route or not (body == "hello" or agent_hello) or len(env.session) > 255:
+            return
+        why = (f"session {env.session!r} is not this coordinator's run: give the agent and ranks the "
+               "coordinator's session (--session / FLODL_SESSION)")
+        ep = Endpoint(env.session, pb.Sender.KIND_COORDINATOR, incarnation=self.endpoint.sender.incarnation)
+        if agent_hello:
+            frames = ep.frames("agent", pb.AgentMsg(hello_ack=pb.AgentMsg.HelloAck(accepted=False, reason=why)), route=route)
+        else:
+            frames = ep.frames("hello_ack", pb.HelloAck(accepted=False, reason=why), route=route)
+        self._send_frames(frames)
 
     def _drop(self, route: tuple, err: WireError) -> None:
         self.dropped[err.reason] += 1  # every frame counts; the log is rate-limited per reason

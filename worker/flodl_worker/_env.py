@@ -115,6 +115,14 @@ class RankEnv:
     curve: ClientKeys | None = None  # FLODL_CURVE_SERVER_KEY + FLODL_CURVE_SECRET_KEY, loaded
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # FLODL_MAX_MESSAGE_BYTES (0 = no limit)
     agent_token: bytes = field(default=b"", repr=False)  # FLODL_AGENT_TOKEN: who may report our exit
+    coordinator: str = ""  # FLODL_COORDINATOR: the address the user gave the agent (messages name it)
+
+    @property
+    def coordinator_name(self) -> str:
+        """The coordinator as the user knows it: its address, and how we reach it."""
+        if self.coordinator and self.coordinator != self.connect:
+            return f"{self.coordinator} (via the relay at {self.connect})"
+        return self.connect
 
     @property
     def emulated_ms(self) -> float:
@@ -148,6 +156,7 @@ class RankEnv:
             slowdown=_float("FLODL_SLOWDOWN", slow, lo=0.0) if slow else None,
             base_ms=_float("FLODL_BASE_MS", base, lo=0.0) if base else DEFAULT_BASE_MS,
             trace_dir=env.get("FLODL_TRACE_DIR", "").strip() or None,
+            coordinator=env.get("FLODL_COORDINATOR", "").strip(),
             hello_timeout_s=_float("FLODL_HELLO_TIMEOUT_S", hello, lo=0.0, above=True)
             if hello
             else DEFAULT_HELLO_TIMEOUT_S,

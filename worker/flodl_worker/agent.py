@@ -76,6 +76,14 @@ PIPE_DRAIN_S = 1.0  # after the last rank ended, wait this long at most for pipe
 # the resync is what recovers them.
 RELAY_RESTART_DELAYS_S: tuple[float, ...] = (0.1, 1.0, 3.0)
 RELAY_RESTART_WINDOW_S = 60.0
+# The agent's hello is sent again this often until the coordinator answers it, and the
+# agent says so after HELLO_WARN_S (then every HELLO_REWARN_S) while it keeps trying: a
+# wrong address or a coordinator that is not running is named in seconds, not after the
+# ranks' hello timeout.
+HELLO_RESEND_S = 2.0
+HELLO_WARN_S = 5.0
+HELLO_REWARN_S = 30.0
+RESTART_BACKOFF_S = 1.0  # a failed rank's first restart; doubles per restart, at most 30 s
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +109,12 @@ class AgentConfig:
     curve_secret_key: str | None = None
     # ZeroMQ MAXMSGSIZE (per part) of the relay's and the ranks' sockets (flodl.limits)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # A rank process that fails (a signal, or a code other than 0 and 2 = refused / bad
+    # configuration) is started again up to this many times, after RESTART_BACKOFF_S
+    # doubling, with FLODL_RESTART_COUNT in its environment (torchrun's --max-restarts).
+    # Before the world forms its slot is free again and the new process joins; once the
+    # run has formed the coordinator refuses it by name (it exits 2 and is not retried).
+    max_restarts: int = 0
 
     @property
     def world(self) -> int:
@@ -144,6 +158,7 @@ def rank_env(cfg: AgentConfig, local: int, connect: str, base: dict[str, str], t
         FLODL_CONNECT=connect,
         FLODL_SESSION=cfg.session,
         FLODL_HOST=cfg.host_name,
+        FLODL_COORDINATOR=cfg.coordinator,  # what the user typed: errors name it, not the relay's ipc path
         PYTHONUNBUFFERED="1",
     )
     env[ENV_MAX_MESSAGE_BYTES] = str(cfg.max_message_bytes)
@@ -176,6 +191,7 @@ class _Child:
     rank: int | None = None  # None for the relay
     buffers: dict = field(default_factory=dict)  # fd -> partial line
     reported: bool = False
+    restarts: int = 0  # how many times this rank's process was started again
 
 
 class Agent:
@@ -214,6 +230,14 @@ class Agent:
         self.relay_restart_at: float | None = None
         self._old_handlers: dict = {}
         self._preexec = death_signal_hook()  # flodl.procutil: children die with the agent
+        self.acked: bool | None = None  # the coordinator answered our hello (False: refused)
+        self.hello_msg: pb.AgentMsg.AgentHello | None = None
+        self.hello_sent_at = 0.0
+        self.started_at = time.monotonic()
+        self.warned_at: float | None = None
+        self.restart_at: dict[int, tuple[float, _Child]] = {}  # rank -> (when, the child that failed)
+        self.connect = ""  # what the ranks dial (the relay's frontend, or the coordinator)
+        self.refused = ""
 
     # -- children -----------------------------------------------------------------------
 
@@ -349,10 +373,45 @@ class Agent:
                     log.warning("dropped a frame from the coordinator (%s): %s", e.reason, e.detail)
                 continue
             env = d.envelope
-            if env.WhichOneof("body") == "agent" and env.agent.WhichOneof("msg") == "abort":
+            which = env.agent.WhichOneof("msg") if env.WhichOneof("body") == "agent" else None
+            if which == "abort":
                 log.warning("coordinator asks to abort: %s", env.agent.abort.reason)
                 if self.stop_reason is None:
                     self.stop_reason = "abort"
+            elif which == "hello_ack":
+                self._on_hello_ack(env.agent.hello_ack)
+
+    def _on_hello_ack(self, ack: pb.AgentMsg.HelloAck) -> None:
+        if ack.accepted:
+            if not self.acked:
+                took = time.monotonic() - self.started_at
+                (log.warning if self.warned_at is not None else log.info)(
+                    "coordinator at %s answered (after %.1fs)", self.cfg.coordinator, took)
+            self.acked = True
+            return
+        if self.acked is False:
+            return
+        self.acked = False
+        log.error("the coordinator at %s refused this agent: %s", self.cfg.coordinator, ack.reason)
+        if self.stop_reason is None:
+            self.stop_reason = "refused"
+            self.refused = ack.reason
+
+    def _hello_due(self, now: float) -> None:
+        """Resend the hello until answered; say what is probably wrong while waiting."""
+        if self.acked is not None or self.hello_msg is None:
+            return
+        if now - self.hello_sent_at >= HELLO_RESEND_S:
+            self._send_agent(hello=self.hello_msg)
+            self.hello_sent_at = now
+        waited = now - self.started_at
+        if waited >= HELLO_WARN_S and (self.warned_at is None or now - self.warned_at >= HELLO_REWARN_S):
+            self.warned_at = now
+            log.warning(
+                "no answer from the coordinator at %s after %.0fs: is it running and listening there "
+                "(--coordinator), and is %r its session (--session)? still trying",
+                self.cfg.coordinator, waited, self.cfg.session,
+            )
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -363,6 +422,32 @@ class Agent:
                 child.reported = True
                 self._send_agent(rank_exited=pb.AgentMsg.RankExited(rank=child.rank, code=code, token=self.token))
                 (log.info if code == 0 else log.warning)("%s exited with code %d", child.name, code)
+                self._maybe_restart(child, code)
+        now = time.monotonic()
+        for rank, (at, old) in list(self.restart_at.items()):
+            if now >= at and self.stop_reason is None:
+                del self.restart_at[rank]
+                self._restart_rank(old)
+
+    def _maybe_restart(self, child: _Child, code: int) -> None:
+        """A failed rank process is started again (bounded, with backoff): see max_restarts."""
+        if code == 0 or code == 2 or self.stop_reason is not None or child.restarts >= self.cfg.max_restarts:
+            if code not in (0, 2) and self.cfg.max_restarts and child.restarts >= self.cfg.max_restarts:
+                log.error("%s failed %d time(s): no restarts left (--max-restarts %d)",
+                          child.name, child.restarts + 1, self.cfg.max_restarts)
+            return
+        delay = min(30.0, RESTART_BACKOFF_S * 2**child.restarts)
+        log.warning("%s failed (%s): restarting it in %gs (restart %d of %d)",
+                    child.name, _exit_str(code), delay, child.restarts + 1, self.cfg.max_restarts)
+        self.restart_at[child.rank] = (time.monotonic() + delay, child)
+
+    def _restart_rank(self, old: _Child) -> None:
+        local = old.rank - self.cfg.rank_offset
+        env = rank_env(self.cfg, local, self.connect, dict(os.environ), self.token)
+        env["FLODL_RESTART_COUNT"] = str(old.restarts + 1)
+        child = self._spawn(old.name, list(self.cfg.command), env, old.rank)
+        child.restarts = old.restarts + 1
+        self.ranks[self.ranks.index(old)] = child
         if self.relay is not None and self.relay.proc.poll() is not None and not self.relay.reported:
             self.relay.reported = True
             if self.stop_reason is None:
@@ -446,19 +531,23 @@ class Agent:
                 log.info("stopped (%s) before any rank started", self.stop_reason)
                 return 0
             base = dict(os.environ)
+            self.connect = connect
             for i in range(cfg.ranks):
                 rank = cfg.rank_offset + i
                 env = rank_env(cfg, i, connect, base, self.token)
                 self.ranks.append(self._spawn(f"rank {rank}", list(cfg.command), env, rank))
             ranks = [c.rank for c in self.ranks]
-            self._send_agent(hello=pb.AgentMsg.AgentHello(host=cfg.host_name, ranks=ranks, token=self.token))
+            self.hello_msg = pb.AgentMsg.AgentHello(host=cfg.host_name, ranks=ranks, token=self.token)
+            self._send_agent(hello=self.hello_msg)
+            self.hello_sent_at = time.monotonic()
             log.info("agent on %s: %d rank(s) %s via %s", cfg.host_name, cfg.ranks,
                      [c.rank for c in self.ranks], connect)
-            while self._alive():
+            while self._alive() or self.restart_at:
                 now = time.monotonic()
                 self._reap()
+                self._hello_due(now)
                 self._handle_stop(now)
-                if not self._alive():
+                if not self._alive() and not self.restart_at:
                     break
                 timeout = POLL_MS
                 if self.kill_at is not None and self.kill_at != float("inf"):
@@ -487,6 +576,8 @@ class Agent:
                 shutil.rmtree(self.tmpdir, ignore_errors=True)
 
     def _exit_code(self) -> int:
+        if self.acked is False:
+            return 2  # refused by the coordinator: a configuration error (session, ranks)
         codes = [c.proc.returncode for c in self.ranks]
         clean = {0, -signal.SIGTERM} if self.stop_reason in ("SIGTERM", "SIGINT") else {0}
         return 0 if all(code in clean for code in codes) and not self.relay_failed else 1

@@ -98,7 +98,8 @@ def _parser() -> _Parser:
         description="Start the host's relay and N rank processes running COMMAND (torchrun-style: "
         "each gets FLODL_RANK, FLODL_LOCAL_RANK, FLODL_WORLD_SIZE, FLODL_CONNECT, FLODL_SESSION, "
         "FLODL_HOST and the emulation variables), report each exit to the coordinator at once, "
-        "restart nothing. Exit 0 if every rank exited 0, else 1.",
+        "restart a failed rank only with --max-restarts (a dead relay is restarted up to 3 times a minute). "
+        "Exit 0 if every rank exited 0, 2 if the coordinator refused the agent, else 1.",
         epilog="example: flodl-worker agent --coordinator tcp://head:5555 --ranks 3 --slowdown 1,2,4 "
         "-- python -m flodl_worker.examples.digits --hidden 64",
     )
@@ -128,6 +129,10 @@ def _parser() -> _Parser:
                    help="the relay forwards averaging rounds untouched instead of folding them into one")
     a.add_argument("--term-timeout", metavar="SECONDS", type=_nonneg_float, default=10.0,
                    help="seconds ranks get after SIGTERM before SIGKILL (default 10)")
+    a.add_argument("--max-restarts", metavar="N", type=_count(0), default=0,
+                   help="start a rank process that failed (a signal, or an exit code other than 0 and 2) "
+                   "again, up to N times, after 1 s doubling (FLODL_RESTART_COUNT in its environment); "
+                   "before the world forms it rejoins, after that the coordinator refuses it (default 0)")
     _curve_flags(a, "the agent's and the relay's connections to the coordinator (with --no-relay: "
                  "the ranks' too, as FLODL_CURVE_SERVER_KEY / FLODL_CURVE_SECRET_KEY)")
     _max_message_flag(a, "the relay and the ranks (as FLODL_MAX_MESSAGE_BYTES)")
@@ -240,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         curve_server_key=args.curve_server_key if curve is not None else None,
         curve_secret_key=args.curve_secret_key if curve is not None else None,
         max_message_bytes=args.max_message_bytes,
+        max_restarts=args.max_restarts,
     )
     return run_agent(cfg)
 

@@ -35,6 +35,7 @@ class FakeCoordinator:
         self.ep = Endpoint(session, pb.Sender.KIND_COORDINATOR, host="fake")
         self.seq = SeqTracker()
         self.command_id = 0
+        self.agents_heard: set = set()
 
     def recv(self, timeout: float = 10.0, *, skip_heartbeats: bool = True) -> tuple[tuple, Decoded]:
         """Next decoded frame (route, Decoded); heartbeats skipped unless asked for."""
@@ -49,6 +50,13 @@ class FakeCoordinator:
             env = d.envelope
             if skip_heartbeats and env.WhichOneof("body") == "timing" and env.timing.WhichOneof("event") == "heartbeat":
                 continue
+            if env.WhichOneof("body") == "agent" and env.agent.WhichOneof("msg") == "hello":
+                # Like the real one: an agent's hello is answered (else it is resent), once.
+                ack = pb.AgentMsg(hello_ack=pb.AgentMsg.HelloAck(accepted=True))
+                self.send(route, "agent", ack)
+                if route in self.agents_heard:
+                    continue
+                self.agents_heard.add(route)
             return route, d
 
     def expect(self, body: str, event: str | None = None, timeout: float = 10.0, **kw):
