@@ -182,3 +182,19 @@ def test_drop_warnings_are_per_reason_not_per_route(service, caplog):
     assert _until(lambda: svc.dropped.get("malformed", 0) == 30), dict(svc.dropped)
     lines = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("dropped frame from "), lines
+
+
+def test_a_hello_of_another_session_is_refused_by_name_in_its_own_session(service):
+    svc, ep, ctx = service
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ep)
+    me = Endpoint("typo", pb.Sender.KIND_RANK, rank=0, incarnation=9)
+    sock.send_multipart(me.frames("hello", pb.RankHello(rank=0, world_size=2, model_sig=b"a" * 32, dataset_len=100)))
+    assert sock.poll(5000), "a wrong-session hello got no answer"
+    d = decode(split_routing(sock.recv_multipart())[1], session="typo")  # readable in the peer's session
+    ack = d.envelope.hello_ack
+    assert not ack.accepted and "session 'typo' is not this coordinator's run" in ack.reason
+    assert SESSION not in ack.reason and d.envelope.session == "typo"  # ours is not told
+    assert svc.dropped["wrong_session"] == 1
+    sock.close(0)
