@@ -79,7 +79,7 @@ from typing import Optional
 
 from flodl.wire import pb
 
-from . import _averaging, _cadence, _coverage, _dispatch, _feedback
+from . import _coverage, _dispatch, _feedback
 from ._cadence import CadenceDispatcher, _held, offer_chunk
 from ._commands import Command, Notice
 from ._phases import TRAINING
@@ -152,6 +152,8 @@ class AsyncDispatcher(CadenceDispatcher):
     """Cadence with the overshoot budget and epoch streaming (see the module doc)."""
 
     progressive = True
+    barrier_paced = False  # may run its overshoot past the reduce barrier
+    overshoot = True
 
     def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
         if st.dispatch.last_dispatched is None:  # the run's first (or resumed) epoch
@@ -203,5 +205,3 @@ class AsyncDispatcher(CadenceDispatcher):
 
 
 ASYNC = AsyncDispatcher()
-_dispatch.DISPATCHERS[POLICY] = ASYNC
-_averaging.GATES[POLICY] = _cadence.cadence_gate

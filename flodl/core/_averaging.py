@@ -49,7 +49,7 @@ dispatcher's ``after_round`` (wake idle ranks). A round pending longer than ``re
 Steps are never "reset": the unfolded count is ``last_step - folded_step`` per rank,
 so a batch that lands between a snapshot and its finish is simply folded next time.
 
-``GATES`` maps a policy to its gate; the Cadence engine (``_cadence``) registers its own.
+The gate and the dispatcher are the policy's (``_policy``): the step passes the dispatcher in.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from flodl.wire import pb
 
 from . import _checkpointing, _coverage
 from ._commands import Command, Notice, OpenRound
-from ._dispatch import dispatcher_for
+from ._dispatch import SYNC, Dispatcher
 from ._errors import LocalViolation
 from ._events import ContributionRefused, SyncAcked
 from ._phases import (
@@ -75,8 +75,6 @@ from ._state import CoordinatorState, RoundState
 
 __all__ = [
     "should_average",
-    "GATES",
-    "gate_for",
     "trigger",
     "on_ack",
     "on_refused",
@@ -97,7 +95,7 @@ def should_average(st: CoordinatorState) -> tuple[bool, str]:
     alive = st.alive_ranks()
     if not alive:
         return False, "no active rank"
-    dispatcher = dispatcher_for(st)
+    dispatcher = SYNC  # this is Sync's gate (``_policy.SYNC_POLICY``)
     any_mover = False
     for r in alive:
         if st.unfolded(r) > 0:
@@ -109,17 +107,7 @@ def should_average(st: CoordinatorState) -> tuple[bool, str]:
     return True, "every active rank stepped or has no work left"
 
 
-GATES: dict[str, Callable[[CoordinatorState], tuple[bool, str]]] = {"sync": should_average}
-
-
-def gate_for(st: CoordinatorState) -> Callable[[CoordinatorState], tuple[bool, str]]:
-    try:
-        return GATES[st.config.policy]
-    except KeyError:
-        raise LocalViolation(f"policy {st.config.policy!r} has no averaging gate yet") from None
-
-
-def trigger(st: CoordinatorState, out: list[Command]) -> None:
+def trigger(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> None:
     rs = st.rounds
     _transition(rs, "trigger")
     rs.cycle += 1
@@ -131,7 +119,6 @@ def trigger(st: CoordinatorState, out: list[Command]) -> None:
     rs.refused = {}
     rs.opened_at = st.now
     out.append(OpenRound(rs.cycle, rs.ranks, tuple(st.unfolded(r) for r in rs.ranks)))
-    dispatcher = dispatcher_for(st)
     dispatcher.on_trigger(st, list(rs.ranks), out)
     for r in rs.ranks:
         st.send(out, r, request_params=pb.Control.RequestParams(cycle=rs.cycle))
@@ -150,7 +137,7 @@ def on_refused(st: CoordinatorState, ev: ContributionRefused) -> None:
     rs.refused.setdefault(ev.rank, ev.reason)
 
 
-def on_ack(st: CoordinatorState, ev: SyncAcked, out: list[Command]) -> None:
+def on_ack(st: CoordinatorState, ev: SyncAcked, out: list[Command], dispatcher: Dispatcher) -> None:
     rs = st.rounds
     if rs.phase is not PENDING or ev.cycle != rs.cycle or ev.rank not in rs.ranks:
         st.count_ignored("SyncAcked for a round that is not open")
@@ -161,7 +148,7 @@ def on_ack(st: CoordinatorState, ev: SyncAcked, out: list[Command]) -> None:
     rec = st.ranks[ev.rank]
     rs.acked[ev.rank] = ev.step_count
     if ev.rank in rs.refused:
-        _discard_window(st, ev, out)
+        _discard_window(st, ev, out, dispatcher)
         return
     folded = max(0, ev.step_count - rec.folded_step)
     rs.window[ev.rank] = folded
@@ -173,7 +160,7 @@ def on_ack(st: CoordinatorState, ev: SyncAcked, out: list[Command]) -> None:
         rec.divergence = ev.divergence
 
 
-def _discard_window(st: CoordinatorState, ev: SyncAcked, out: list[Command]) -> None:
+def _discard_window(st: CoordinatorState, ev: SyncAcked, out: list[Command], dispatcher: Dispatcher) -> None:
     """A refused rank reset to the consensus: the window up to its ack is thrown away.
 
     Its steps up to ``step_count`` count as folded (the rank starts counting afresh from
@@ -185,7 +172,7 @@ def _discard_window(st: CoordinatorState, ev: SyncAcked, out: list[Command]) -> 
     rec.folded_step = max(rec.folded_step, ev.step_count)
     lost = _coverage.discard_upto(st.coverage, ev.rank, ev.step_count)
     if lost:
-        dispatcher_for(st).give_back(st, ev.rank, lost, out)
+        dispatcher.give_back(st, ev.rank, lost, out)
     out.append(
         Notice(
             "window_discarded",
@@ -205,13 +192,13 @@ def waiting_for(st: CoordinatorState) -> list[int]:
     return [r for r in rs.ranks if st.ranks[r].phase is ACTIVE and r not in rs.acked]
 
 
-def poll(st: CoordinatorState, out: list[Command]) -> Optional[str]:
+def poll(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> Optional[str]:
     """Finish or stall the open round: returns "finished", "stalled" or None."""
     rs = st.rounds
     if rs.phase is not PENDING:
         return None
     if not waiting_for(st):
-        _finish(st, out)
+        _finish(st, out, dispatcher)
         return "finished"
     if st.now - rs.opened_at > st.config.reduce_stall_s:
         _transition(rs, "stall")
@@ -219,14 +206,13 @@ def poll(st: CoordinatorState, out: list[Command]) -> Optional[str]:
     return None
 
 
-def _finish(st: CoordinatorState, out: list[Command]) -> None:
+def _finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> None:
     rs = st.rounds
     _transition(rs, "finish")
     rs.open_s += max(0.0, st.now - rs.opened_at)
     rs.version += 1
     rs.global_step += rs.window_steps
     alive = [r for r in rs.ranks if st.ranks[r].phase is ACTIVE]
-    dispatcher = dispatcher_for(st)
     plans = dispatcher.on_round_finished(st, alive, out)
     for r in alive:
         upd = pb.Control.Update(version=rs.version, cycle=rs.cycle)

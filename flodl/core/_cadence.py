@@ -79,7 +79,7 @@ from typing import Optional
 
 from flodl.wire import pb
 
-from . import _averaging, _coverage, _dispatch, _feedback, _slack
+from . import _coverage, _dispatch, _feedback, _slack
 from ._chunk_pool import (
     ChunkPool,
     compute_chunk_batches,
@@ -93,7 +93,7 @@ from ._errors import LocalViolation
 from ._events import BatchDone
 from ._guards import make_guard
 from ._lr_meta import LrEventMeta
-from ._overshoot import OvershootBudget, barrier_paced
+from ._overshoot import OvershootBudget
 from ._phases import ACTIVE, PENDING, TRAINING
 from ._state import CadenceState, CoordinatorState
 from ._window import WindowLedger
@@ -114,7 +114,7 @@ __all__ = [
 POLICY = "cadence"
 
 
-def new_state(cfg: CoreConfig) -> CadenceState:
+def new_state(cfg: CoreConfig, *, barrier_paced: bool = True, overshoot: bool = False) -> CadenceState:
     el = ElChe(
         cfg.world_size,
         cfg.anchor,
@@ -132,6 +132,8 @@ def new_state(cfg: CoreConfig) -> CadenceState:
         guard=make_guard(cfg.guard),
         meta=LrEventMeta() if cfg.meta_controller else None,
         overshoot=OvershootBudget(),
+        barrier_paced=barrier_paced,
+        overshoot_on=overshoot,
     )
 
 
@@ -148,8 +150,8 @@ def window_steps(st: CoordinatorState, rank: int) -> int:
 
 
 def _budget(st: CoordinatorState, rank: int) -> int:
-    cad = st.cadence  # the run's policy: Async (``_async``) adds its overshoot look-ahead
-    return cad.overshoot.budget(cad.elche.batch_counts[rank], st.config.policy)
+    cad = st.cadence  # the policy's switch: Async (``_async``) adds its overshoot look-ahead
+    return cad.overshoot.budget_for(cad.elche.batch_counts[rank], overshoot=cad.overshoot_on)
 
 
 def _alive_counts(st: CoordinatorState) -> list[int]:
@@ -213,7 +215,7 @@ def _pin(st: CoordinatorState, epoch: int) -> None:
         remaining_batches=_batches(pool.remaining(), st.config.batch_size),
         counts=cad.elche.batch_counts,
         alive=[rec.phase is ACTIVE for rec in st.ranks],
-        barrier_paced=barrier_paced(st.config.policy),  # Async: no final-window plan
+        barrier_paced=cad.barrier_paced,  # Async: no final-window plan
     )
 
 
@@ -229,7 +231,7 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
         remaining_samples=_batches(pool.remaining(), bs) * bs,
         counts=_alive_counts(st),
         batch_size=bs,
-        barrier_paced=barrier_paced(st.config.policy),  # Async: probe / proportional chunks
+        barrier_paced=cad.barrier_paced,  # Async: probe / proportional chunks
         calibrated=el.calibrated or el.has_speed_hint(),
         total_samples=pool.total,
         steps=window_steps(st, rank),
@@ -362,9 +364,12 @@ class CadenceDispatcher:
     """Progressive, barrier-paced chunk dispatch driven by ElChe (see module doc)."""
 
     progressive = True
+    # The engines' switches (``_policy``): Cadence holds ranks at the barriers, no look-ahead.
+    barrier_paced = True
+    overshoot = False
 
     def setup(self, st: CoordinatorState) -> None:
-        st.cadence = new_state(st.config)
+        st.cadence = new_state(st.config, barrier_paced=self.barrier_paced, overshoot=self.overshoot)
 
     def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
         total = _dispatch.epoch_samples(st.total_samples, 1, epoch)
@@ -500,5 +505,3 @@ class CadenceDispatcher:
 
 
 CADENCE = CadenceDispatcher()
-_dispatch.DISPATCHERS[POLICY] = CADENCE
-_averaging.GATES[POLICY] = cadence_gate

@@ -35,7 +35,7 @@ overlaps training) and around a finished round (``on_round_finished`` returns th
 chunk each rank gets inside its ``Update``; ``after_round`` wakes idle ranks).
 ``progressive`` says whether chunks stream (no ``Throttle`` barrier at a trigger).
 Sync's hooks do nothing; the Cadence engine (``_cadence``) registers itself in
-``DISPATCHERS`` and keeps its own state in ``state.cadence``.
+``_policy.POLICIES`` and keeps its own state in ``state.cadence``.
 """
 
 from __future__ import annotations
@@ -54,8 +54,6 @@ from ._state import CoordinatorState
 __all__ = [
     "Dispatcher",
     "SyncDispatcher",
-    "DISPATCHERS",
-    "dispatcher_for",
     "epoch_samples",
     "equal_sizes",
     "contiguous_plans",
@@ -351,11 +349,3 @@ class SyncDispatcher:
 
 
 SYNC = SyncDispatcher()
-DISPATCHERS: dict[str, Dispatcher] = {"sync": SYNC}
-
-
-def dispatcher_for(st: CoordinatorState) -> Dispatcher:
-    try:
-        return DISPATCHERS[st.config.policy]
-    except KeyError:
-        raise LocalViolation(f"policy {st.config.policy!r} has no dispatcher yet") from None

@@ -94,7 +94,7 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
     verdict = cad.guard.report(evidence, sum(window), max(window, default=0))
     nudge = _observe_meta(cad, verdict)
     el.apply_verdict(verdict)
-    cad.overshoot.on_verdict(verdict, st.config.policy)  # moves only under Async
+    cad.overshoot.fold(verdict, overshoot=cad.overshoot_on)  # moves only under Async
     cad.ledger.reset_timing()
     cad.ledger.reset_steps()
     round_ms = max(0.0, st.now - rs.opened_at) * 1000.0

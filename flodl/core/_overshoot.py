@@ -90,9 +90,13 @@ class OvershootBudget:
 
     def on_verdict(self, verdict: Verdict, policy: str) -> BudgetChange:
         """Fold one guard verdict in (after it was applied to ElChe)."""
+        return self.fold(verdict, overshoot=not barrier_paced(policy))
+
+    def fold(self, verdict: Verdict, *, overshoot: bool) -> BudgetChange:
+        """``on_verdict`` with the policy's ``overshoot`` switch (``_policy``)."""
         before = self.max_overshoot
         reason = "held"
-        if policy == "async" and self.auto:
+        if overshoot and self.auto:
             if isinstance(verdict, Stable):
                 self.max_overshoot = min(self.max_overshoot + 1, self.ceiling)
                 reason = "Stable: widen look-ahead"
@@ -101,7 +105,7 @@ class OvershootBudget:
                 reason = "NudgeDown: reset look-ahead"
             else:
                 reason = "SuppressGrowth: hold look-ahead"
-        elif policy != "async":
+        elif not overshoot:
             reason = "not Async: no look-ahead"
         else:
             reason = "auto off: fixed look-ahead"
@@ -111,3 +115,9 @@ class OvershootBudget:
     def budget(self, count: int, policy: str) -> int:
         """:func:`reduce_step_budget` with this look-ahead."""
         return reduce_step_budget(count, policy, self.max_overshoot)
+
+    def budget_for(self, count: int, *, overshoot: bool) -> int:
+        """``budget`` with the policy's ``overshoot`` switch (``_policy``)."""
+        if count <= 0:
+            return 0
+        return count + max(0, self.max_overshoot) if overshoot else count

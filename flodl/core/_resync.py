@@ -72,6 +72,7 @@ from typing import Any, Callable
 from flodl.wire import pb
 
 from . import _averaging, _collective, _coverage, _dispatch, _membership, _metrics
+from ._dispatch import Dispatcher
 from ._commands import FINAL_SCHEDULE_ID, Command, Notice, Reply, Send
 from ._errors import RankViolation
 from ._events import BatchDone, ChunkDone, CoordinatorRestarted, RankResynced
@@ -194,6 +195,7 @@ def on_resynced(
     ev: RankResynced,
     out: list[Command],
     ingest: Callable[[CoordinatorState, BatchDone, list[Command]], None],
+    dispatcher: Dispatcher,
 ) -> None:
     """Reconcile the core with a rank's report (see the module doc). ``ingest`` is the
     step's ``BatchDone`` handler."""
@@ -244,7 +246,7 @@ def on_resynced(
         if bev.step_count > rec.last_step:
             ingest(st, bev, out)
         else:
-            _ingest_gap(st, bev, out)
+            _ingest_gap(st, bev, out, dispatcher)
         recovered += 1
     resent = 0
     for epoch, off, n in lost:
@@ -310,7 +312,7 @@ def on_resynced(
     )
 
 
-def _ingest_gap(st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
+def _ingest_gap(st: CoordinatorState, ev: BatchDone, out: list[Command], dispatcher: Dispatcher) -> None:
     """``_step._on_batch`` for a batch older than the rank's latest known step (its frame
     was lost, later ones were not): the same ledgers, but ``last_step`` stays."""
     rec = st.ranks[ev.rank]
@@ -321,7 +323,7 @@ def _ingest_gap(st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None
     pending = st.coverage.pending.get(ev.rank)
     if pending:
         pending.sort(key=lambda it: it[3])  # the ledger keeps step order
-    _dispatch.dispatcher_for(st).on_batch(st, ev, out)
+    dispatcher.on_batch(st, ev, out)
 
 
 def _resend_owed(st: CoordinatorState, ev: RankResynced, out: list[Command]) -> None:

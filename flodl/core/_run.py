@@ -184,7 +184,7 @@ def _advance_training(st: CoordinatorState, out: list[Command], dispatcher: Disp
             return True
         return False
     if any(st.unfolded(r) > 0 for r in st.alive_ranks()):
-        _averaging.trigger(st, out)  # the final tail: commit it before anything ends
+        _averaging.trigger(st, out, dispatcher)  # the final tail: commit it before anything ends
         return True
     target = _eval_target(st, ())
     if st.config.final_eval and target is not None:

@@ -239,6 +239,9 @@ class CadenceState:
     exposed_s: float = 0.0  # total time rounds delayed the next window (summary)
     averages: dict[int, int] = field(default_factory=dict)  # epoch -> rounds finished in it
     last_verdict: str = ""
+    # The policy's switches for the engines (``_policy``): set by the dispatcher's setup.
+    barrier_paced: bool = True  # False under Async: no final-window plan, probe/proportional chunks
+    overshoot_on: bool = False  # True under Async: the reduce budget has a look-ahead
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CadenceState):

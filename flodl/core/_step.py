@@ -63,13 +63,12 @@ from typing import Callable, Iterable, Optional
 from flodl.wire import pb
 
 from . import _averaging, _checkpointing, _coverage, _dispatch, _membership, _metrics, _roles, _run
-from . import _cadence  # noqa: F401  (registers the Cadence dispatcher and gate)
-from . import _async  # noqa: F401  (registers the Async dispatcher and gate)
 from . import _resync
 from . import _collective
 from ._commands import Command, ForgetRank, Notice
 from ._checkpoint import ResumePoint
 from ._config import CoreConfig
+from ._policy import policy_of
 from ._errors import LocalViolation, RankViolation
 from ._events import (
     BatchDone,
@@ -111,9 +110,7 @@ def initial_state(config: CoreConfig, resume: Optional[ResumePoint] = None) -> C
     st = CoordinatorState(config=config, ranks=[RankRecord(r) for r in range(config.world_size)])
     _collective.setup(st)
     st.roles = _roles.initial_roles(config)
-    dispatcher = _dispatch.dispatcher_for(st)
-    _averaging.gate_for(st)
-    dispatcher.setup(st)
+    policy_of(config).dispatcher.setup(st)
     if resume is not None:
         _checkpointing.apply_resume(st, resume)
     return st
@@ -182,7 +179,7 @@ def forget_rank(st: CoordinatorState, rank: int, trigger: str, reason: str, out:
         _membership.on_slot_reopened(st, rank, reason)
         return
     discarded = _coverage.discard(st.coverage, rank)
-    _dispatch.dispatcher_for(st).reassign(st, rank, out)
+    policy_of(st.config).dispatcher.reassign(st, rank, out)
     kind = "rank_lost" if trigger == "lost" else "rank_left"
     out.append(Notice(kind, {"rank": rank, "reason": reason, "discarded_samples": discarded}))
     if st.run.phase is TRAINING or st.run.phase is FINAL_EVAL:  # roles matter no more once ending
@@ -193,8 +190,8 @@ def forget_rank(st: CoordinatorState, rank: int, trigger: str, reason: str, out:
 
 
 def _settle(st: CoordinatorState, out: list[Command]) -> None:
-    dispatcher = _dispatch.dispatcher_for(st)
-    gate = _averaging.gate_for(st)
+    policy = policy_of(st.config)
+    dispatcher, gate = policy.dispatcher, policy.gate
     for _ in range(_MAX_SETTLE_PASSES):
         if st.run.phase is FINISHED:
             return
@@ -202,7 +199,7 @@ def _settle(st: CoordinatorState, out: list[Command]) -> None:
             continue
         if _collective.settle(st, out):  # (a') re-form the group before any RequestParams
             continue
-        verdict = _averaging.poll(st, out)
+        verdict = _averaging.poll(st, out, dispatcher)
         if verdict == "finished":
             continue
         if verdict == "stalled":
@@ -211,7 +208,7 @@ def _settle(st: CoordinatorState, out: list[Command]) -> None:
         fire, why = gate(st)
         st.rounds.gate_reason = why
         if fire:
-            _averaging.trigger(st, out)
+            _averaging.trigger(st, out, dispatcher)
             continue
         if _metrics.aggregate_ready(st, out):
             continue
@@ -265,12 +262,12 @@ def _on_batch(st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
     rec.samples += ev.samples
     _dispatch.record_batch(st, ev)
     _coverage.record_batch(st.coverage, ev.rank, ev.epoch, ev.offset, ev.samples, ev.step_count, rec.folded_step)
-    _dispatch.dispatcher_for(st).on_batch(st, ev, out)
+    policy_of(st.config).dispatcher.on_batch(st, ev, out)
 
 
 def _on_ack(st: CoordinatorState, ev: SyncAcked, out: list[Command]) -> None:
     if _from_rank(st, ev):
-        _averaging.on_ack(st, ev, out)
+        _averaging.on_ack(st, ev, out, policy_of(st.config).dispatcher)
 
 
 def _on_contribution_refused(st: CoordinatorState, ev: ContributionRefused, out: list[Command]) -> None:
@@ -352,7 +349,7 @@ def _on_restarted(st: CoordinatorState, ev: CoordinatorRestarted, out: list[Comm
 
 def _on_resynced(st: CoordinatorState, ev: RankResynced, out: list[Command]) -> None:
     if _from_rank(st, ev):
-        _resync.on_resynced(st, ev, out, ingest=_on_batch)
+        _resync.on_resynced(st, ev, out, ingest=_on_batch, dispatcher=policy_of(st.config).dispatcher)
 
 
 _HANDLERS: dict[type, Callable[[CoordinatorState, Event, list[Command]], None]] = {

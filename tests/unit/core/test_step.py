@@ -40,8 +40,8 @@ def _run_with_death():
 def test_every_policy_has_an_engine():
     # sync, cadence and async (flodl.core._async) all register a dispatcher and a gate.
     from flodl.core._config import POLICIES
-    from flodl.core._averaging import GATES
-    from flodl.core._dispatch import DISPATCHERS
+    from flodl.core._policy import GATES
+    from flodl.core._policy import DISPATCHERS
 
     assert set(POLICIES) <= set(DISPATCHERS) and set(POLICIES) <= set(GATES)
     for policy in POLICIES:

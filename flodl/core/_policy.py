@@ -1,0 +1,88 @@
+"""Policies as data: the one place that reads ``config.policy``.
+
+Theory of operation
+-------------------
+A run's averaging policy is a ``Policy`` value: its dispatcher (who trains what, when:
+``_dispatch.Dispatcher``), its gate (when a round opens: ``(bool, reason)``), and the
+switches that tell the Cadence family's engines how to behave, which used to be string
+checks on ``config.policy`` spread over the engines:
+
+==================  =====  =======  =====  ==================================================
+switch              Sync   Cadence  Async  meaning
+==================  =====  =======  =====  ==================================================
+``barrier_paced``   yes    yes      no     ranks are held at the reduce (and epoch) barrier;
+                                           Async may run its overshoot past it
+``overshoot``       no     no       yes    the reduce budget has a look-ahead that moves with
+                                           the guard's verdicts (``_overshoot``)
+``atomic_dispatch`` no     yes      no     the next chunk is folded into the ``Update``
+``streams_epochs``  no     no       yes    epoch e+1 opens while e is still live
+==================  =====  =======  =====  ==================================================
+
+``POLICIES`` maps the configured name to its value; ``policy_of`` looks it up (an
+unknown name is our bug: ``CoreConfig`` refuses it first). Nothing registers itself at
+import time: the table below is the whole list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from . import _async, _cadence
+from ._averaging import should_average
+from ._config import CoreConfig
+from ._dispatch import SYNC, Dispatcher
+from ._errors import LocalViolation
+from ._state import CoordinatorState
+
+__all__ = ["Policy", "POLICIES", "SYNC_POLICY", "CADENCE_POLICY", "ASYNC_POLICY", "policy_of", "dispatcher_for",
+           "gate_for", "DISPATCHERS", "GATES"]  # fmt: skip
+
+Gate = Callable[[CoordinatorState], tuple[bool, str]]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Policy:
+    """One averaging policy (see the module doc); compared by identity, like a module."""
+
+    name: str
+    dispatcher: Dispatcher
+    gate: Gate
+    barrier_paced: bool
+    overshoot: bool
+    atomic_dispatch: bool
+    streams_epochs: bool
+
+    def __repr__(self) -> str:
+        return f"Policy({self.name!r})"
+
+
+SYNC_POLICY = Policy("sync", SYNC, should_average, barrier_paced=True, overshoot=False, atomic_dispatch=False,
+                     streams_epochs=False)  # fmt: skip
+# The engines' two switches live on the dispatchers (their setup hands them to the
+# CadenceState the engines read); the Policy repeats them so the table above is data.
+CADENCE_POLICY = Policy("cadence", _cadence.CADENCE, _cadence.cadence_gate, barrier_paced=_cadence.CADENCE.barrier_paced,
+                        overshoot=_cadence.CADENCE.overshoot, atomic_dispatch=True, streams_epochs=False)  # fmt: skip
+ASYNC_POLICY = Policy("async", _async.ASYNC, _cadence.cadence_gate, barrier_paced=_async.ASYNC.barrier_paced,
+                      overshoot=_async.ASYNC.overshoot, atomic_dispatch=False, streams_epochs=True)  # fmt: skip
+
+POLICIES: dict[str, Policy] = {p.name: p for p in (SYNC_POLICY, CADENCE_POLICY, ASYNC_POLICY)}
+# Views for callers that want one part (tests, the step).
+DISPATCHERS: dict[str, Dispatcher] = {n: p.dispatcher for n, p in POLICIES.items()}
+GATES: dict[str, Gate] = {n: p.gate for n, p in POLICIES.items()}
+
+
+def policy_of(config: CoreConfig) -> Policy:
+    """The run's policy."""
+    try:
+        return POLICIES[config.policy]
+    except KeyError:
+        raise LocalViolation(f"policy {config.policy!r} has no Policy") from None
+
+
+def dispatcher_for(st: CoordinatorState) -> Dispatcher:
+    return policy_of(st.config).dispatcher
+
+
+def gate_for(st: CoordinatorState) -> Gate:
+    return policy_of(st.config).gate
