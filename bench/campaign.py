@@ -264,16 +264,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-ms", type=float, default=5.0)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--liveness-timeout", type=float, default=3.0)
+    p.add_argument("--liveness-timeout", type=float, default=5.0)
     p.add_argument("--form-timeout", type=float, default=60.0)
     p.add_argument("--early", type=float, default=0.3, help="share of faults struck in the first seconds")
     p.add_argument("--early-window", type=float, default=4.0, help="an early fault strikes in [0, this] s")
     p.add_argument("--max-strike-samples", type=int, default=700)
-    p.add_argument("--agent-arg", dest="agent_args", action="append", default=[],
-                   help="extra argument for the agent (repeat), e.g. --agent-arg=--max-restarts=2")
+    p.add_argument("--agent-arg", dest="agent_args", action="append", default=None,
+                   help="argument for the agent (repeat; default --max-restarts=2: a rank that dies before "
+                   "the world forms is started again and joins)")
     p.add_argument("--deadline", type=float, default=240.0, help="a run still going after this is a hang")
     args = p.parse_args(argv)
     args.kinds = [k for k in args.kinds.split(",") if k]
+    if args.agent_args is None:
+        args.agent_args = ["--max-restarts=2"]
     bad = [k for k in args.kinds if k not in KINDS]
     if bad:
         p.error(f"unknown kinds {bad}; choose from {KINDS}")
