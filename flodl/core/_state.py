@@ -313,6 +313,8 @@ class CoordinatorState:
     now: float = 0.0  # the latest event time seen
     next_command_id: int = 1
     ignored: dict[str, int] = field(default_factory=dict)  # benign drops, by cause
+    # rule -> the last reason the step's fixed point gave for it (``/status``: why not yet)
+    reasons: dict[str, str] = field(default_factory=dict)
 
     # -- queries ---------------------------------------------------------------------
 

@@ -206,7 +206,7 @@ def _settle(st: CoordinatorState, out: list[Command]) -> None:
             _on_stall(st, out)
             continue
         fire, why = gate(st)
-        st.rounds.gate_reason = why
+        st.rounds.gate_reason = st.reasons["open_round"] = why
         if fire:
             _averaging.trigger(st, out, dispatcher)
             continue
