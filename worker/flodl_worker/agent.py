@@ -281,10 +281,27 @@ class Agent:
             out.write(b"".join(b"[%s] %s\n" % (child.name.encode(), line) for line in lines))
             out.flush()
 
+    def _first_relay(self) -> str:
+        """Start the relay; one that dies before it is ready is tried again like a relay
+        that dies later (RELAY_RESTART_DELAYS_S), then the agent gives up (exit 1)."""
+        for delay in (*RELAY_RESTART_DELAYS_S, None):
+            try:
+                return self._start_relay()
+            except RuntimeError as e:
+                if self.relay is not None and self.relay.proc.poll() is None:
+                    _signal(self.relay.proc, signal.SIGKILL)  # one that never said READY in time
+                    self.relay.proc.wait()
+                if delay is None or self.stop_reason is not None:
+                    raise
+                log.error("%s: starting it again in %gs", e, delay)
+                time.sleep(delay)  # nothing else runs yet: no ranks, no coordinator traffic
+        raise AssertionError("unreachable")
+
     def _start_relay(self) -> str:
         bind = self.relay_endpoint or self.cfg.relay_bind  # a restart binds what the ranks dial
         if bind is None:
-            self.tmpdir = tempfile.mkdtemp(prefix="flodl-")  # 0700: only this user can dial it
+            if self.tmpdir is None:  # (a relay started again binds the same path)
+                self.tmpdir = tempfile.mkdtemp(prefix="flodl-")  # 0700: only this user can dial it
             bind = f"ipc://{self.tmpdir}/relay.sock"
         argv = [sys.executable, "-m", "flodl_worker", "relay", "--coordinator", self.cfg.coordinator,
                 "--bind", bind, "--host", self.cfg.host_name, "--identity", self.relay_identity,
@@ -525,7 +542,7 @@ class Agent:
         cfg = self.cfg
         self._install_signals()
         try:
-            connect = cfg.coordinator if cfg.no_relay else self._start_relay()
+            connect = cfg.coordinator if cfg.no_relay else self._first_relay()
             self.relay_endpoint = None if cfg.no_relay else connect
             if self.stop_reason is not None:
                 log.info("stopped (%s) before any rank started", self.stop_reason)

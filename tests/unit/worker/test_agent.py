@@ -145,3 +145,31 @@ def test_cli_help_names_every_flag(capsys):
     for flag in ("--coordinator", "--ranks", "--rank-offset", "--world-size", "--session", "--host", "--slowdown",
                  "--base-ms", "--trace-dir", "--relay-bind", "--no-relay", "--term-timeout", "-- COMMAND"):
         assert flag in out, flag
+
+
+def test_a_relay_that_dies_before_it_is_ready_is_started_again(monkeypatch):
+    # (a kill -9 of the relay in its first second used to end the agent: no ranks, and a
+    # world that never formed)
+    from flodl_worker import agent as agent_mod
+
+    a = agent_mod.Agent(agent_mod.AgentConfig(coordinator="tcp://127.0.0.1:1", ranks=1, command=("true",)))
+    tries = []
+
+    def start():
+        tries.append(1)
+        if len(tries) < 3:
+            raise RuntimeError("relay did not report RELAY_READY (exit code -9)")
+        return "ipc:///tmp/x"
+
+    monkeypatch.setattr(a, "_start_relay", start)
+    monkeypatch.setattr(agent_mod.time, "sleep", lambda s: None)
+    try:
+        assert a._first_relay() == "ipc:///tmp/x" and len(tries) == 3
+        tries.clear()
+        monkeypatch.setattr(a, "_start_relay", lambda: (tries.append(1), (_ for _ in ()).throw(RuntimeError("dead")))[1])
+        with pytest.raises(RuntimeError, match="dead"):
+            a._first_relay()
+        assert len(tries) == len(agent_mod.RELAY_RESTART_DELAYS_S) + 1  # then it gives up
+    finally:
+        a.sock.close(0)
+        a.ctx.term()
