@@ -37,14 +37,15 @@ discarded in the coverage ledger (not committed) and the dispatcher's ``give_bac
 their positions out again (Sync: ``ExtendPartition``; Cadence/Async: back into the pool).
 The rank stays ACTIVE and keeps getting work.
 
-Finish (``poll``, §5.4-5.5): once every participant still ACTIVE has acked (lost ranks
+Finish (``finish_due``/``finish``, §5.4-5.5): once every participant still ACTIVE has acked (lost ranks
 are excused -- the reducer was told by ``ForgetRank``), ``version += 1``,
 ``global_step += window``; the dispatcher's ``on_round_finished`` runs the policy's
 feedback and returns each rank's folded next chunk; ``Update{version, cycle,
-next_plan?}`` to each surviving participant, then ``SetGlobalStep``, then a
-checkpoint deferred to this round (``_checkpointing.on_round_finished``), then the
-dispatcher's ``after_round`` (wake idle ranks). A round pending longer than ``reduce_stall_s`` is a stall:
-``poll`` reports it and ``_run`` ends the run with ``ShutdownWithSave(REDUCE_STALL)``.
+next_plan?}`` to each surviving participant, then ``SetGlobalStep``; the step
+then elects roles, makes a checkpoint deferred to this round
+(``_checkpointing.on_round_finished``), and calls the dispatcher's ``after_round`` (wake
+idle ranks). A round pending longer than ``reduce_stall_s`` is a stall (``stall_due``):
+the step ends the run with ``ShutdownWithSave(REDUCE_STALL)``.
 
 Steps are never "reset": the unfolded count is ``last_step - folded_step`` per rank,
 so a batch that lands between a snapshot and its finish is simply folded next time.
@@ -58,7 +59,7 @@ from typing import Any, Callable, Optional
 
 from flodl.wire import pb
 
-from . import _checkpointing, _coverage
+from . import _coverage
 from ._commands import Command, Notice, OpenRound
 from ._dispatch import SYNC, Dispatcher
 from ._errors import LocalViolation
@@ -78,7 +79,11 @@ __all__ = [
     "trigger",
     "on_ack",
     "on_refused",
-    "poll",
+    "finish_due",
+    "finish",
+    "stall_due",
+    "stall",
+    "abandon",
     "waiting_for",
 ]
 
@@ -192,21 +197,45 @@ def waiting_for(st: CoordinatorState) -> list[int]:
     return [r for r in rs.ranks if st.ranks[r].phase is ACTIVE and r not in rs.acked]
 
 
-def poll(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> Optional[str]:
-    """Finish or stall the open round: returns "finished", "stalled" or None."""
+def finish_due(st: CoordinatorState) -> tuple[bool, str]:
+    """Every participant still ACTIVE has acked the open round (the ``finish_round`` rule)."""
+    rs = st.rounds
+    if rs.phase is not PENDING:
+        return False, "no round pending"
+    waiting = waiting_for(st)
+    if waiting:
+        return False, f"round {rs.cycle} waits for {waiting}"
+    return True, f"round {rs.cycle} acked"
+
+
+def stall_due(st: CoordinatorState) -> tuple[bool, str]:
+    """The open round, still waiting, has been pending longer than ``reduce_stall_s``."""
+    rs = st.rounds
+    if rs.phase is not PENDING or not waiting_for(st):
+        return False, "no round waiting"
+    if st.now - rs.opened_at > st.config.reduce_stall_s:
+        return True, f"reduce stall: round {rs.cycle} pending > {st.config.reduce_stall_s:g}s"
+    return False, f"round {rs.cycle} pending {st.now - rs.opened_at:g}s"
+
+
+def stall(st: CoordinatorState) -> None:
+    """The round stalled: it closes (the step then ends the run)."""
+    _transition(st.rounds, "stall")
+
+
+def abandon(st: CoordinatorState) -> Optional[int]:
+    """The coordinator restarted: an open round is abandoned; returns its cycle (or None)."""
     rs = st.rounds
     if rs.phase is not PENDING:
         return None
-    if not waiting_for(st):
-        _finish(st, out, dispatcher)
-        return "finished"
-    if st.now - rs.opened_at > st.config.reduce_stall_s:
-        _transition(rs, "stall")
-        return "stalled"
-    return None
+    _transition(rs, "abandon")
+    return rs.cycle
 
 
-def _finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> None:
+def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> None:
+    """Close the acked round: ``Update`` then ``SetGlobalStep`` to each surviving
+    participant. The step then elects roles, makes a deferred checkpoint, and calls the
+    dispatcher's ``after_round``, in that order."""
     rs = st.rounds
     _transition(rs, "finish")
     rs.open_s += max(0.0, st.now - rs.opened_at)
@@ -221,5 +250,3 @@ def _finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) ->
         st.send(out, r, update=upd)
     for r in alive:
         st.send(out, r, set_global_step=pb.Control.SetGlobalStep(global_step=rs.global_step))
-    _checkpointing.on_round_finished(st, out)  # a save deferred to this round's consensus
-    dispatcher.after_round(st, out)

@@ -29,7 +29,7 @@ members agree on which group a cycle's all-reduce belongs to without the cycle n
 it, and an all-reduce pending in an older generation is abandoned the moment a newer one
 is announced -- no waiting for a timeout when a peer is known to be gone.
 
-When the group is re-formed (``settle``, a rule of the step's fixed point, before the
+When the group is re-formed (``due``/``announce``: the ``reform_group`` rule of the step's fixed point, before the
 averaging gate so the announcement precedes any ``RequestParams``), during TRAINING:
 
 * the world formed (generation 0 -> 1);
@@ -48,7 +48,7 @@ averaging gate so the announcement precedes any ``RequestParams``), during TRAIN
 
 A ``StoreReady`` counts only for the current generation, from its store host, before the
 address is known, while every member is still ACTIVE (else a re-formation is due and
-``settle`` makes it); anything else is stale and ignored (counted). A
+``announce`` makes it); anything else is stale and ignored (counted). A
 ``CollectiveFailed`` of an older generation is stale too: that group is already gone.
 
 A store host that dies before answering is just a death: the next generation has
@@ -75,7 +75,6 @@ from typing import Any, Optional
 
 from flodl.wire import pb
 
-from . import _run
 from ._commands import Command, Notice
 from ._events import CollectiveFailed, StoreReady
 from ._phases import ACTIVE, TRAINING
@@ -85,7 +84,8 @@ __all__ = [
     "CollectiveState",
     "STORE_PREFIX",
     "setup",
-    "settle",
+    "due",
+    "announce",
     "on_store_ready",
     "on_failed",
     "on_restarted",
@@ -109,6 +109,7 @@ class CollectiveState:
     ready_at: Optional[float] = None  # when its store address went out
     reform_reason: str = ""  # a re-formation is due for this reason (set by a failure)
     host_failed: bool = False  # ... and the store host is to blame (it joins ``tried``)
+    exhausted: str = ""  # every member tried without a group forming: why (the step's ``fail`` rule ends the run)
     reforms: int = 0  # generations after the first
     failures: int = 0  # CollectiveFailed reports that caused a re-formation
     rendezvous_s: float = 0.0  # summed announce -> store address time
@@ -153,17 +154,30 @@ def _due(st: CoordinatorState, cs: CollectiveState, alive: tuple[int, ...]) -> t
     return "", False
 
 
-def settle(st: CoordinatorState, out: list[Command]) -> bool:
-    """Announce a new generation if one is due; True if it made a move."""
+def due(st: CoordinatorState) -> tuple[bool, str]:
+    """Whether a new generation is due now, and why (the step's ``reform_group`` rule)."""
     cs = st.collective
-    if cs is None or st.run.phase is not TRAINING:
-        return False
+    if cs is None:
+        return False, "bus plane"
+    if st.run.phase is not TRAINING:
+        return False, f"run is {st.run.phase!r}"
+    if cs.exhausted:
+        return False, "exhausted"
     alive = tuple(st.alive_ranks())
     if not alive:
-        return False  # ``_run.check_lost`` ends the run
+        return False, "no active rank"  # the step's ``fail`` rule ends the run
+    why, _ = _due(st, cs, alive)
+    return (True, why) if why else (False, f"generation {cs.generation} stands")
+
+
+def announce(st: CoordinatorState, out: list[Command]) -> None:
+    """Announce the generation that ``due`` says is due. With no member left to try as
+    the store host, ``cs.exhausted`` says why instead (the step's ``fail`` rule ends the
+    run, loudly, rather than training on without ever averaging)."""
+    cs = st.collective
+    assert cs is not None
+    alive = tuple(st.alive_ranks())
     why, blame_host = _due(st, cs, alive)
-    if not why:
-        return False
     if blame_host:
         cs.tried += (cs.store_host,)
     else:
@@ -171,10 +185,9 @@ def settle(st: CoordinatorState, out: list[Command]) -> bool:
     cs.reform_reason, cs.host_failed = "", False
     candidates = [r for r in alive if r not in cs.tried]
     if not candidates:
-        reason = f"collective rendezvous exhausted: no store host among {list(alive)} formed a group (last: {why})"
+        cs.exhausted = f"collective rendezvous exhausted: no store host among {list(alive)} formed a group (last: {why})"
         out.append(Notice("collective_exhausted", {"generation": cs.generation, "tried": list(cs.tried)}))
-        _run.fail(st, out, reason, pb.SAVE_REASON_REDUCE_STALL)
-        return True
+        return
     host = candidates[0]
     if cs.generation > 0:
         cs.reforms += 1
@@ -191,7 +204,6 @@ def settle(st: CoordinatorState, out: list[Command]) -> bool:
         )
     )
     _rendezvous(st, cs, out)
-    return True
 
 
 def on_store_ready(st: CoordinatorState, ev: StoreReady, out: list[Command]) -> None:
@@ -219,7 +231,7 @@ def on_store_ready(st: CoordinatorState, ev: StoreReady, out: list[Command]) -> 
 
 
 def on_failed(st: CoordinatorState, ev: CollectiveFailed, out: list[Command]) -> None:
-    """A member's group of ``ev.generation`` broke: re-form (``settle``). A failure to
+    """A member's group of ``ev.generation`` broke: re-form (``announce``). A failure to
     form (cycle 0) blames the store host: the next generation tries another."""
     cs = st.collective
     if cs is None:
@@ -245,7 +257,7 @@ def on_failed(st: CoordinatorState, ev: CollectiveFailed, out: list[Command]) ->
 
 def on_restarted(st: CoordinatorState) -> None:
     """``CoordinatorRestarted``: the group of the current generation is re-formed (among
-    the alive ranks, by the next ``settle``) -- see the module doc. Nothing to do before
+    the alive ranks, by the next ``announce``) -- see the module doc. Nothing to do before
     the world formed; a re-formation already due keeps its reason (and its blame)."""
     cs = st.collective
     if cs is None or cs.generation == 0 or cs.reform_reason:

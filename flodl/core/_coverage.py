@@ -36,6 +36,7 @@ from ._state import CoverageState, EpochCoverage
 __all__ = [
     "open_epoch",
     "record_batch",
+    "keep_step_order",
     "commit",
     "discard",
     "discard_upto",
@@ -74,6 +75,14 @@ def record_batch(
         _mark(ec, offset, samples)
         return
     cov.pending.setdefault(rank, []).append((epoch, offset, samples, step))
+
+
+def keep_step_order(cov: CoverageState, rank: int) -> None:
+    """A batch older than the rank's latest was recorded late (``_resync``): the pending
+    list keeps step order."""
+    pending = cov.pending.get(rank)
+    if pending:
+        pending.sort(key=lambda it: it[3])
 
 
 def commit(cov: CoverageState, rank: int, step: int) -> int:

@@ -41,14 +41,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import _roles
 from ._commands import Command, Notice
 from ._guards import DivergenceReport, NudgeDown, Verdict
 from ._phases import ACTIVE
 from ._state import CadenceState, CoordinatorState
 from ._window import WindowReport, delivered_capable
 
-__all__ = ["finish_window", "overhead_estimate", "summary"]
+__all__ = ["finish_window", "calibrated", "overhead_estimate", "summary"]
 
 POLICY = "cadence"
 
@@ -85,9 +84,7 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
         delivered_capable=delivered_capable(POLICY, st.config.plane),
         sync_ms=cad.last_sync_ms,
     )
-    calibration = el.report_window(report)
-    if el.calibrated:
-        _roles.on_calibration(st)  # once: the Fastest roles go to the fastest rank
+    calibration = el.report_window(report)  # once calibrated, the step elects the Fastest roles
     overhead = overhead_estimate(before, el.slow_ms(), el.anchor_rank, report)
     window = [rs.window.get(r, 0) for r in range(ws)]
     evidence = DivergenceReport(deltas=tuple(rs.divergence.get(r, 0.0) for r in range(ws)))
@@ -128,6 +125,12 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
             },
         )
     )
+
+
+def calibrated(st: CoordinatorState) -> bool:
+    """ElChe has calibrated (Cadence/Async): the Fastest roles may be elected (the step's
+    ``finish_round``, after the round's ``Update`` and ``SetGlobalStep``)."""
+    return st.cadence is not None and st.cadence.elche.calibrated
 
 
 def summary(cad: CadenceState) -> dict[str, Any]:

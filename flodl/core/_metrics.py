@@ -32,14 +32,14 @@ from typing import Any
 
 from flodl.wire import pb
 
-from . import _checkpointing, _coverage, _run
+from . import _coverage
 from ._commands import Command, Notice
 from ._errors import RankViolation
 from ._events import ChunkDone
 from ._phases import ACTIVE
 from ._state import CoordinatorState
 
-__all__ = ["check_chunk", "on_chunk", "aggregate", "to_pb", "is_ready", "aggregate_ready"]
+__all__ = ["check_chunk", "on_chunk", "aggregate", "to_pb", "is_ready", "next_ready", "aggregate_next"]
 
 
 def check_chunk(st: CoordinatorState, ev: ChunkDone) -> None:
@@ -142,12 +142,23 @@ def is_ready(st: CoordinatorState, epoch: int) -> bool:
     return True
 
 
-def aggregate_ready(st: CoordinatorState, out: list[Command]) -> bool:
-    """Aggregate the next epoch if it is ready; True if it did."""
+def _next_epoch(st: CoordinatorState) -> int:
     last = st.metrics.last_aggregated
-    epoch = 0 if last is None else last + 1
-    if not is_ready(st, epoch):
-        return False
+    return 0 if last is None else last + 1
+
+
+def next_ready(st: CoordinatorState) -> tuple[bool, str]:
+    """Whether the next epoch can be aggregated, and why (the step's ``aggregate`` rule)."""
+    epoch = _next_epoch(st)
+    if is_ready(st, epoch):
+        return True, f"epoch {epoch} complete"
+    return False, f"epoch {epoch} not complete"
+
+
+def aggregate_next(st: CoordinatorState, out: list[Command]) -> int:
+    """Aggregate the next epoch (``next_ready`` said it is ready); returns it. The step
+    then asks for its checkpoint and serves an eval intent (before the next dispatch)."""
+    epoch = _next_epoch(st)
     m = aggregate(epoch, st.metrics.chunks.pop(epoch, {}), st.config.world_size)
     metrics = to_pb(m)
     for r in st.alive_ranks():
@@ -170,6 +181,4 @@ def aggregate_ready(st: CoordinatorState, out: list[Command]) -> bool:
             },
         )
     )
-    _checkpointing.on_epoch_aggregated(st, epoch, out)  # before the next epoch's dispatch
-    _run.serve_eval_intent(st, epoch, out)
-    return True
+    return epoch

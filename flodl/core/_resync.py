@@ -20,7 +20,7 @@ the gap; both are journaled and pure, so a journal holding a restart replays too
   the rest of the window is folded by the next round, which the gate opens normally;
 * the beacon timer is reset, so every rank hears the new incarnation at the next tick;
 * collective plane: the process group is re-formed as a new generation among the alive
-  ranks (``_collective.on_restarted``; the step's ``settle`` announces it before any
+  ranks (``_collective.on_restarted``; the step's ``reform_group`` rule announces it before any
   ``RequestParams``), so no all-reduce pending in the old group is ever paired with a
   new round's;
 * every ACTIVE rank is *awaiting* resync; a JOINING rank gets its ``hello_ack`` again
@@ -67,22 +67,26 @@ other), so ``last_command_id`` splits the commands cleanly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Iterator, Optional
 
 from flodl.wire import pb
 
-from . import _averaging, _collective, _coverage, _dispatch, _membership, _metrics
-from ._dispatch import Dispatcher
+from . import _coverage
 from ._commands import FINAL_SCHEDULE_ID, Command, Notice, Reply, Send
-from ._errors import RankViolation
 from ._events import BatchDone, ChunkDone, CoordinatorRestarted, RankResynced
-from . import _run
-from ._phases import ACTIVE, FINAL_EVAL, JOINING, PENDING, SHUTTING_DOWN, STOPPING, TRAINING
+from ._phases import ACTIVE, FINAL_EVAL, JOINING, PENDING, SHUTTING_DOWN, STOPPING
 from ._state import CoordinatorState
 
 __all__ = [
-    "on_restarted",
-    "on_resynced",
+    "begin_restart",
+    "await_reports",
+    "awaited",
+    "journal_behind",
+    "fold_swallowed_ack",
+    "unknown_batches",
+    "resend_lost",
+    "unknown_chunks",
+    "conclude",
     "note_sent",
     "lost_positions",
     "summary",
@@ -143,29 +147,33 @@ def lost_positions(st: CoordinatorState, ev: RankResynced) -> list[tuple[int, in
 
 
 # -- CoordinatorRestarted ------------------------------------------------------------------
+# The step composes the restart: ``begin_restart``, a liveness grace for every addressable
+# rank (``_membership.touch``), the open round abandoned (``_averaging.abandon``), the
+# collective group due for re-formation (``_collective.on_restarted``), then
+# ``await_reports``.
 
 
-def on_restarted(st: CoordinatorState, ev: CoordinatorRestarted, out: list[Command]) -> None:
+def begin_restart(st: CoordinatorState) -> None:
     rs = st.resync
     rs.restarts += 1
     rs.journal_end = st.next_command_id - 1  # every command the replayed journal issued
-    for r in st.addressable_ranks():
-        _membership.touch(st, r, ev.now)
-    abandoned = None
-    rounds = st.rounds
-    if rounds.phase is PENDING:
-        abandoned = rounds.cycle
-        _averaging._transition(rounds, "abandon")
-        if st.cadence is not None:
-            st.cadence.barrier_at = None
+
+
+def await_reports(
+    st: CoordinatorState, ev: CoordinatorRestarted, out: list[Command], abandoned: Optional[int],
+    spec: Optional[pb.RunSpec],
+) -> None:
+    """Every ACTIVE rank is awaiting resync; a JOINING rank gets its ``hello_ack`` again
+    (``spec``: the run spec, given when some slot is JOINING)."""
+    rs = st.resync
+    if abandoned is not None and st.cadence is not None:
+        st.cadence.barrier_at = None
     st.last_beacon = None
-    _collective.on_restarted(st)
     alive = st.alive_ranks()
     rs.awaiting = {r: ev.now for r in alive}
     rs.sent = {}
     for rec in st.ranks:
         if rec.phase is JOINING:
-            spec = _membership.run_spec(st, st.cohort_len or 0)
             out.append(Reply(rec.route, pb.HelloAck(accepted=True, run=spec)))
     row = {
         "restart": rs.restarts,
@@ -184,70 +192,68 @@ def on_restarted(st: CoordinatorState, ev: CoordinatorRestarted, out: list[Comma
 
 
 # -- RankResynced --------------------------------------------------------------------------
+# The step composes the numbered phases of the module doc: ``awaited``, ``journal_behind``
+# (0), ``fold_swallowed_ack`` (1), ``lost_positions`` (2, before ingesting),
+# ``unknown_batches`` (3, each ingested through the ``BatchDone`` path), ``resend_lost``
+# (2), ``unknown_chunks`` (4, each through the ``ChunkDone`` path), ``conclude`` (5, 6).
 
 
 def _sent_after(st: CoordinatorState, ev: RankResynced, kinds: tuple[str, ...]) -> bool:
     return any(cid > ev.last_command_id and k in kinds for cid, k, *_ in st.resync.sent.get(ev.rank, ()))
 
 
-def on_resynced(
-    st: CoordinatorState,
-    ev: RankResynced,
-    out: list[Command],
-    ingest: Callable[[CoordinatorState, BatchDone, list[Command]], None],
-    dispatcher: Dispatcher,
-) -> None:
-    """Reconcile the core with a rank's report (see the module doc). ``ingest`` is the
-    step's ``BatchDone`` handler."""
-    rank, rs = ev.rank, st.resync
-    rec = st.ranks[rank]
-    if rec.phase is not ACTIVE or rank not in rs.awaiting:
+def awaited(st: CoordinatorState, ev: RankResynced) -> bool:
+    """The report is awaited (else counted, ignored)."""
+    if st.ranks[ev.rank].phase is not ACTIVE or ev.rank not in st.resync.awaiting:
         st.count_ignored("Resync not awaited")
-        return
-    if rs.journal_end is not None and ev.last_command_id > rs.journal_end:
-        # 0. The rank heard commands this journal never issued: it lost its tail (a host
-        # crash before the data reached the disk). Its state is older than what the ranks
-        # acted on -- whatever it decides now could train samples twice or skip some.
-        # Nothing is reconciled: the run fails, naming it.
-        reason = (
-            f"rank {rank} reports command {ev.last_command_id} but the journal ends at command "
-            f"{rs.journal_end}: the journal lost its tail (was it on a disk without fsync?)"
-        )
-        out.append(Notice("journal_behind", {"rank": rank, "last_command_id": ev.last_command_id,
-                                             "journal_end": rs.journal_end}))  # fmt: skip
-        if st.run.phase in (TRAINING, FINAL_EVAL):
-            _run.fail(st, out, reason, pb.SAVE_REASON_GRACEFUL_SHUTDOWN)
-        return
-    # 1. An ack the crash swallowed.
+        return False
+    return True
+
+
+def journal_behind(st: CoordinatorState, ev: RankResynced, out: list[Command]) -> str:
+    """0. The rank heard commands this journal never issued: it lost its tail (a host
+    crash before the data reached the disk). Its state is older than what the ranks acted
+    on -- whatever it decides now could train samples twice or skip some. Nothing is
+    reconciled: returns why the run fails ("" when the journal is not behind)."""
+    rs = st.resync
+    if rs.journal_end is None or ev.last_command_id <= rs.journal_end:
+        return ""
+    out.append(Notice("journal_behind", {"rank": ev.rank, "last_command_id": ev.last_command_id,
+                                         "journal_end": rs.journal_end}))  # fmt: skip
+    return (
+        f"rank {ev.rank} reports command {ev.last_command_id} but the journal ends at command "
+        f"{rs.journal_end}: the journal lost its tail (was it on a disk without fsync?)"
+    )
+
+
+def fold_swallowed_ack(st: CoordinatorState, ev: RankResynced) -> None:
+    """1. An ack the crash swallowed."""
+    rec = st.ranks[ev.rank]
     if ev.folded_step > rec.folded_step:
         rec.folded_step = ev.folded_step
-        _coverage.commit(st.coverage, rank, ev.folded_step)
-    # 2. What was lost with a plan frame (before ingesting: see the module doc).
-    lost = lost_positions(st, ev)
-    # 3. Batch reports the core never got. A prefix of the outage's frames died with the
-    # old process while the rest was delivered after the reconnect, so an unknown batch
-    # may precede known ones: "known" is a step the core holds pending or has folded.
-    recovered = 0
+        _coverage.commit(st.coverage, ev.rank, ev.folded_step)
+
+
+def unknown_batches(st: CoordinatorState, ev: RankResynced) -> Iterator[BatchDone]:
+    """3. Batch reports the core never got, in step order. A prefix of the outage's frames
+    died with the old process while the rest was delivered after the reconnect, so an
+    unknown batch may precede known ones: "known" is a step the core holds pending or has
+    folded. (A generator: each is ingested before the next is looked at.)"""
+    rank, rec = ev.rank, st.ranks[ev.rank]
     known = {s for _e, _o, _n, s in st.coverage.pending.get(rank, ())}
     for b in sorted(ev.batches, key=lambda b: b[0]):
         step_count, epoch, offset, samples, batch_ms, data_ms, loss, lr = b
         if step_count <= rec.folded_step or step_count in known:
             continue
         known.add(step_count)
-        bev = BatchDone(
+        yield BatchDone(
             now=ev.now, rank=rank, batch_ms=batch_ms, data_ms=data_ms, step_count=int(step_count),
             loss=loss, samples=int(samples), epoch=int(epoch), offset=int(offset), lr=lr,
         )  # fmt: skip
-        try:
-            _dispatch.check_batch(st, bev)
-        except RankViolation:
-            st.count_ignored("Resync batch outside the rank's assignment")
-            continue
-        if bev.step_count > rec.last_step:
-            ingest(st, bev, out)
-        else:
-            _ingest_gap(st, bev, out, dispatcher)
-        recovered += 1
+
+
+def resend_lost(st: CoordinatorState, rank: int, lost: list[tuple[int, int, int]], out: list[Command]) -> int:
+    """2. What was lost with a plan frame goes again, as ``ExtendPartition``; returns the samples."""
     resent = 0
     for epoch, off, n in lost:
         if st.ranks[rank].phase is not ACTIVE:
@@ -255,8 +261,12 @@ def on_resynced(
         ext = pb.Control.ExtendPartition(epoch=epoch, partition_offset=off, partition_size=n)
         st.send(out, rank, extend_partition=ext)
         resent += n
-    # 4. Metrics the core never got.
-    chunks = 0
+    return resent
+
+
+def unknown_chunks(st: CoordinatorState, ev: RankResynced) -> Iterator[ChunkDone]:
+    """4. Metrics the core never got (a generator: each is ingested before the next)."""
+    rank = ev.rank
     for c in ev.chunks:
         epoch, seq = int(c[0]), int(c[1])
         last = st.metrics.last_aggregated
@@ -265,27 +275,25 @@ def on_resynced(
         known = st.metrics.chunks.get(epoch, {}).get(rank, ())
         if any(k.chunk_seq == seq for k in known):
             continue
-        cev = ChunkDone(
+        yield ChunkDone(
             now=ev.now, rank=rank, epoch=epoch, chunk_seq=seq, batches=int(c[2]), samples=int(c[3]),
             avg_loss=c[4], epoch_ms=c[5], share_complete_ms=c[6], compute_only_ms=c[7], data_starve_ms=c[8],
         )  # fmt: skip
-        try:
-            _metrics.check_chunk(st, cev)
-        except RankViolation:
-            st.count_ignored("Resync chunk of an epoch never dispatched")
-            continue
-        _metrics.on_chunk(st, cev)
-        chunks += 1
+
+
+def conclude(st: CoordinatorState, ev: RankResynced, out: list[Command], recovered: int, chunks: int,
+             resent: int) -> None:  # fmt: skip
+    """5. A throttle nothing will lift any more; 6. an eval or a shutdown it should have
+    had; then the rank is resynced (its row of the restart log, a notice)."""
+    rank, rs = ev.rank, st.resync
     released = False
     if st.ranks[rank].phase is ACTIVE:
-        # 5. A throttle nothing will lift any more.
         rounds = st.rounds
         if ev.throttled and not (rounds.phase is PENDING and rank in rounds.ranks):
             st.send(out, rank, update=pb.Control.Update(version=rounds.version, cycle=rounds.cycle))
             if st.cadence is not None:
                 st.cadence.throttled.discard(rank)
             released = True
-        # 6. An eval or a shutdown it should have had.
         _resend_owed(st, ev, out)
     del rs.awaiting[rank]
     rs.sent.pop(rank, None)
@@ -310,20 +318,6 @@ def on_resynced(
             },
         )
     )
-
-
-def _ingest_gap(st: CoordinatorState, ev: BatchDone, out: list[Command], dispatcher: Dispatcher) -> None:
-    """``_step._on_batch`` for a batch older than the rank's latest known step (its frame
-    was lost, later ones were not): the same ledgers, but ``last_step`` stays."""
-    rec = st.ranks[ev.rank]
-    rec.batches += 1
-    rec.samples += ev.samples
-    _dispatch.record_batch(st, ev)
-    _coverage.record_batch(st.coverage, ev.rank, ev.epoch, ev.offset, ev.samples, ev.step_count, rec.folded_step)
-    pending = st.coverage.pending.get(ev.rank)
-    if pending:
-        pending.sort(key=lambda it: it[3])  # the ledger keeps step order
-    dispatcher.on_batch(st, ev, out)
 
 
 def _resend_owed(st: CoordinatorState, ev: RankResynced, out: list[Command]) -> None:

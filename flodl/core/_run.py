@@ -11,17 +11,18 @@ The run's phase moves by this table (``_phases.RUN``)::
     TRAINING/FINAL_EVAL --fail--> FINISHED    (all ranks lost, reduce stall)
     FORMING --fail--> FINISHED                (form_timeout_s passed)
 
-``advance`` is one rule of the step's fixed point; each call makes at most one move
-and says whether it did:
+``next_move`` is the ``due`` of the step's ``advance`` rule: it names the run's next
+move, if one is due (the step makes it: ``advance`` for the run's own moves; forming,
+a failed formation and a dispatch it composes with ``_membership`` and the dispatcher):
 
 * FORMING: when every slot is JOINING the world forms (all ACTIVE). When
   ``form_timeout_s`` (> 0) has passed since the run's first event, the run fails
   instead, naming each missing slot and why (``formation_report``: its last refusal,
   how it was lost, or "never said hello"); the admitted ranks get ``Shutdown``.
 * TRAINING, no round pending: dispatch the next epoch once the previous one has
-  aggregated (epoch 0 right after forming). After the last epoch: if an ACTIVE rank
-  still has unfolded steps, open a final round first (even with one rank left, so the
-  tail is committed); then, if ``final_eval``, send ``ExecuteEval{schedule_id=2**64-1,
+  aggregated (epoch 0 right after forming). After the last epoch: while an ACTIVE rank
+  still has unfolded steps (``tail_due``), nothing: the step's ``open_round`` rule opens a
+  final round first (even with one rank left, so the tail is committed); then, if ``final_eval``, send ``ExecuteEval{schedule_id=2**64-1,
   epoch=num_epochs, final=True}`` to the eval role (``st.roles.eval_role``; the lowest
   alive rank if it is gone) only; else ``Shutdown`` to every ACTIVE rank.
 * FINAL_EVAL: an error answer, or the target's death (``on_rank_gone``), resends the
@@ -29,17 +30,19 @@ and says whether it did:
   (``Notice("final_eval_retry")``). Once the target answered (an error with nobody left
   to try skips the accuracy) or is gone with nobody left, ``Shutdown`` to every ACTIVE
   rank.
-* SHUTTING_DOWN: once no rank is addressable, ``RunFinished(ok=True, "completed")``.
+* SHUTTING_DOWN: once no rank is addressable, FINISHED (ok, "completed").
 * STOPPING: once no rank is addressable, or ``liveness_timeout_s`` after the stop,
-  ``RunFinished(ok=False, "stopped: ...")``.
+  FINISHED (not ok, "stopped: ...").
 
-``check_lost``: in TRAINING or FINAL_EVAL, once the DEAD ranks reach ``max_failure``
+The step emits ``RunFinished`` (with the summary) whenever the phase becomes FINISHED.
+
+``failure`` (a row of the step's ``FAILURES``): in TRAINING or FINAL_EVAL, once the DEAD ranks reach ``max_failure``
 (``_max_failure``; checked first) the run fails with ``ShutdownWithSave(
 MAX_FAILURE_EXCEEDED)`` to the survivors; with no ACTIVE rank left, with
 ``ShutdownWithSave(ALL_RANKS_LOST)`` (to whoever is still addressable: nobody). Both end
-in ``RunFinished(ok=False)``. ``fail`` is also how a reduce stall ends the run. With
-``checkpoint_on_failure``, ``fail`` and ``on_stop`` first ask the role rank to save what
-it holds (``_checkpointing.on_failure``).
+FINISHED, not ok. ``fail`` is also how a reduce stall ends the run. With
+``checkpoint_on_failure``, the step first asks the role rank to save what it holds
+(``_checkpointing.on_failure``), before ``fail`` and before ``on_stop``.
 
 Intents (``on_intent``) set flags served at the next aggregation: a checkpoint intent
 by ``_checkpointing``, an eval intent by ``serve_eval_intent`` (a non-final
@@ -54,9 +57,8 @@ from typing import Any, Optional
 
 from flodl.wire import pb
 
-from . import _averaging, _checkpointing, _coverage, _feedback, _membership, _roles
-from ._commands import FINAL_SCHEDULE_ID, Command, Notice, RunFinished
-from ._dispatch import Dispatcher
+from . import _coverage, _feedback, _roles
+from ._commands import FINAL_SCHEDULE_ID, Command, Notice
 from ._max_failure import max_failure_limit
 from ._events import EvalDone, IntentRaised, StopRequested
 from ._phases import (
@@ -76,9 +78,17 @@ from ._phases import (
 from ._state import CoordinatorState, FinalEval
 
 __all__ = [
+    "next_move",
     "advance",
-    "check_lost",
+    "failure",
+    "tail_due",
+    "next_epoch",
+    "form",
+    "formation_failure",
+    "shutdown_admitted",
+    "fail_formation",
     "fail",
+    "stoppable",
     "on_eval_done",
     "on_intent",
     "on_rank_gone",
@@ -91,9 +101,8 @@ def _transition(st: CoordinatorState, trigger: str) -> None:
     st.run.phase = next_phase(RUN, st.run.phase, trigger, "run")
 
 
-def _form(st: CoordinatorState, out: list[Command]) -> None:
-    for rec in st.ranks:
-        _membership.transition(rec, "form")
+def form(st: CoordinatorState, out: list[Command]) -> None:
+    """The world forms (the step has moved every slot to ACTIVE first)."""
     _transition(st, "form")
     st.run.formed_at = st.now
     hosts = [rec.host for rec in st.ranks]
@@ -117,17 +126,23 @@ def formation_report(st: CoordinatorState) -> str:
     return f"{'; '.join(missing)} (admitted: {admitted or 'none'})"
 
 
-def _fail_formation(st: CoordinatorState, out: list[Command]) -> None:
-    """``form_timeout_s`` passed with slots still empty: end the run, naming them. The
-    admitted ranks are told to leave (plain Shutdown: there is nothing to save yet)."""
-    reason = f"the world did not form within {st.config.form_timeout_s:g}s: {formation_report(st)}"
+def formation_failure(st: CoordinatorState) -> str:
+    """Why the run fails when ``form_timeout_s`` passed with slots still empty."""
+    return f"the world did not form within {st.config.form_timeout_s:g}s: {formation_report(st)}"
+
+
+def shutdown_admitted(st: CoordinatorState, out: list[Command], reason: str) -> None:
+    """The world did not form: the admitted ranks are told to leave (plain Shutdown:
+    there is nothing to save yet). The step then refuses the deferred hellos."""
     for r in st.addressable_ranks():
         st.send(out, r, shutdown=pb.Control.Shutdown(reason=reason))
-    _membership.refuse_deferred(st, reason, out)
+
+
+def fail_formation(st: CoordinatorState, out: list[Command], reason: str) -> None:
+    """End the run that did not form, naming the missing slots (``formation_failure``)."""
     out.append(Notice("formation_failed", {"detail": reason}))
     _transition(st, "fail")
     st.run.ok, st.run.reason = False, reason
-    out.append(RunFinished(False, reason, summary(st)))
 
 
 def _begin_shutdown(st: CoordinatorState, out: list[Command]) -> None:
@@ -137,63 +152,73 @@ def _begin_shutdown(st: CoordinatorState, out: list[Command]) -> None:
     out.append(Notice("shutdown", {"epochs_completed": len(st.metrics.history), "global_step": st.rounds.global_step}))
 
 
-def _finish(st: CoordinatorState, out: list[Command], ok: bool, reason: str) -> None:
+def _finish(st: CoordinatorState, ok: bool, reason: str) -> None:
+    """The run is FINISHED; the step emits ``RunFinished`` with the summary."""
     _transition(st, "finish" if st.run.phase in (SHUTTING_DOWN, STOPPING) else "fail")
     st.run.ok, st.run.reason = ok, reason
-    out.append(RunFinished(ok, reason, summary(st)))
 
 
 def fail(st: CoordinatorState, out: list[Command], reason: str, save_reason: int) -> None:
-    """End the run now: ``ShutdownWithSave`` to every addressable rank, then RunFinished.
+    """End the run now: ``ShutdownWithSave`` to every addressable rank; FINISHED.
 
-    With ``checkpoint_on_failure`` the role rank is first asked to save what it holds."""
+    The step asks for the save-on-failure first (``_checkpointing.on_failure``)."""
     name = pb.SaveReason.Name(save_reason)
-    _checkpointing.on_failure(st, out, name.lower().removeprefix("save_reason_"))
     targets = st.addressable_ranks()
     for r in targets:
         st.send(out, r, shutdown_with_save=pb.Control.ShutdownWithSave(reason=save_reason, detail=reason))
     out.append(Notice("shutdown_with_save", {"reason": name, "detail": reason, "ranks": targets}))
-    _finish(st, out, False, reason)
+    _finish(st, False, reason)
 
 
-def check_lost(st: CoordinatorState, out: list[Command]) -> bool:
-    """Fail the run when ``max_failure`` dead ranks are reached (checked first) or no
-    ACTIVE rank is left."""
+def failure(st: CoordinatorState) -> Optional[tuple[str, int]]:
+    """(reason, save reason) when ``max_failure`` dead ranks are reached (checked first)
+    or no ACTIVE rank is left, in TRAINING or FINAL_EVAL; else None."""
     if st.run.phase not in (TRAINING, FINAL_EVAL):
-        return False
+        return None
     limit = max_failure_limit(st.config.max_failure, st.config.world_size)
     dead = sum(1 for rec in st.ranks if rec.phase is DEAD)
     if limit is not None and dead > 0 and dead >= limit:
         reason = f"max_failure exceeded: {dead} dead rank(s), limit {limit} ({st.config.max_failure})"
-        fail(st, out, reason, pb.SAVE_REASON_MAX_FAILURE_EXCEEDED)
-        return True
+        return reason, pb.SAVE_REASON_MAX_FAILURE_EXCEEDED
     if st.alive_ranks():
-        return False
-    fail(st, out, "all ranks lost", pb.SAVE_REASON_ALL_RANKS_LOST)
-    return True
+        return None
+    return "all ranks lost", pb.SAVE_REASON_ALL_RANKS_LOST
 
 
-def _advance_training(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> bool:
-    if st.rounds.phase is PENDING:
-        return False
+def next_epoch(st: CoordinatorState) -> int:
     last = st.metrics.last_aggregated
-    nxt = 0 if last is None else last + 1
+    return 0 if last is None else last + 1
+
+
+def tail_due(st: CoordinatorState) -> bool:
+    """After the last epoch aggregated, an ACTIVE rank still has unfolded steps: a final
+    round must commit them before anything ends (the step's ``open_round`` rule)."""
+    if st.run.phase is not TRAINING or st.rounds.phase is PENDING or next_epoch(st) < st.config.num_epochs:
+        return False
+    return any(st.unfolded(r) > 0 for r in st.alive_ranks())
+
+
+def _training_move(st: CoordinatorState) -> tuple[Optional[str], str]:
+    if st.rounds.phase is PENDING:
+        return None, f"round {st.rounds.cycle} pending"
+    nxt = next_epoch(st)
     if nxt < st.config.num_epochs:
         if st.dispatch.last_dispatched is None or st.dispatch.last_dispatched < nxt:
-            dispatcher.dispatch_epoch(st, nxt, out)
-            return True
-        return False
+            return "dispatch", f"epoch {nxt} is next"
+        return None, f"epoch {nxt} training"
     if any(st.unfolded(r) > 0 for r in st.alive_ranks()):
-        _averaging.trigger(st, out, dispatcher)  # the final tail: commit it before anything ends
-        return True
+        return None, "the final tail round first"
+    if st.config.final_eval and _eval_target(st, ()) is not None:
+        return "final_eval", "every epoch aggregated"
+    return "shutdown", "every epoch aggregated"
+
+
+def start_final_eval(st: CoordinatorState, out: list[Command]) -> None:
     target = _eval_target(st, ())
-    if st.config.final_eval and target is not None:
-        _transition(st, "final_eval")
-        st.run.final_eval = FinalEval(target=target, sent_at=st.now)
-        _send_final_eval(st, out, target)
-        return True
-    _begin_shutdown(st, out)
-    return True
+    assert target is not None
+    _transition(st, "final_eval")
+    st.run.final_eval = FinalEval(target=target, sent_at=st.now)
+    _send_final_eval(st, out, target)
 
 
 def _eval_target(st: CoordinatorState, tried: tuple[int, ...]) -> Optional[int]:
@@ -224,37 +249,51 @@ def _retry_final_eval(st: CoordinatorState, out: list[Command], why: str) -> boo
     return True
 
 
-def advance(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> bool:
-    """Make the run's next move if one is due; True if it made one."""
+def next_move(st: CoordinatorState) -> tuple[Optional[str], str]:
+    """The run's next move, if one is due, and why (the step's ``advance`` rule):
+    "form", "fail_formation", "dispatch", "final_eval", "shutdown", "finish" or
+    "finish_stopped"; None when none is due. In FORMING the first look starts the
+    ``form_timeout_s`` clock (``forming_since``)."""
     ph = st.run.phase
     if ph is FORMING:
         if all(rec.phase is JOINING for rec in st.ranks):
-            _form(st, out)
-            return True
+            return "form", "every slot joined"
         if st.run.forming_since is None:
             st.run.forming_since = st.now
         limit = st.config.form_timeout_s
         if limit > 0 and st.now - st.run.forming_since > limit:
-            _fail_formation(st, out)
-            return True
-        return False
+            return "fail_formation", "form_timeout_s passed"
+        return None, "waiting for every slot"
     if ph is TRAINING:
-        return _advance_training(st, out, dispatcher)
+        return _training_move(st)
     if ph is FINAL_EVAL:
         fe = st.run.final_eval
         if fe is not None and (fe.answered or st.ranks[fe.target].phase is not ACTIVE):
-            _begin_shutdown(st, out)
-            return True
-        return False
-    if ph is SHUTTING_DOWN and not st.addressable_ranks():
-        _finish(st, out, True, "completed")
-        return True
+            return "shutdown", "the final eval is done"
+        return None, "final eval pending"
+    if ph is SHUTTING_DOWN:
+        return ("finish", "every rank left") if not st.addressable_ranks() else (None, "ranks still leaving")
     if ph is STOPPING:
         late = st.run.deadline is not None and st.now >= st.run.deadline
         if late or not st.addressable_ranks():
-            _finish(st, out, False, f"stopped: {st.run.stop_reason}")
-            return True
-    return False
+            return "finish_stopped", "stopped"
+        return None, "ranks still leaving"
+    return None, f"run is {ph!r}"
+
+
+def advance(st: CoordinatorState, out: list[Command], move: str) -> None:
+    """Make one of the run's own moves (the step composes "form", "fail_formation" and
+    "dispatch", which involve other records)."""
+    if move == "final_eval":
+        start_final_eval(st, out)
+    elif move == "shutdown":
+        _begin_shutdown(st, out)
+    elif move == "finish":
+        _finish(st, True, "completed")
+    elif move == "finish_stopped":
+        _finish(st, False, f"stopped: {st.run.stop_reason}")
+    else:
+        raise ValueError(move)
 
 
 def on_eval_done(st: CoordinatorState, ev: EvalDone, out: list[Command]) -> None:
@@ -324,11 +363,15 @@ def serve_eval_intent(st: CoordinatorState, epoch: int, out: list[Command]) -> N
     st.send(out, target, execute_eval=pb.Control.ExecuteEval(schedule_id=epoch, epoch=epoch, target_rank=target))
 
 
+def stoppable(st: CoordinatorState) -> bool:
+    return st.run.phase in (FORMING, TRAINING, FINAL_EVAL)
+
+
 def on_stop(st: CoordinatorState, ev: StopRequested, out: list[Command]) -> None:
-    if st.run.phase not in (FORMING, TRAINING, FINAL_EVAL):
+    """(The step asks for the save-on-failure first.)"""
+    if not stoppable(st):
         st.count_ignored("StopRequested while already ending")
         return
-    _checkpointing.on_failure(st, out, "graceful_shutdown")
     _transition(st, "stop")
     st.run.stop_reason = ev.reason
     st.run.deadline = ev.now + st.config.liveness_timeout_s

@@ -8,31 +8,50 @@ Theory of operation
    ``RankViolation`` *before anything changes* (h11: an illegal transition changes
    nothing). Late and duplicate frames are not illegal: they are ignored and counted
    in ``state.ignored``.
-2. **Apply** the event with its handler (``_HANDLERS``): one small function per event
-   type, each delegating to the module that owns the concern. Every frame from an
-   addressable rank refreshes its liveness first. A rank that is lost or leaves goes
-   through ``forget_rank`` -- the single place that removes a rank from everything.
-3. **Settle** (``_settle``): consequences that follow from the state are re-applied
-   until none fires (a fixed point, h11's ``_fire_state_triggered_transitions``).
-   Each rule makes at most one move per pass, and the first rule that moved restarts
-   the pass. The priority, and why:
+2. **Apply** the event with its row of ``HANDLERS`` (event type -> ``Handler(apply,
+   validate, touches_liveness, ...)``): one small function per event type, each
+   delegating to the modules that own the concern. A frame from an addressable rank
+   refreshes its liveness first (``touches_liveness``); a rank event from a rank that is
+   not in the run is ignored and counted. A rank that is lost or leaves goes through
+   ``forget_rank`` -- the single place that removes a rank from everything.
+3. **Settle** (``_settle``): the rows of ``RULES`` are re-applied until none fires (a
+   fixed point, h11's ``_fire_state_triggered_transitions``). Each row is ``(name,
+   due(st, policy) -> (bool, reason), act(st, out, policy))``; the first row that is due
+   acts and restarts the pass, and every row's last reason is kept in
+   ``st.reasons[name]`` (``/status`` says why each thing has not happened). Concern
+   modules never call each other's actions: everything that must happen in order is
+   composed here. The rows, in priority order, and why:
 
-   a. ``run.check_lost`` -- no ACTIVE rank left ends the run before anything else
-      tries to address one;
-   a'. ``collective.settle`` -- collective plane only: announce a new process-group
-      generation when the ACTIVE set changed or the group failed, so the announcement
-      reaches every member before any ``RequestParams`` of that generation;
-   b. ``averaging.poll`` -- finish a round whose missing acks were all excused by
-      deaths (or fail the run on a reduce stall): a finished round frees the gate;
-   c. the gate (``should_average``) -> ``averaging.trigger``: a tail must be folded
-      before its epoch's coverage can be complete;
-   d. ``metrics.aggregate_ready`` -- aggregate the next epoch once complete;
-   e. ``run.advance`` -- form the world, dispatch the next epoch, final round / eval,
-      shutdown, finish.
+   ============  ================================================  =====================
+   row           due                                               why here
+   ============  ================================================  =====================
+   fail          the first of ``FAILURES``: ``max_failure``        nothing may address a
+                 reached, no ACTIVE rank, collective rendezvous     rank after this
+                 exhausted (``cs.exhausted``)
+   reform_group  ``_collective.due``: the ACTIVE set changed, a     a generation is
+                 member failed, the store host timed out, a        announced before any
+                 restart                                           ``RequestParams`` in it
+   finish_round  every participant still ACTIVE acked: Update,     a finished round
+                 SetGlobalStep, the Fastest election (once          frees the gate; roles
+                 calibrated), a deferred checkpoint,                are elected before
+                 ``after_round``                                    the checkpoint picks
+                                                                   its rank
+   stall         the open round waited > ``reduce_stall_s``:       only while some
+                 the run fails (REDUCE_STALL)                       participant still owes
+   open_round    ``policy.gate``, or the final tail (the last        a tail must fold
+                 epoch aggregated, some rank has unfolded steps)     before its epoch's
+                                                                   coverage completes
+   aggregate     the next epoch is complete: ``EpochAggregated``,  the checkpoint comes
+                 its checkpoint, an eval intent served              before the next
+                                                                   epoch's dispatch (FIFO)
+   advance       ``_run.next_move``: form, dispatch the next       last
+                 epoch, final eval, shutdown, finish
+   ============  ================================================  =====================
 
-   Every rule is a condition on the state, so most swaps only change how many passes
-   a step takes. Two priorities are real: (a) comes first, and (c) precedes (e) so
-   that a tail round opens before the run moves to the next epoch or to its end.
+   Most swaps would only change how many passes a step takes. Real priorities: ``fail``
+   comes first; ``reform_group`` precedes any round; ``open_round`` precedes ``advance``
+   so that a tail round opens before the run moves to its end. When the run becomes
+   FINISHED (an act or a handler), the step emits ``RunFinished`` with the summary.
 
 ``forget_rank`` order (§9.2): membership phase -> ``ForgetRank`` (the shell drops the
 route, the reducer drops the rank from an open round) -> the rank's uncommitted
@@ -58,17 +77,19 @@ every decoded event replays to the same state and the same commands.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
 
 from flodl.wire import pb
 
 from . import _averaging, _checkpointing, _coverage, _dispatch, _membership, _metrics, _roles, _run
 from . import _resync
 from . import _collective
-from ._commands import Command, ForgetRank, Notice
+from . import _feedback
+from ._commands import Command, ForgetRank, Notice, RunFinished
 from ._checkpoint import ResumePoint
 from ._config import CoreConfig
-from ._policy import policy_of
+from ._policy import Policy, policy_of
 from ._errors import LocalViolation, RankViolation
 from ._events import (
     BatchDone,
@@ -92,10 +113,10 @@ from ._events import (
     CoordinatorRestarted,
     RankResynced,
 )
-from ._phases import ACTIVE, FINAL_EVAL, FINISHED, TRAINING
+from ._phases import ACTIVE, FINAL_EVAL, FINISHED, JOINING, TRAINING
 from ._state import CoordinatorState, RankRecord
 
-__all__ = ["initial_state", "step", "replay", "forget_rank"]
+__all__ = ["initial_state", "step", "replay", "forget_rank", "RULES", "HANDLERS", "FAILURES"]
 
 # A step moves a bounded number of times (a few rounds, one aggregation, one dispatch):
 # hitting this means a rule keeps firing without changing the state -- our bug.
@@ -116,33 +137,61 @@ def initial_state(config: CoreConfig, resume: Optional[ResumePoint] = None) -> C
     return st
 
 
-def _validate(st: CoordinatorState, ev: Event) -> None:
+def _validate(st: CoordinatorState, ev: Event, h: "Handler") -> None:
     rank = getattr(ev, "rank", None)
-    if isinstance(ev, RankHello) or rank is None:
+    if not h.checks_rank or rank is None:
         return
     if not 0 <= rank < st.config.world_size:
         raise RankViolation(f"rank {rank} out of range [0, {st.config.world_size})")
     if not st.addressable(rank):
         return  # a late frame from a rank that is gone: ignored, not illegal
-    if isinstance(ev, BatchDone) and ev.step_count > st.ranks[rank].last_step:
-        _dispatch.check_batch(st, ev)
-    elif isinstance(ev, ChunkDone):
-        _metrics.check_chunk(st, ev)
+    if h.validate is not None:
+        h.validate(st, ev)
+
+
+def _admit(st: CoordinatorState, ev: Event, h: "Handler") -> bool:
+    """A rank's frame refreshes its liveness; False (and counted) if the rank is not in the run."""
+    if h.touches_liveness:
+        rank = ev.rank  # type: ignore[attr-defined]
+        if not st.addressable(rank):
+            st.count_ignored(f"{type(ev).__name__} from a rank that is not in the run")
+            return False
+        _membership.touch(st, rank, ev.now)
+    elif h.not_in_run and not st.addressable(ev.rank):  # type: ignore[attr-defined]
+        st.count_ignored(h.not_in_run)
+        return False
+    return True
+
+
+def _handle(st: CoordinatorState, ev: Event, out: list[Command]) -> None:
+    h = HANDLERS[type(ev)]
+    if _admit(st, ev, h):
+        h.apply(st, ev, out)
+
+
+def _finished(st: CoordinatorState, out: list[Command]) -> None:
+    """The run just became FINISHED: ``RunFinished`` with the summary, last."""
+    out.append(RunFinished(bool(st.run.ok), st.run.reason, _run.summary(st)))
 
 
 def step(state: CoordinatorState, event: Event) -> tuple[CoordinatorState, list[Command]]:
     """Apply ``event``; return the (same, updated) state and the commands to execute."""
-    handler = _HANDLERS.get(type(event))
-    if handler is None:
+    h = HANDLERS.get(type(event))
+    if h is None:
         raise LocalViolation(f"not an event: {type(event).__name__}")
     out: list[Command] = []
-    if state.run.phase is FINISHED and not isinstance(event, RankHello):
-        state.count_ignored("event after the run finished")
-        return state, out
-    _validate(state, event)
+    if state.run.phase is FINISHED:
+        if not h.after_finish:
+            state.count_ignored("event after the run finished")
+            return state, out
+    _validate(state, event, h)
     if event.now > state.now:
         state.now = event.now
-    handler(state, event, out)
+    was_finished = state.run.phase is FINISHED
+    if _admit(state, event, h):
+        h.apply(state, event, out)
+    if not was_finished and state.run.phase is FINISHED:
+        _finished(state, out)
     _settle(state, out)
     _resync.note_sent(state, out)  # what ranks awaiting resync may not know yet
     return state, out
@@ -189,55 +238,161 @@ def forget_rank(st: CoordinatorState, rank: int, trigger: str, reason: str, out:
     _run.on_rank_gone(st, rank, out)
 
 
+def _fail(st: CoordinatorState, out: list[Command], reason: str, save_reason: int) -> None:
+    """End the run: the save-on-failure first (``checkpoint_on_failure``), then
+    ``ShutdownWithSave`` to every addressable rank (``_run.fail``)."""
+    name = pb.SaveReason.Name(save_reason)
+    _checkpointing.on_failure(st, out, name.lower().removeprefix("save_reason_"))
+    _run.fail(st, out, reason, save_reason)
+
+
+# -- RULES: the consequences of the state, in priority order (module doc) ----------------
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    name: str
+    due: Callable[[CoordinatorState, Policy], tuple[bool, str]]
+    act: Callable[[CoordinatorState, list[Command], Policy], None]
+
+
+def _exhausted(st: CoordinatorState) -> Optional[tuple[str, int]]:
+    cs = st.collective
+    return (cs.exhausted, pb.SAVE_REASON_REDUCE_STALL) if cs is not None and cs.exhausted else None
+
+
+# What ends the run, first hit wins: (reason, save reason) or None.
+FAILURES: tuple[Callable[[CoordinatorState], Optional[tuple[str, int]]], ...] = (_run.failure, _exhausted)
+
+
+def _failure(st: CoordinatorState) -> Optional[tuple[str, int]]:
+    return next((hit for hit in (f(st) for f in FAILURES) if hit is not None), None)
+
+
+def _fail_due(st: CoordinatorState, policy: Policy) -> tuple[bool, str]:
+    hit = _failure(st)
+    return (True, hit[0]) if hit is not None else (False, "")
+
+
+def _fail_act(st: CoordinatorState, out: list[Command], policy: Policy) -> None:
+    hit = _failure(st)
+    assert hit is not None
+    _fail(st, out, *hit)
+
+
+def _finish_round(st: CoordinatorState, out: list[Command], policy: Policy) -> None:
+    _averaging.finish(st, out, policy.dispatcher)  # Update, SetGlobalStep
+    if _feedback.calibrated(st):  # once: the Fastest roles go to the fastest rank ...
+        _roles.on_calibration(st)
+    _checkpointing.on_round_finished(st, out)  # ... before a save deferred to this round picks its rank
+    policy.dispatcher.after_round(st, out)
+
+
+def _stall(st: CoordinatorState, out: list[Command], policy: Policy) -> None:
+    _, reason = _averaging.stall_due(st)
+    _averaging.stall(st)
+    if st.run.phase is TRAINING or st.run.phase is FINAL_EVAL:
+        _fail(st, out, reason, pb.SAVE_REASON_REDUCE_STALL)
+    else:
+        out.append(Notice("reduce_stall", {"cycle": st.rounds.cycle, "detail": reason}))
+
+
+def _open_due(st: CoordinatorState, policy: Policy) -> tuple[bool, str]:
+    fire, why = policy.gate(st)
+    st.rounds.gate_reason = why
+    if fire:
+        return True, why
+    if _run.tail_due(st):
+        return True, "the final tail: commit it before anything ends"
+    return False, why
+
+
+def _open_round(st: CoordinatorState, out: list[Command], policy: Policy) -> None:
+    _averaging.trigger(st, out, policy.dispatcher)
+
+
+def _aggregate(st: CoordinatorState, out: list[Command], policy: Policy) -> None:
+    epoch = _metrics.aggregate_next(st, out)
+    _checkpointing.on_epoch_aggregated(st, epoch, out)  # before the next epoch's dispatch
+    _run.serve_eval_intent(st, epoch, out)
+
+
+def _advance_due(st: CoordinatorState, policy: Policy) -> tuple[bool, str]:
+    move, why = _run.next_move(st)
+    return (True, f"{move}: {why}") if move is not None else (False, why)
+
+
+def _advance(st: CoordinatorState, out: list[Command], policy: Policy) -> None:
+    move, _ = _run.next_move(st)
+    assert move is not None
+    if move == "form":
+        for rec in st.ranks:
+            _membership.transition(rec, "form")
+        _run.form(st, out)
+    elif move == "fail_formation":
+        reason = _run.formation_failure(st)
+        _run.shutdown_admitted(st, out, reason)
+        _membership.refuse_deferred(st, reason, out)
+        _run.fail_formation(st, out, reason)
+    elif move == "dispatch":
+        policy.dispatcher.dispatch_epoch(st, _run.next_epoch(st), out)
+    else:
+        _run.advance(st, out, move)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("fail", _fail_due, _fail_act),
+    Rule("reform_group", lambda st, p: _collective.due(st), lambda st, out, p: _collective.announce(st, out)),
+    Rule("finish_round", lambda st, p: _averaging.finish_due(st), _finish_round),
+    Rule("stall", lambda st, p: _averaging.stall_due(st), _stall),
+    Rule("open_round", _open_due, _open_round),
+    Rule("aggregate", lambda st, p: _metrics.next_ready(st), _aggregate),
+    Rule("advance", _advance_due, _advance),
+)
+
+
 def _settle(st: CoordinatorState, out: list[Command]) -> None:
     policy = policy_of(st.config)
-    dispatcher, gate = policy.dispatcher, policy.gate
     for _ in range(_MAX_SETTLE_PASSES):
         if st.run.phase is FINISHED:
             return
-        if _run.check_lost(st, out):
-            continue
-        if _collective.settle(st, out):  # (a') re-form the group before any RequestParams
-            continue
-        verdict = _averaging.poll(st, out, dispatcher)
-        if verdict == "finished":
-            continue
-        if verdict == "stalled":
-            _on_stall(st, out)
-            continue
-        fire, why = gate(st)
-        st.rounds.gate_reason = st.reasons["open_round"] = why
-        if fire:
-            _averaging.trigger(st, out, dispatcher)
-            continue
-        if _metrics.aggregate_ready(st, out):
-            continue
-        if _run.advance(st, out, dispatcher):
-            continue
-        return
+        for rule in RULES:
+            fire, why = rule.due(st, policy)
+            st.reasons[rule.name] = why
+            if fire:
+                rule.act(st, out, policy)
+                if st.run.phase is FINISHED:
+                    _finished(st, out)
+                    return
+                break
+        else:
+            return
     raise LocalViolation("step did not reach a fixed point")
 
 
-def _on_stall(st: CoordinatorState, out: list[Command]) -> None:
-    rs = st.rounds
-    reason = f"reduce stall: round {rs.cycle} pending > {st.config.reduce_stall_s:g}s"
-    if st.run.phase is TRAINING or st.run.phase is FINAL_EVAL:
-        _run.fail(st, out, reason, pb.SAVE_REASON_REDUCE_STALL)
-    else:
-        out.append(Notice("reduce_stall", {"cycle": rs.cycle, "detail": reason}))
+# -- HANDLERS: one row per event type ------------------------------------------------------
 
 
-# -- handlers: one per event type ------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Handler:
+    """``apply(st, ev, out)``; ``validate(st, ev)`` raises ``RankViolation`` before anything
+    changes (only for an addressable rank's frame); ``touches_liveness``: a frame from the
+    rank (refreshes its liveness; from a rank not in the run: ignored, counted);
+    ``not_in_run``: for a rank event that is not its frame, the count when the rank is not
+    in the run; ``checks_rank``: the rank is range-checked; ``after_finish``: still handled
+    once the run finished."""
+
+    apply: Callable[[CoordinatorState, Any, list[Command]], None]
+    validate: Optional[Callable[[CoordinatorState, Any], None]] = None
+    touches_liveness: bool = False
+    not_in_run: str = ""
+    checks_rank: bool = True
+    after_finish: bool = False
 
 
-def _from_rank(st: CoordinatorState, ev: Event) -> bool:
-    """Refresh liveness; False (and counted) if the rank is not addressable."""
-    rank = ev.rank  # type: ignore[attr-defined]
-    if not st.addressable(rank):
-        st.count_ignored(f"{type(ev).__name__} from a rank that is not in the run")
-        return False
-    _membership.touch(st, rank, ev.now)
-    return True
+def _check_batch(st: CoordinatorState, ev: BatchDone) -> None:
+    if ev.step_count > st.ranks[ev.rank].last_step:
+        _dispatch.check_batch(st, ev)
 
 
 def _on_tick(st: CoordinatorState, ev: Tick, out: list[Command]) -> None:
@@ -246,130 +401,120 @@ def _on_tick(st: CoordinatorState, ev: Tick, out: list[Command]) -> None:
     _membership.beacon(st, ev.now, out)
 
 
-def _on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
-    _membership.on_hello(st, ev, out)
-
-
-def _on_batch(st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
-    if not _from_rank(st, ev):
-        return
+def _ingest_batch(st: CoordinatorState, ev: BatchDone, out: list[Command], *, advance_last_step: bool) -> None:
+    """The ledgers of one batch. ``advance_last_step`` False: a batch older than the rank's
+    latest known step (its frame was lost, later ones were not: ``_resync``)."""
     rec = st.ranks[ev.rank]
-    if ev.step_count <= rec.last_step:
-        st.count_ignored("duplicate BatchDone")
-        return
-    rec.last_step = ev.step_count
+    if advance_last_step:
+        rec.last_step = ev.step_count
     rec.batches += 1
     rec.samples += ev.samples
     _dispatch.record_batch(st, ev)
     _coverage.record_batch(st.coverage, ev.rank, ev.epoch, ev.offset, ev.samples, ev.step_count, rec.folded_step)
+    if not advance_last_step:
+        _coverage.keep_step_order(st.coverage, ev.rank)
     policy_of(st.config).dispatcher.on_batch(st, ev, out)
 
 
-def _on_ack(st: CoordinatorState, ev: SyncAcked, out: list[Command]) -> None:
-    if _from_rank(st, ev):
-        _averaging.on_ack(st, ev, out, policy_of(st.config).dispatcher)
-
-
-def _on_contribution_refused(st: CoordinatorState, ev: ContributionRefused, out: list[Command]) -> None:
-    # The shell's verdict on the rank's round frame, not a frame from the rank: no liveness.
-    if not st.addressable(ev.rank):
-        st.count_ignored("ContributionRefused for a rank that is not in the run")
+def _on_batch(st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
+    if ev.step_count <= st.ranks[ev.rank].last_step:
+        st.count_ignored("duplicate BatchDone")
         return
-    _averaging.on_refused(st, ev)
-
-
-def _on_chunk(st: CoordinatorState, ev: ChunkDone, out: list[Command]) -> None:
-    if _from_rank(st, ev):
-        _metrics.on_chunk(st, ev)
+    _ingest_batch(st, ev, out, advance_last_step=True)
 
 
 def _on_exiting(st: CoordinatorState, ev: RankExiting, out: list[Command]) -> None:
-    if _from_rank(st, ev):
-        rec = st.ranks[ev.rank]
-        rec.param_digest = ev.param_digest
-        forget_rank(st, ev.rank, "leave", "exited cleanly", out)
-
-
-def _on_liveness_only(st: CoordinatorState, ev: Event, out: list[Command]) -> None:
-    _from_rank(st, ev)
-
-
-def _on_eval(st: CoordinatorState, ev: EvalDone, out: list[Command]) -> None:
-    if _from_rank(st, ev):
-        _run.on_eval_done(st, ev, out)
-
-
-def _on_checkpoint_done(st: CoordinatorState, ev: CheckpointDone, out: list[Command]) -> None:
-    if _from_rank(st, ev):
-        _checkpointing.on_done(st, ev, out)
-
-
-def _on_intent(st: CoordinatorState, ev: IntentRaised, out: list[Command]) -> None:
-    if _from_rank(st, ev):
-        _run.on_intent(st, ev, out)
+    st.ranks[ev.rank].param_digest = ev.param_digest
+    forget_rank(st, ev.rank, "leave", "exited cleanly", out)
 
 
 def _on_exit_report(st: CoordinatorState, ev: RankExitReported, out: list[Command]) -> None:
-    if not st.addressable(ev.rank):
-        st.count_ignored("exit report for a rank that is not in the run")
-        return
     trigger, reason = _membership.exit_reason(st, ev.rank, ev.code)
     forget_rank(st, ev.rank, trigger, reason, out)
 
 
 def _on_send_failed(st: CoordinatorState, ev: SendFailed, out: list[Command]) -> None:
-    if not st.addressable(ev.rank):
-        st.count_ignored("send failure for a rank that is not in the run")
-        return
     forget_rank(st, ev.rank, "lost", f"unroutable (send of {ev.what or 'a command'} failed)", out)
 
 
 def _on_stop(st: CoordinatorState, ev: StopRequested, out: list[Command]) -> None:
+    if _run.stoppable(st):
+        _checkpointing.on_failure(st, out, "graceful_shutdown")
     _run.on_stop(st, ev, out)
 
 
-def _on_epoch_fn(st: CoordinatorState, ev: EpochFnElapsed, out: list[Command]) -> None:
-    if _from_rank(st, ev):
-        _roles.on_epoch_fn_elapsed(st, ev)
-
-
-def _on_store_ready(st: CoordinatorState, ev: StoreReady, out: list[Command]) -> None:
-    if _from_rank(st, ev):
-        _collective.on_store_ready(st, ev, out)
-
-
-def _on_collective_failed(st: CoordinatorState, ev: CollectiveFailed, out: list[Command]) -> None:
-    if _from_rank(st, ev):
-        _collective.on_failed(st, ev, out)
-
-
 def _on_restarted(st: CoordinatorState, ev: CoordinatorRestarted, out: list[Command]) -> None:
-    _resync.on_restarted(st, ev, out)
+    _resync.begin_restart(st)
+    for r in st.addressable_ranks():  # a liveness grace: they need time to reconnect
+        _membership.touch(st, r, ev.now)
+    abandoned = _averaging.abandon(st)
+    _collective.on_restarted(st)  # re-formed by the reform_group rule
+    joining = any(rec.phase is JOINING for rec in st.ranks)
+    spec = _membership.run_spec(st, st.cohort_len or 0) if joining else None
+    _resync.await_reports(st, ev, out, abandoned, spec)
 
 
 def _on_resynced(st: CoordinatorState, ev: RankResynced, out: list[Command]) -> None:
-    if _from_rank(st, ev):
-        _resync.on_resynced(st, ev, out, ingest=_on_batch, dispatcher=policy_of(st.config).dispatcher)
+    """The phases of ``_resync`` (its module doc), composed."""
+    if not _resync.awaited(st, ev):
+        return
+    behind = _resync.journal_behind(st, ev, out)
+    if behind:
+        if st.run.phase in (TRAINING, FINAL_EVAL):
+            _fail(st, out, behind, pb.SAVE_REASON_GRACEFUL_SHUTDOWN)
+        return
+    _resync.fold_swallowed_ack(st, ev)
+    lost = _resync.lost_positions(st, ev)  # before ingesting
+    recovered = 0
+    for bev in _resync.unknown_batches(st, ev):
+        try:
+            _dispatch.check_batch(st, bev)
+        except RankViolation:
+            st.count_ignored("Resync batch outside the rank's assignment")
+            continue
+        if bev.step_count > st.ranks[ev.rank].last_step:
+            _handle(st, bev, out)
+        else:
+            _ingest_batch(st, bev, out, advance_last_step=False)
+        recovered += 1
+    resent = _resync.resend_lost(st, ev.rank, lost, out)
+    chunks = 0
+    for cev in _resync.unknown_chunks(st, ev):
+        try:
+            _metrics.check_chunk(st, cev)
+        except RankViolation:
+            st.count_ignored("Resync chunk of an epoch never dispatched")
+            continue
+        _metrics.on_chunk(st, cev)
+        chunks += 1
+    _resync.conclude(st, ev, out, recovered, chunks, resent)
 
 
-_HANDLERS: dict[type, Callable[[CoordinatorState, Event, list[Command]], None]] = {
-    Tick: _on_tick,
-    RankHello: _on_hello,
-    BatchDone: _on_batch,
-    SyncAcked: _on_ack,
-    ChunkDone: _on_chunk,
-    RankExiting: _on_exiting,
-    HeartbeatSeen: _on_liveness_only,
-    EvalDone: _on_eval,
-    CheckpointDone: _on_checkpoint_done,
-    IntentRaised: _on_intent,
-    RankExitReported: _on_exit_report,
-    SendFailed: _on_send_failed,
-    StopRequested: _on_stop,
-    EpochFnElapsed: _on_epoch_fn,
-    StoreReady: _on_store_ready,
-    CollectiveFailed: _on_collective_failed,
-    ContributionRefused: _on_contribution_refused,
-    CoordinatorRestarted: _on_restarted,
-    RankResynced: _on_resynced,
+def _nothing(st: CoordinatorState, ev: Event, out: list[Command]) -> None:
+    """A frame that only proves the rank is alive."""
+
+
+HANDLERS: dict[type, Handler] = {
+    Tick: Handler(_on_tick),
+    RankHello: Handler(lambda st, ev, out: _membership.on_hello(st, ev, out), checks_rank=False, after_finish=True),
+    BatchDone: Handler(_on_batch, _check_batch, touches_liveness=True),
+    SyncAcked: Handler(lambda st, ev, out: _averaging.on_ack(st, ev, out, policy_of(st.config).dispatcher),
+                       touches_liveness=True),  # fmt: skip
+    ChunkDone: Handler(lambda st, ev, out: _metrics.on_chunk(st, ev), _metrics.check_chunk, touches_liveness=True),
+    RankExiting: Handler(_on_exiting, touches_liveness=True),
+    HeartbeatSeen: Handler(_nothing, touches_liveness=True),
+    EvalDone: Handler(_run.on_eval_done, touches_liveness=True),
+    CheckpointDone: Handler(_checkpointing.on_done, touches_liveness=True),
+    IntentRaised: Handler(_run.on_intent, touches_liveness=True),
+    RankExitReported: Handler(_on_exit_report, not_in_run="exit report for a rank that is not in the run"),
+    SendFailed: Handler(_on_send_failed, not_in_run="send failure for a rank that is not in the run"),
+    StopRequested: Handler(_on_stop),
+    EpochFnElapsed: Handler(lambda st, ev, out: _roles.on_epoch_fn_elapsed(st, ev), touches_liveness=True),
+    StoreReady: Handler(_collective.on_store_ready, touches_liveness=True),
+    CollectiveFailed: Handler(_collective.on_failed, touches_liveness=True),
+    # The shell's verdict on the rank's round frame, not a frame from the rank: no liveness.
+    ContributionRefused: Handler(lambda st, ev, out: _averaging.on_refused(st, ev),
+                                 not_in_run="ContributionRefused for a rank that is not in the run"),  # fmt: skip
+    CoordinatorRestarted: Handler(_on_restarted),
+    RankResynced: Handler(_on_resynced, touches_liveness=True),
 }

@@ -175,3 +175,17 @@ def test_tick_deaths_then_beacon_to_survivors():
     forgets = [x.rank for x in cmds if isinstance(x, ForgetRank)]
     beats = [x.rank for x in cmds if isinstance(x, Send) and x.kind == "coord_heartbeat"]
     assert forgets == [1, 2] and beats == [0]
+
+
+def test_rules_run_in_priority_order_and_keep_their_last_reason():
+    from flodl.core._events import EVENT_TYPES
+    from flodl.core._step import HANDLERS, RULES
+
+    names = [r.name for r in RULES]
+    assert names == ["fail", "reform_group", "finish_round", "stall", "open_round", "aggregate", "advance"]
+    assert set(HANDLERS) == set(EVENT_TYPES.values())
+    c = Cluster(world_size=2, total=32, epochs=1)
+    c.join_all()
+    # the last pass of a step asks every row, and none fired: each says why
+    assert set(names) <= set(c.state.reasons)
+    assert c.state.reasons["open_round"] == c.state.rounds.gate_reason
