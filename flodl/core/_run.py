@@ -48,16 +48,16 @@ Intents (``on_intent``) set flags served at the next aggregation: a checkpoint i
 by ``_checkpointing``, an eval intent by ``serve_eval_intent`` (a non-final
 ``ExecuteEval{schedule_id=epoch}`` to the eval role; its answer lands in ``evals``).
 
-The summary (``summary``) is JSON-safe; its shape is documented on the function.
+The run summary is ``_summary``'s.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from flodl.wire import pb
 
-from . import _coverage, _feedback, _roles
+from . import _roles
 from ._commands import FINAL_SCHEDULE_ID, Command, Notice
 from ._max_failure import max_failure_limit
 from ._events import EvalDone, IntentRaised, StopRequested
@@ -94,7 +94,6 @@ __all__ = [
     "on_rank_gone",
     "serve_eval_intent",
     "on_stop",
-    "summary",
 ]
 
 def _transition(st: CoordinatorState, trigger: str) -> None:
@@ -377,68 +376,3 @@ def on_stop(st: CoordinatorState, ev: StopRequested, out: list[Command]) -> None
     st.run.deadline = ev.now + st.config.liveness_timeout_s
     for r in st.addressable_ranks():
         st.send(out, r, shutdown=pb.Control.Shutdown(reason=f"stopped: {ev.reason}"))
-
-
-def summary(st: CoordinatorState) -> dict[str, Any]:
-    """The run summary (JSON-safe)::
-
-    {world_size, policy, total_samples, epochs_completed, averages, averaging_s, global_step,
-     accuracy: float|None, wall_s, discarded_samples,
-     ranks: [{rank, host, phase, reason, samples, batches, steps, param_digest}],
-     coverage: [{epoch, expected, trained, duplicates, missing, discarded}],
-     epochs: [{epoch, avg_loss, epoch_ms, per_rank_throughput}],
-     evals: [{epoch, metric}]}   (non-final evals asked by an eval intent)
-
-    Cadence adds ``elche: {anchor, anchor_rank, counts, phase, calibration_count, guard,
-    last_verdict, exposed_sync_s}`` and, on each ``epochs`` row, ``averages``: the rounds finished while
-    that epoch was being trained. The Sync shape is exactly the one above.
-    A run that survived a coordinator restart adds ``coordinator_restarts: [{restart, at,
-    abandoned_cycle, awaiting, resynced, recovered_batches, recovered_chunks,
-    resent_samples, released}]`` (``_resync``).
-    """
-    fe = st.run.final_eval
-    cov = _coverage.summary(st.coverage)
-    ranks = [
-        {
-            "rank": rec.rank,
-            "host": rec.host,
-            "phase": repr(rec.phase),
-            "reason": rec.reason,
-            "samples": rec.samples,
-            "batches": rec.batches,
-            "steps": rec.last_step,
-            "param_digest": rec.param_digest,
-        }
-        for rec in st.ranks
-    ]
-    out = {
-        "world_size": st.config.world_size,
-        "policy": st.config.policy,
-        "total_samples": st.total_samples,
-        "epochs_completed": len(st.metrics.history),
-        "averages": st.rounds.version,
-        "averaging_s": st.rounds.open_s,
-        "global_step": st.rounds.global_step,
-        "accuracy": fe.accuracy if fe is not None else None,
-        "wall_s": (st.now - st.run.formed_at) if st.run.formed_at is not None else 0.0,
-        "discarded_samples": sum(c["discarded"] for c in cov),
-        "ranks": ranks,
-        "coverage": cov,
-        "epochs": [dict(row) for row in st.metrics.history],
-        "evals": [dict(row) for row in st.roles.evals],
-    }
-    if st.resync.restarts:  # coordinator restarts survived (``_resync.summary``)
-        out["coordinator_restarts"] = [
-            dict(row, awaiting=list(row["awaiting"]), resynced=list(row["resynced"]), released=list(row["released"]))
-            for row in st.resync.log
-        ]
-    cad = st.cadence
-    if cad is not None:
-        out["elche"] = _feedback.summary(cad)
-        for row in out["epochs"]:
-            row["averages"] = cad.averages.get(row["epoch"], 0)
-    if st.collective is not None:  # collective plane: its process-group generations
-        from ._collective import summary as collective_summary
-
-        out["collective"] = collective_summary(st.collective, st.config)
-    return out

@@ -86,6 +86,7 @@ from . import _averaging, _checkpointing, _coverage, _dispatch, _membership, _me
 from . import _resync
 from . import _collective
 from . import _feedback
+from . import _summary
 from ._commands import Command, ForgetRank, Notice, RunFinished
 from ._checkpoint import ResumePoint
 from ._config import CoreConfig
@@ -171,7 +172,7 @@ def _handle(st: CoordinatorState, ev: Event, out: list[Command]) -> None:
 
 def _finished(st: CoordinatorState, out: list[Command]) -> None:
     """The run just became FINISHED: ``RunFinished`` with the summary, last."""
-    out.append(RunFinished(bool(st.run.ok), st.run.reason, _run.summary(st)))
+    out.append(RunFinished(bool(st.run.ok), st.run.reason, _summary.summary(st)))
 
 
 def step(state: CoordinatorState, event: Event) -> tuple[CoordinatorState, list[Command]]:
