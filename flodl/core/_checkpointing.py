@@ -48,7 +48,7 @@ from . import _coverage, _roles
 from ._checkpoint import ResumePoint, checkpoint_meta
 from ._commands import Command, Notice, StageCheckpoint
 from ._events import CheckpointDone
-from ._guards import make_guard
+from .cadence._guards import make_guard
 from ._phases import ACTIVE, FINAL_EVAL, IDLE, TRAINING
 from ._state import CoordinatorState, EpochCoverage
 

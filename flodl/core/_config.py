@@ -10,7 +10,7 @@ spelling differs from the core's, the metadata says how: ``key`` renames
 whose 0 means None, and ``bytes`` is a hex string.
 
 The cadence knobs (``anchor`` .. ``meta_controller``) configure the ElChe engine of the
-Cadence policy (``_cadence``/``_feedback``); Sync ignores them. Their defaults are the
+Cadence policy (``cadence._dispatcher``/``_feedback``); Sync ignores them. Their defaults are the
 reference's (spec §1.1, §6.1): anchor 4 batches of the slowest rank per window, growth
 floor = the initial anchor, ceiling 1000, 5 % fixed-overhead target, no count-move cap,
 the LevelGuard, the LR meta-controller on. ``probe_batches`` is ours: 1 (the deployed

@@ -34,7 +34,7 @@ batch (``on_batch``), when a round opens (``on_trigger``, just before the
 overlaps training) and around a finished round (``on_round_finished`` returns the
 chunk each rank gets inside its ``Update``; ``after_round`` wakes idle ranks).
 ``progressive`` says whether chunks stream (no ``Throttle`` barrier at a trigger).
-Sync's hooks do nothing; the Cadence engine (``_cadence``) registers itself in
+Sync's hooks do nothing; the Cadence engine (``cadence._dispatcher``) registers itself in
 ``_policy.POLICIES`` and keeps its own state in ``state.cadence``.
 """
 
@@ -189,7 +189,7 @@ def record_batch(st: CoordinatorState, ev: BatchDone) -> None:
 
 
 class Dispatcher(Protocol):
-    """What the step needs from a dispatcher (Sync here; Cadence in ``_cadence``)."""
+    """What the step needs from a dispatcher (Sync here; Cadence in ``cadence._dispatcher``)."""
 
     progressive: bool
 

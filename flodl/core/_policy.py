@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import _async, _cadence
+from .cadence import _async, _dispatcher
 from ._averaging import should_average
 from ._config import CoreConfig
 from ._dispatch import SYNC, Dispatcher
@@ -61,9 +61,9 @@ SYNC_POLICY = Policy("sync", SYNC, should_average, barrier_paced=True, overshoot
                      streams_epochs=False)  # fmt: skip
 # The engines' two switches live on the dispatchers (their setup hands them to the
 # CadenceState the engines read); the Policy repeats them so the table above is data.
-CADENCE_POLICY = Policy("cadence", _cadence.CADENCE, _cadence.cadence_gate, barrier_paced=_cadence.CADENCE.barrier_paced,
-                        overshoot=_cadence.CADENCE.overshoot, atomic_dispatch=True, streams_epochs=False)  # fmt: skip
-ASYNC_POLICY = Policy("async", _async.ASYNC, _cadence.cadence_gate, barrier_paced=_async.ASYNC.barrier_paced,
+CADENCE_POLICY = Policy("cadence", _dispatcher.CADENCE, _dispatcher.cadence_gate, barrier_paced=_dispatcher.CADENCE.barrier_paced,
+                        overshoot=_dispatcher.CADENCE.overshoot, atomic_dispatch=True, streams_epochs=False)  # fmt: skip
+ASYNC_POLICY = Policy("async", _async.ASYNC, _dispatcher.cadence_gate, barrier_paced=_async.ASYNC.barrier_paced,
                       overshoot=_async.ASYNC.overshoot, atomic_dispatch=False, streams_epochs=True)  # fmt: skip
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (SYNC_POLICY, CADENCE_POLICY, ASYNC_POLICY)}

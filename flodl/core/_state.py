@@ -14,7 +14,7 @@ record             module               what it knows
 ``CoverageState``  ``_coverage``        committed positions per epoch, pending batches
 ``MetricsState``   ``_metrics``         ChunkDone buffers, aggregated epochs
 ``RunState``       ``_run``             run phase, final eval, stop/finish outcome
-``CadenceState``   ``_cadence``,        Cadence only: ElChe, window ledger, guard,
+``CadenceState``   ``cadence``,         Cadence only: ElChe, window ledger, guard,
                    ``_feedback``        meta, chunk pools, per-rank chunk in flight
 =================  ===================  ==============================================
 

@@ -85,7 +85,7 @@ from flodl.wire import pb
 from . import _averaging, _checkpointing, _coverage, _dispatch, _membership, _metrics, _roles, _run
 from . import _resync
 from . import _collective
-from . import _feedback
+from .cadence import _feedback
 from . import _summary
 from ._commands import Command, ForgetRank, Notice, RunFinished
 from ._checkpoint import ResumePoint

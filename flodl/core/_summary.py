@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _collective, _coverage, _feedback, _resync
+from . import _collective, _coverage, _resync
+from .cadence import _feedback
 from ._state import CoordinatorState
 
 __all__ = ["summary"]

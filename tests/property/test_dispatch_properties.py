@@ -20,16 +20,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from flodl.core._chunk_pool import (
+from flodl.core.cadence._chunk_pool import (
     ChunkPool,
     compute_chunk_batches,
     refresh_final_window_plan,
     reservation_span_sizes,
 )
-from flodl.core._elche import ElChe
-from flodl.core._guards import NudgeDown, Stable, SuppressGrowth
-from flodl.core._overshoot import OvershootBudget, barrier_paced
-from flodl.core._window import WindowLedger, delivered_capable
+from flodl.core.cadence._elche import ElChe
+from flodl.core.cadence._guards import NudgeDown, Stable, SuppressGrowth
+from flodl.core.cadence._overshoot import OvershootBudget, barrier_paced
+from flodl.core.cadence._window import WindowLedger, delivered_capable
 
 # Dead zone (5 %) both ways: a kept count may sit 5 % off its target, so two ranks whose
 # targets are ordered can end up at most ~10 % inverted (0.95 / 1.05), plus one for the

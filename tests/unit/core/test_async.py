@@ -9,10 +9,10 @@ import random
 import pytest
 
 from flodl.core import CoreConfig, Notice, OpenRound, initial_state, replay
-from flodl.core import _async, _cadence
+from flodl.core.cadence import _async, _dispatcher as _cadence
 from flodl.core._policy import gate_for
-from flodl.core._cadence import _budget, cadence_gate, window_steps
-from flodl.core._chunk_pool import ChunkPool
+from flodl.core.cadence._dispatcher import _budget, cadence_gate, window_steps
+from flodl.core.cadence._chunk_pool import ChunkPool
 from flodl.core._coverage import freeze, open_epoch
 from flodl.core._policy import dispatcher_for
 from flodl.core._membership import run_spec

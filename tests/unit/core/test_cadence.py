@@ -21,8 +21,8 @@ from flodl.core import (
     initial_state,
     replay,
 )
-from flodl.core import _feedback
-from flodl.core._cadence import (
+from flodl.core.cadence import _feedback
+from flodl.core.cadence._dispatcher import (
     CADENCE,
     _dispatch_next,
     cadence_gate,
@@ -30,7 +30,7 @@ from flodl.core._cadence import (
     start_window,
     window_steps,
 )
-from flodl.core._chunk_pool import ChunkPool
+from flodl.core.cadence._chunk_pool import ChunkPool
 from flodl.core._coverage import open_epoch
 from flodl.core import ACTIVE, DEAD, IDLE, PENDING, TRAINING
 from .cluster import Cluster, controls

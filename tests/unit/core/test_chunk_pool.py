@@ -2,7 +2,7 @@
 
 import pytest
 
-from flodl.core._chunk_pool import (
+from flodl.core.cadence._chunk_pool import (
     ChunkPool,
     FinalWindowPlan,
     advisory_spans,
@@ -18,9 +18,9 @@ from flodl.core._chunk_pool import (
     span_layout,
     throughput_sizes,
 )
-from flodl.core._elche import ElChe
-from flodl.core._guards import NudgeDown, Stable, SuppressGrowth
-from flodl.core._overshoot import OvershootBudget, barrier_paced, reduce_step_budget
+from flodl.core.cadence._elche import ElChe
+from flodl.core.cadence._guards import NudgeDown, Stable, SuppressGrowth
+from flodl.core.cadence._overshoot import OvershootBudget, barrier_paced, reduce_step_budget
 
 ALL3 = [True, True, True]
 

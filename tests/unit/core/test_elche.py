@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from flodl.core._elche import ElChe, Grow, Phase, round_half_away
-from flodl.core._guards import NudgeDown, Stable, SuppressGrowth
-from flodl.core._window import WindowLedger, delivered_capable
+from flodl.core.cadence._elche import ElChe, Grow, Phase, round_half_away
+from flodl.core.cadence._guards import NudgeDown, Stable, SuppressGrowth
+from flodl.core.cadence._window import WindowLedger, delivered_capable
 
 
 def _staged_grow_20():

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from flodl.core._guards import (
+from flodl.core.cadence._guards import (
     DivergenceReport,
     GrowthGuard,
     LambdaEstimator,

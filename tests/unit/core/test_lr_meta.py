@@ -2,9 +2,9 @@
 
 import pytest
 
-from flodl.core._elche import Phase
-from flodl.core._guards import NudgeDown, Stable, SuppressGrowth
-from flodl.core._lr_meta import (
+from flodl.core.cadence._elche import Phase
+from flodl.core.cadence._guards import NudgeDown, Stable, SuppressGrowth
+from flodl.core.cadence._lr_meta import (
     LrEventMeta,
     LrEventMetaConfig,
     Noop,

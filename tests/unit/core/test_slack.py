@@ -2,7 +2,7 @@
 
 The Python core stages the slack for the *first* window of the epoch that follows a
 callback, not for the last window before it as upstream does: here an epoch ends on a
-round and the callbacks run between epochs (``flodl/core/_slack.py`` says why). The
+round and the callbacks run between epochs (``flodl/core/cadence/_slack.py`` says why). The
 scenario-79 numbers are kept; what "the next window" means is ours.
 """
 
@@ -14,7 +14,7 @@ import math
 import pytest
 
 from flodl.core import EpochFnElapsed, Notice, from_record, to_record
-from flodl.core import _slack
+from flodl.core.cadence import _slack
 from flodl.core import DEAD
 from flodl.wire import pb
 

@@ -38,7 +38,7 @@ def _run_with_death():
 
 
 def test_every_policy_has_an_engine():
-    # sync, cadence and async (flodl.core._async) all register a dispatcher and a gate.
+    # sync, cadence and async (flodl.core.cadence._async) all register a dispatcher and a gate.
     from flodl.core._config import POLICIES
     from flodl.core._policy import GATES
     from flodl.core._policy import DISPATCHERS

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from flodl.core._elche import ElChe
-from flodl.core._window import WindowLedger, WindowReport, delivered_capable, select_feed
+from flodl.core.cadence._elche import ElChe
+from flodl.core.cadence._window import WindowLedger, WindowReport, delivered_capable, select_feed
 
 
 def _report(wall, steps, dms, dbatches, coherent, sync_ms=1.0):

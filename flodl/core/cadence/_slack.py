@@ -46,9 +46,9 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from ._commands import Command, Notice
-from ._phases import ACTIVE
-from ._state import CoordinatorState
+from .._commands import Command, Notice
+from .._phases import ACTIVE
+from .._state import CoordinatorState
 
 __all__ = ["SLACK_FLOOR_MS", "SLACK_WALL_FRACTION", "threshold_ms", "plan", "stage"]
 

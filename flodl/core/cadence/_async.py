@@ -2,13 +2,13 @@
 
 Theory of operation
 -------------------
-Async is Cadence (``_cadence``) with two barriers relaxed (spec §2.1, §3.9, §4.4-4.5,
+Async is Cadence (``cadence._dispatcher``) with two barriers relaxed (spec §2.1, §3.9, §4.4-4.5,
 §5.6); the rank blends the consensus elastically instead of overwriting
 (``flodl_worker.averaging``: EASGD ``theta <- theta + alpha (consensus - theta)`` when
 ``RunSpec.policy`` is Async and ``0 < easgd_alpha < 1``; ``easgd_alpha`` defaults to 0.5).
 Everything else -- ElChe calibration and feedback (``_feedback``), the chunk pools and
 their reservation spans, the firing gate, deaths -- is Cadence's, which is why this is a
-subclass of :class:`~flodl.core._cadence.CadenceDispatcher` and not a second engine:
+subclass of :class:`~flodl.core.cadence._dispatcher.CadenceDispatcher` and not a second engine:
 the Cadence helpers read the run's policy for the two things that differ, so they
 behave as Async here:
 
@@ -79,11 +79,12 @@ from typing import Optional
 
 from flodl.wire import pb
 
-from . import _coverage, _dispatch, _feedback
-from ._cadence import CadenceDispatcher, _held, offer_chunk
-from ._commands import Command, Notice
-from ._phases import TRAINING
-from ._state import CoordinatorState
+from .. import _coverage, _dispatch
+from . import _feedback
+from ._dispatcher import CadenceDispatcher, _held, offer_chunk
+from .._commands import Command, Notice
+from .._phases import TRAINING
+from .._state import CoordinatorState
 
 __all__ = ["AsyncDispatcher", "ASYNC", "source_epoch", "live_epochs", "wake"]
 

@@ -10,7 +10,7 @@ moved and before the next windows are folded into the ``Update``s -- the head of
 1. The window's timing (the ``WindowLedger``, fed by every ``BatchDone``: ``batch_ms``,
    ``data_ms``, loss) becomes a ``WindowReport``. Its ``sync_ms`` is what the *previous*
    round cost the ranks (so the first window reports 0, as upstream). Rounds overlap
-   the next window (``_cadence``: each rank's next chunk goes out with its
+   the next window (``cadence._dispatcher``: each rank's next chunk goes out with its
    ``RequestParams``), so a round's duration is not paid by anyone; what is paid is the
    *exposed* part: from the moment every rank had run its window while the round was
    still open (``CadenceState.barrier_at``: the next round would have fired then) to
@@ -41,10 +41,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ._commands import Command, Notice
+from .._commands import Command, Notice
 from ._guards import DivergenceReport, NudgeDown, Verdict
-from ._phases import ACTIVE
-from ._state import CadenceState, CoordinatorState
+from .._phases import ACTIVE
+from .._state import CadenceState, CoordinatorState
 from ._window import WindowReport, delivered_capable
 
 __all__ = ["finish_window", "calibrated", "overhead_estimate", "summary"]

@@ -79,23 +79,24 @@ from typing import Optional
 
 from flodl.wire import pb
 
-from . import _coverage, _dispatch, _feedback, _slack
+from .. import _coverage, _dispatch
+from . import _feedback, _slack
 from ._chunk_pool import (
     ChunkPool,
     compute_chunk_batches,
     refresh_final_window_plan,
     reservation_span_sizes,
 )
-from ._commands import Command
-from ._config import CoreConfig
+from .._commands import Command
+from .._config import CoreConfig
 from ._elche import ElChe
-from ._errors import LocalViolation
-from ._events import BatchDone
+from .._errors import LocalViolation
+from .._events import BatchDone
 from ._guards import make_guard
 from ._lr_meta import LrEventMeta
 from ._overshoot import OvershootBudget
-from ._phases import ACTIVE, PENDING, TRAINING
-from ._state import CadenceState, CoordinatorState
+from .._phases import ACTIVE, PENDING, TRAINING
+from .._state import CadenceState, CoordinatorState
 from ._window import WindowLedger
 
 __all__ = [
