@@ -1,15 +1,17 @@
 """Stateful property test of flodl.core against an independent ledger of positions.
 
 Hypothesis picks the policy (Sync, or Cadence with a small anchor and maybe a Throttle
-spread), and the order in which scripted ranks join, train, ack, report chunks, die, go
+spread), and the order in which the ranks -- each the real rank machine (``flodl.rank``,
+driven by tests/unit/core/cluster.py) -- join, train, ack, report chunks, die, go
 silent, repeat old frames, and in which time passes. A separate model -- built only
 from the events fed and the commands emitted, never from the core's state -- tracks who
 owns each position and what was committed. Invariants after every step: a position is
 owned by at most one live rank, is never committed twice, the core's counts agree with
-the model, the epoch never goes back, and (the Cluster checks it on every command) no
-command reaches a rank the core already forgot. At teardown the run is driven to its end:
-every epoch must have trained every sample exactly once (unless every rank was lost),
-and replaying the journal must rebuild the same state.
+the model, the epoch never goes back, no rank machine drops a control the core sent, and
+(the Cluster checks it on every command) no command reaches a rank the core already
+forgot. At teardown the run is driven to its end: every epoch must have trained every
+sample exactly once (unless every rank was lost), and replaying the journal must
+rebuild the same state.
 """
 
 from __future__ import annotations
@@ -265,6 +267,13 @@ class CoreMachine(RuleBasedStateMachine):
                 assert {p for (e, p) in self.model.committed if e == epoch} == {
                     p for p in range(ec.expected) if ec.committed[p]
                 }
+
+    @invariant()
+    def ranks_refuse_nothing_the_core_sends(self):
+        """The rank machines drop no control: no plan beyond the epoch, nothing unsupported."""
+        if not hasattr(self, "c"):
+            return
+        assert not any(r.drops for r in self.c.ranks), [r.drops for r in self.c.ranks]
 
     @invariant()
     def epoch_never_goes_back(self):

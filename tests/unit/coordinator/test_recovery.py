@@ -132,7 +132,7 @@ def test_a_journal_with_a_restart_replays_via_the_cli(Cluster, tmp_path, capsys)
     c.run_until(lambda: c.ranks[1].step >= 2)
     c.feed(CoordinatorRestarted(now=c.now, incarnation=3))
     fin = c.run()
-    # (the scripted ranks never report: the liveness grace and the abandoned round suffice)
+    # (each rank machine notices the new incarnation on its next frame and reports its resync)
     restart = {"type": "_restart", "endpoint": "tcp://127.0.0.1:5999", "incarnation": 3}
     lines = [{"type": "_start", "settings": asdict(s)}] + [to_record(ev) for ev in c.journal]
     i = next(k for k, x in enumerate(lines) if x["type"] == "CoordinatorRestarted")

@@ -1,20 +1,43 @@
-"""Cluster: the real core against N scripted in-memory ranks (h11's ConnectionPair).
+"""Cluster: the real core against N in-memory ranks, each the real rank machine.
 
-Each ``ScriptedRank`` behaves like the rank runtime of docs/protocol.md, minus torch:
+Every rank is ``flodl.rank.RankMachine`` -- the machine ``flodl_worker.rank`` drives with
+torch and a socket and ``flodl.sim`` in virtual time -- in a small shell (``RankShell``)
+with no tensors: so the core's scenario and property tests run the real rank's plans,
+throttle, credit, folded step, checkpoint arming and resync report. What a rank sends is
+decoded by the coordinator's own ``flodl_coordinator.translate``.
 
-* ``StartEpoch`` / ``ExtendPartition`` queue position ranges; ``train_one`` trains one
-  batch (``batch_size`` positions, or what is left of the current range) and reports
-  ``BatchDone``; when the queue runs dry it reports ``ChunkDone`` (or leaves it due,
-  with ``defer_chunks``, for a test to send with ``send_chunk``).
-* ``RequestParams{cycle}``: the rank snapshots its step count; the reducer is simulated
-  -- the consensus comes straight back, so the rank answers ``SyncAcked{cycle,
-  step_count = the snapshot's}`` (or leaves it due, with ``defer_acks``, for a test to
-  send with ``send_ack``). With ``race_throttle`` the rank trains one more batch between
-  the snapshot and reading ``Throttle``: that batch is folded only by the next round.
-* ``Throttle`` stops training until ``Update``; an ``Update`` carrying ``next_plan``
-  (Cadence's atomic dispatch) queues that range like a ``StartEpoch``; ``ExecuteEval``
-  for this rank answers ``EvalDone``; ``Shutdown``/``ShutdownWithSave`` answers
-  ``RankExiting``.
+The shell, as ``pump_once`` drives it (or a test, step by step):
+
+* ``deliver_one`` hands the next control to the machine (``IncarnationSeen``, then
+  ``ControlReceived``) and carries out its commands; ``train_one`` trains the machine's
+  next ``TrainBatch`` (``speed_ms`` of the rank's own device clock, ``data_ms`` 1.0, loss
+  ``2 / (1 + 0.05 step)``), reporting ``BatchDone``, and sends the chunk's ``Metrics``
+  (``ChunkDone``: one per plan, ``epoch_ms`` the device clock's span) when it runs out.
+* ``RequestParams``: the machine snapshots (``TakeSnapshot``); the reducer is simulated
+  -- ``send_ack``: the consensus comes back (as the reducer sends it: to every
+  contributor, ``None`` only when the round's whole mass is 0; its arrays are the marker
+  ``(cycle,)``) and the machine's ``ApplyConsensus`` is acked
+  (``SyncAcked{step_count = its ack_step}``). ``saved`` lists what each
+  ``SaveCheckpoint`` saved (``params``: the held consensus marker, or None: as is).
+* ``ExecuteEval`` answers ``eval_metric`` / ``eval_error``; ``Shutdown`` sends
+  ``RankExiting`` (and, with ``agent_reports_exit``, the agent's ``RankExitReported``).
+* Checkpoints reach the machine (arming, refusals); its answers (saved, or refused by
+  name) are held in ``saves_due`` unless ``answer_checkpoints`` -- tests answer them by
+  hand with ``CheckpointDone`` or ``send_saves``. ``answer_checkpoints`` also plays the
+  coordinator's shell with a checkpoint directory: each ``Checkpoint`` names a path
+  (without one the machine refuses it by name).
+* ``scalars``: values a metrics recorder would add to every chunk (the rank itself adds
+  none).
+
+Fault knobs are wrappers around the machine, never in it: ``deaf`` (control kinds dropped
+before the machine), ``defer_acks`` (the consensus waits for ``send_ack``),
+``defer_chunks`` / ``hold_chunks`` (the chunk's metrics wait for ``send_chunk``; the rank
+trains nothing meanwhile), ``race_throttle`` (one batch lands between the snapshot and
+the rest of the inbox), ``silence`` (hung: nothing in or out), ``kill``. The
+coordinator's incarnation starts at 1 and changes with every ``CoordinatorRestarted``
+fed; a control carries the incarnation that sent it: each machine notices a new one on
+the first frame of it that it handles and sends its resync report (a frame of an
+incarnation it left behind is dropped, ``stale_incarnation``).
 
 Time is virtual: ``advance(dt)`` moves ``now``, lets every live, non-silent rank send a
 heartbeat once per second of virtual time, and feeds a ``Tick``. Nothing sleeps.
@@ -31,12 +54,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from flodl.core import (
-    BatchDone,
-    ChunkDone,
+    CheckpointDone,
+    CoordinatorRestarted,
     CoreConfig,
     EvalDone,
     Event,
     ForgetRank,
+    OpenRound,
     HeartbeatSeen,
     RankExiting,
     RankExitReported,
@@ -49,42 +73,88 @@ from flodl.core import (
     initial_state,
     step,
 )
+from flodl.rank import (
+    AbandonRounds,
+    Admitted,
+    ApplyConsensus,
+    BatchTrained,
+    ConsensusReady,
+    ControlReceived,
+    Drop,
+    Exit,
+    FormGroup,
+    IncarnationSeen,
+    RankMachine,
+    RunEpochFn,
+    RunEval,
+    SaveCheckpoint,
+    SendMetrics,
+    SendTiming,
+    TakeSnapshot,
+    TrainBatch,
+    Warn,
+)
 from flodl.wire import pb
+from flodl_coordinator.translate import metrics_event as translate_metrics
+from flodl_coordinator.translate import timing_event
 
 MODEL_SIG = b"\x5a" * 8
 
 
 @dataclass
-class ScriptedRank:
+class RankShell:
+    """A rank of the cluster: the real ``flodl.rank.RankMachine`` in a virtual-time shell,
+    with the cluster's fault knobs around it (never inside it)."""
+
     rank: int
     route: tuple[bytes, ...]
     incarnation: int = 0
     speed_ms: float = 10.0
     inbox: deque = field(default_factory=deque)
     received: list = field(default_factory=list)
-    work: deque = field(default_factory=deque)  # [epoch, offset, size] still to train
-    step: int = 0
-    throttled: bool = False
-    alive: bool = True  # the process runs
-    silent: bool = False  # sends nothing, processes nothing (hung)
+    alive: bool = True
+    silent: bool = False
     admitted: bool = False
     refused: Optional[str] = None
     forgotten: bool = False
     exited: bool = False
-    chunk_seq: dict = field(default_factory=dict)  # epoch -> ChunkDones sent
-    window: dict = field(default_factory=dict)  # epoch -> [batches, samples, loss_sum]
-    chunk_due: Optional[int] = None  # epoch whose ChunkDone is due
-    ack_due: Optional[tuple] = None  # (cycle, step at the snapshot) whose SyncAcked is due
+    ack_due: Optional[tuple] = None  # (cycle, step at the snapshot) whose consensus has not come back
+    chunk_due: Optional[int] = None  # epoch of the chunk whose metrics are held (metrics_due)
+    metrics_due: Optional[Any] = None  # the pb.Metrics the machine emitted, not sent yet
     last_hb: float = 0.0
     trained: list = field(default_factory=list)  # (epoch, offset, samples, step)
-    deaf: set = field(default_factory=set)  # control kinds this rank ignores (fault injection)
+    deaf: set = field(default_factory=set)  # control kinds dropped before the machine (fault injection)
+    clock_ms: float = 0.0  # the rank's device time: speed_ms per batch (a chunk's epoch_ms)
+    saves_due: list = field(default_factory=list)  # CheckpointDone answers held (answer_checkpoints off)
+    saved: list = field(default_factory=list)  # (version, cycle named, params saved) of each SaveCheckpoint
+    drops: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)
+    m: Any = None
+
+    def __post_init__(self) -> None:
+        self.m = RankMachine(self.rank)
 
     @property
     def active(self) -> bool:
         return self.alive and not self.silent and not self.exited and not self.forgotten
 
+    @property
+    def step(self) -> int:
+        return self.m.local_step
+
+    @property
+    def throttled(self) -> bool:
+        return self.m.throttled
+
+    @property
+    def work(self) -> list:
+        """[epoch, offset, size] handed to this rank and not trained yet."""
+        return [[p.epoch, p.partition_offset, p.partition_size] for p in self.m.held_positions()]
+
 
 class Cluster:
+    """The core and its ranks (see the module docstring); ``ranks[r]`` is a ``RankShell``."""
+
     def __init__(
         self,
         world_size: int = 3,
@@ -100,6 +170,8 @@ class Cluster:
         defer_acks: bool = False,
         race_throttle: bool = False,
         agent_reports_exit: bool = False,
+        answer_checkpoints: bool = False,
+        scalars: Optional[dict] = None,
         dt: float = 0.01,
         **cfg: Any,
     ) -> None:
@@ -117,9 +189,15 @@ class Cluster:
         self.race_throttle = race_throttle
         self.hold_chunks = False  # pump_once leaves due ChunkDones unsent while True
         self.agent_reports_exit = agent_reports_exit
+        self.answer_checkpoints = answer_checkpoints
+        self.scalars = dict(scalars or {})  # name -> per-batch value a metrics recorder adds to every chunk
+        self.coordinator_incarnation = 1  # changes with every CoordinatorRestarted fed
+        self.sent_by: dict[int, int] = {}  # command_id -> the incarnation that sent it (its frame's stamp)
+        self.round_ranks: dict[int, set] = {}  # cycle -> the ranks its OpenRound expects
+        self.round_weights: dict[int, dict] = {}  # cycle -> {rank: snapshot weight}
         speeds = speeds or [10.0 * (1 + r) for r in range(self.config.world_size)]
         self.ranks = [
-            ScriptedRank(r, (b"relay", b"rank-%d" % r), speed_ms=speeds[r]) for r in range(self.config.world_size)
+            RankShell(r, (b"relay", b"rank-%d" % r), speed_ms=speeds[r]) for r in range(self.config.world_size)
         ]
         self.journal: list[Event] = []  # every event fed, refused ones included
         self.trace: list[tuple[Event, list]] = []  # (event, its commands) for accepted events
@@ -131,6 +209,8 @@ class Cluster:
     # -- feeding the core ---------------------------------------------------------------
 
     def feed(self, ev: Event) -> list:
+        if isinstance(ev, CoordinatorRestarted):
+            self.coordinator_incarnation += 1
         self.journal.append(ev)
         self.state, cmds = step(self.state, ev)
         self.trace.append((ev, cmds))
@@ -147,20 +227,35 @@ class Cluster:
             assert not r.forgotten, f"command {c.kind} sent to forgotten rank {c.rank}"
             assert c.control.command_id > self._last_command_id, "command ids must increase"
             self._last_command_id = c.control.command_id
+            self.sent_by[c.control.command_id] = self.coordinator_incarnation
             r.received.append(c.control)
             if r.alive and not r.exited:
-                r.inbox.append(c.control)
+                r.inbox.append(self._stamped(c.control))
         elif isinstance(c, Reply):
             for r in self.ranks:
                 if r.route == c.route:
                     if c.ack.accepted:
                         r.admitted = True
+                        if self._seen(r, hello_ack=True) and not r.m.admitted:
+                            self._do(r, r.m.handle(Admitted(spec=c.ack.run)))
                     else:
                         r.refused = c.ack.reason
+        elif isinstance(c, OpenRound):
+            self.round_ranks[c.cycle] = set(c.ranks)
         elif isinstance(c, ForgetRank):
             self.ranks[c.rank].forgotten = True
         elif isinstance(c, RunFinished):
             self.finished = c
+
+    def _stamped(self, ctl: pb.Control) -> pb.Control:
+        """What the coordinator's shell adds on the way out: with ``answer_checkpoints``
+        (a checkpoint directory), a ``Checkpoint`` names the path to save to."""
+        if not self.answer_checkpoints or ctl.WhichOneof("cmd") != "checkpoint" or ctl.checkpoint.path:
+            return ctl
+        out = pb.Control()
+        out.CopyFrom(ctl)
+        out.checkpoint.path = f"ckpt/v{ctl.checkpoint.version}/rank{ctl.checkpoint.target_rank}"
+        return out
 
     def hello(self, rank: int, **over: Any) -> list:
         r = self.ranks[rank] if 0 <= rank < len(self.ranks) else None
@@ -182,107 +277,146 @@ class Cluster:
         for r in range(self.config.world_size):
             self.hello(r)
 
+    # -- the machine's commands ---------------------------------------------------------
+
+    def _seen(self, r: RankShell, hello_ack: bool = False, incarnation: Optional[int] = None) -> bool:
+        inc = self.coordinator_incarnation if incarnation is None else incarnation
+        cmds = r.m.handle(IncarnationSeen(incarnation=inc, hello_ack=hello_ack))
+        self._do(r, cmds)
+        return not any(isinstance(c, Drop) for c in cmds)
+
+    def hear_incarnation(self, rank: int) -> None:
+        """The rank hears the coordinator's current incarnation (a beacon, say)."""
+        r = self.ranks[rank]
+        if r.active:
+            self._seen(r)
+
+    def _do(self, r: RankShell, cmds: list) -> None:
+        for c in cmds:
+            t = type(c)
+            if t is SendTiming:
+                ev = timing_event(self.now, pb.Timing(rank=r.rank, **{c.kind: c.body}))
+                if isinstance(ev, CheckpointDone) and not self.answer_checkpoints:
+                    r.saves_due.append(ev)
+                else:
+                    self.feed(ev)
+            elif t is SendMetrics:
+                for name, value in self.scalars.items():  # what a metrics recorder would add
+                    acc = c.metrics.scalars[name]
+                    acc.sum, acc.count = value * c.metrics.batches_processed, c.metrics.batches_processed
+                r.chunk_due, r.metrics_due = c.metrics.epoch, c.metrics
+                if not self.defer_chunks:
+                    self.send_chunk(r.rank)
+            elif t is TakeSnapshot:
+                r.ack_due = (c.cycle, c.step_count)
+                self.round_weights.setdefault(c.cycle, {})[r.rank] = c.weight
+            elif t is ApplyConsensus:
+                self.feed(SyncAcked(now=self.now, rank=r.rank, cycle=c.cycle, step_count=c.ack_step, divergence=0.01))
+            elif t is AbandonRounds:
+                if r.ack_due is not None and r.ack_due[0] in c.cycles:
+                    r.ack_due = None
+            elif t is SaveCheckpoint:
+                r.saved.append((c.command.version, c.command.cycle, c.params))
+                ev = CheckpointDone(now=self.now, rank=r.rank, version=c.command.version, elapsed_ms=1.0)
+                if self.answer_checkpoints:
+                    self.feed(ev)
+                else:
+                    r.saves_due.append(ev)
+            elif t is RunEval:
+                x = c.command
+                self.feed(EvalDone(now=self.now, rank=r.rank, schedule_id=x.schedule_id, epoch=x.epoch,
+                                   metric=self.eval_metric, error=self.eval_error, final=x.final))  # fmt: skip
+            elif t is Exit:
+                self.feed(RankExiting(now=self.now, rank=r.rank, param_digest=f"digest-{r.rank}", steps=c.steps))
+                r.exited = True
+                if self.agent_reports_exit:
+                    self.feed(RankExitReported(now=self.now, rank=r.rank, code=0))
+            elif t is Drop:
+                r.drops[c.reason] = r.drops.get(c.reason, 0) + 1
+            elif t is Warn:
+                r.warnings.append(c.text)
+            elif t in (RunEpochFn, FormGroup):
+                pass  # no epoch_fn (the real shell sends nothing then); no process group here
+            else:
+                raise TypeError(f"the cluster has no shell for {t.__name__}")
+
     # -- rank behaviour ---------------------------------------------------------------------
 
     def deliver_one(self, rank: int) -> bool:
-        """The rank handles the next control in its inbox; False if nothing to do."""
         r = self.ranks[rank]
         if not r.active or not r.inbox:
             return False
         ctl = r.inbox.popleft()
         kind = ctl.WhichOneof("cmd")
-        if kind in r.deaf:
-            pass
-        elif kind == "start_epoch":
-            p = ctl.start_epoch.plan
-            r.work.append([p.epoch, p.partition_offset, p.partition_size])
-        elif kind == "extend_partition":
-            e = ctl.extend_partition
-            r.work.append([e.epoch, e.partition_offset, e.partition_size])
-        elif kind == "request_params":
-            r.ack_due = (ctl.request_params.cycle, r.step)  # the snapshot
+        if kind in r.deaf or not self._seen(r, incarnation=self.sent_by.get(ctl.command_id)) or not r.m.admitted:
+            return True
+        before = r.ack_due
+        self._do(r, r.m.handle(ControlReceived(control=ctl)))
+        if kind == "request_params" and r.ack_due is not before and r.active:
             if self.race_throttle:
                 self.train_one(rank)  # a batch lands after the snapshot, before Throttle is read
             if not self.defer_acks:
                 self.send_ack(rank)
-        elif kind == "throttle":
-            r.throttled = True
-        elif kind == "update":
-            r.throttled = False
-            if ctl.update.HasField("next_plan"):  # Cadence: the next window, atomically
-                p = ctl.update.next_plan
-                r.work.append([p.epoch, p.partition_offset, p.partition_size])
-        elif kind == "execute_eval" and ctl.execute_eval.target_rank == rank:
-            x = ctl.execute_eval
-            self.feed(
-                EvalDone(now=self.now, rank=rank, schedule_id=x.schedule_id, epoch=x.epoch,
-                         metric=self.eval_metric, error=self.eval_error, final=x.final)
-            )
-        elif kind in ("shutdown", "shutdown_with_save"):
-            self._exit(rank)
         return True
 
-    def _exit(self, rank: int) -> None:
-        r = self.ranks[rank]
-        self.feed(RankExiting(now=self.now, rank=rank, param_digest=f"digest-{rank}", steps=r.step))
-        r.exited = True
-        if self.agent_reports_exit:
-            self.feed(RankExitReported(now=self.now, rank=rank, code=0))
-
     def send_ack(self, rank: int) -> bool:
-        """The consensus came back: apply it and ack the snapshot's step count."""
+        """The consensus of the snapshot came back: the machine applies it and acks."""
         r = self.ranks[rank]
         if r.ack_due is None or not r.active:
             return False
-        (cycle, step), r.ack_due = r.ack_due, None
-        self.feed(SyncAcked(now=self.now, rank=rank, cycle=cycle, step_count=step, divergence=0.01))
+        (cycle, _step), r.ack_due = r.ack_due, None
+        if not r.m.has_snapshot(cycle):
+            return False
+        # As the reducer answers: the consensus goes to every contributor, weight-0 ones
+        # included, unless the round's whole mass is 0 (then everyone keeps local).
+        # Its "arrays" name the cycle, so a save shows which consensus it holds.
+        weights = self.round_weights.setdefault(cycle, {})
+        empty = set(weights) >= self.round_ranks.get(cycle, set()) and not any(weights.values())
+        self._do(r, r.m.handle(ConsensusReady(cycle=cycle, arrays=None if empty else (cycle,))))
         return True
 
     def can_train(self, rank: int) -> bool:
         r = self.ranks[rank]
-        return r.active and not r.throttled and bool(r.work) and r.chunk_due is None
+        return r.active and r.m.admitted and not r.m.throttled and r.m.has_plan() and r.chunk_due is None
 
     def train_one(self, rank: int) -> bool:
-        """Train one batch; report it (and the ChunkDone when the work runs out)."""
+        """Train the machine's next batch (and send the chunk's metrics when it runs out)."""
         if not self.can_train(rank):
             return False
         r = self.ranks[rank]
-        epoch, offset, size = r.work[0]
-        n = min(self.config.batch_size, size)
-        if size - n == 0:
-            r.work.popleft()
-        else:
-            r.work[0] = [epoch, offset + n, size - n]
-        if n > 0:
-            r.step += 1
-            loss = 2.0 / (1.0 + 0.05 * r.step)
-            r.trained.append((epoch, offset, n, r.step))
-            w = r.window.setdefault(epoch, [0, 0, 0.0])
-            w[0], w[1], w[2] = w[0] + 1, w[1] + n, w[2] + loss
-            self.feed(
-                BatchDone(now=self.now, rank=rank, batch_ms=r.speed_ms, data_ms=1.0, step_count=r.step,
-                          loss=loss, samples=n, epoch=epoch, offset=offset)
-            )
-        if not r.work or r.work[0][0] != epoch:
-            r.chunk_due = epoch
-            if not self.defer_chunks:
-                self.send_chunk(rank)
+        act = r.m.next_action(r.clock_ms / 1e3)
+        if isinstance(act, TrainBatch):
+            r.clock_ms += r.speed_ms
+            step = r.step + 1
+            r.trained.append((act.epoch, act.offset, act.count, step))
+            loss = 2.0 / (1.0 + 0.05 * step)
+            self._do(r, r.m.handle(BatchTrained(epoch=act.epoch, offset=act.offset, samples=act.count,
+                                                batch_ms=r.speed_ms, data_ms=1.0, loss=loss)))  # fmt: skip
+            if r.m.current is None or not r.m.current.exhausted():
+                return True
+            act = r.m.next_action(r.clock_ms / 1e3)
+        if isinstance(act, SendMetrics):
+            self._do(r, [act])
         return True
 
     def send_chunk(self, rank: int) -> bool:
         r = self.ranks[rank]
         if r.chunk_due is None or not r.active:
             return False
-        epoch, r.chunk_due = r.chunk_due, None
-        batches, samples, loss_sum = r.window.pop(epoch, [0, 0, 0.0])
-        seq = r.chunk_seq.get(epoch, 0)
-        r.chunk_seq[epoch] = seq + 1
-        self.feed(
-            ChunkDone(now=self.now, rank=rank, epoch=epoch, chunk_seq=seq, batches=batches, samples=samples,
-                      avg_loss=loss_sum / batches if batches else 0.0, epoch_ms=batches * r.speed_ms,
-                      scalars=(("acc", 0.5 * batches, batches),))
-        )
+        m, r.chunk_due, r.metrics_due = r.metrics_due, None, None
+        self.feed(translate_metrics(self.now, m))
         return True
+
+    def send_saves(self, rank: int) -> bool:
+        """The held checkpoint answers of ``rank`` (saved, or refused by the machine) arrive."""
+        r = self.ranks[rank]
+        if not r.saves_due or not r.active:
+            return False
+        due, r.saves_due = r.saves_due, []
+        for ev in due:
+            self.feed(ev)
+        return True
+
 
     # -- faults and time ----------------------------------------------------------------------
 

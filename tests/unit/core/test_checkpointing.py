@@ -222,6 +222,42 @@ def test_the_asked_rank_dying_moves_the_save_to_a_survivor():
     assert [(x.rank, x.control.checkpoint.version) for x in again] == [(1, v)]
 
 
+@pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_rank_saves_exactly_the_consensus_the_checkpoint_names(policy, seed):
+    """Both halves real: the core picks the cycle and the rank, the rank machine decides
+    what to save (``answer_checkpoints``: the shell has a checkpoint directory and answers).
+    With acks straggling at random, every save holds the consensus of the cycle its
+    Checkpoint names -- the held one when the rank stepped on since (async), never its
+    local weights -- and none is refused."""
+    rng = random.Random(seed)
+    ws = rng.choice([2, 3])
+    c = Cluster(world_size=ws, total=rng.choice([64, 150]) * ws, batch_size=8, epochs=3, policy=policy,
+                checkpoint_every=1, speeds=[rng.choice([5.0, 10.0, 40.0]) for _ in range(ws)], defer_acks=True,
+                answer_checkpoints=True)  # fmt: skip
+    c.join_all()
+    for _ in range(20000):
+        if c.finished is not None:
+            break
+        order = list(range(ws))
+        rng.shuffle(order)
+        for r in order:
+            while c.deliver_one(r):
+                pass
+            if rng.random() < 0.4:
+                c.send_ack(r)
+            c.send_chunk(r)
+            c.train_one(r)
+        c.advance(c.dt)
+    assert c.finished is not None and c.finished.ok
+    asked = {(s.rank, s.control.checkpoint.version, s.control.checkpoint.cycle) for s in c.sends("checkpoint")}
+    saved = {(r.rank, v, cycle) for r in c.ranks for v, cycle, _ in r.saved}
+    assert asked and saved == asked
+    assert all(params == [cycle] for r in c.ranks for _v, cycle, params in r.saved)
+    assert not any(ev.error for ev in c.journal if isinstance(ev, CheckpointDone))
+    assert c.state.checkpoints.pending == {} and c.state.checkpoints.given_up == 0
+
+
 # -- failure saves --------------------------------------------------------------------------
 
 

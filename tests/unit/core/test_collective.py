@@ -27,7 +27,7 @@ from .cluster import Cluster, controls
 
 
 class CollectiveCluster(Cluster):
-    """The scripted cluster, plus the store host's answer: a ``Rendezvous`` announcing a
+    """The cluster, plus the store host's answer: a ``Rendezvous`` announcing a
     generation to ``new_rank`` 0 is answered ``StoreReady`` (unless the rank is ``mute``).
     The all-reduce itself is simulated by the base cluster (the ack comes straight back)."""
 

@@ -1,4 +1,4 @@
-"""End to end: the core against scripted ranks; every epoch trains every sample once."""
+"""End to end: the core against the real rank machines; every epoch trains every sample once."""
 
 import pytest
 

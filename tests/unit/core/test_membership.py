@@ -123,7 +123,7 @@ def test_squatter_that_vanishes_releases_the_cohort():
     assert c.state.ranks[0].phase is VACANT and c.state.cohort_sig is None
     assert "admitted, then lost before the world formed" in c.state.run.not_admitted[0]
     c.now = 21.0
-    c.ranks[0].forgotten = False  # (the scripted rank 0 is the real one; the squatter was forgotten)
+    c.ranks[0].forgotten = False  # (the cluster's rank 0 is the real one; the squatter was forgotten)
     assert _ack(c.hello(1)).accepted
     assert _ack(c.hello(0)).accepted
     assert all(r.phase is ACTIVE for r in c.state.ranks)
@@ -136,7 +136,7 @@ def test_squatter_on_a_real_ranks_slot_is_evicted_by_the_quorum_and_that_rank_ad
     cmds = c.hello(1)  # 2 voters (slots 0, 1) > 1 holder: evicted
     assert ForgetRank(0, c.state.ranks[0].reason) in cmds
     assert c.state.ranks[1].phase is JOINING
-    c.ranks[0].forgotten = False  # (the scripted rank 0 is the real one)
+    c.ranks[0].forgotten = False  # (the cluster's rank 0 is the real one)
     assert _ack(c.hello(0)).accepted and _ack(c.hello(2)).accepted
     assert all(r.phase is ACTIVE for r in c.state.ranks) and c.state.cohort_sig == b"\x5a" * 8
 
@@ -150,7 +150,7 @@ def test_quorum_of_deferred_hellos_evicts_a_squatting_minority():
     assert c.state.ranks[0].phase is VACANT and "evicted before the world formed" in c.state.ranks[0].reason
     assert any(isinstance(x, Send) and x.kind == "shutdown" and x.rank == 0 for x in cmds)
     assert c.state.ranks[2].phase is JOINING and c.state.cohort_sig == b"\x5a" * 8
-    c.ranks[0].forgotten = False  # (the scripted rank 0 is the real one; the squatter was forgotten)
+    c.ranks[0].forgotten = False  # (the cluster's rank 0 is the real one; the squatter was forgotten)
     assert _ack(c.hello(1)).accepted and _ack(c.hello(0)).accepted  # the real ones' resends
     assert all(r.phase is ACTIVE for r in c.state.ranks)
 

@@ -66,7 +66,7 @@ def test_aggregate_rank_without_chunks_is_zero_and_loss_none():
 
 
 def test_epoch_aggregated_broadcast_once_per_epoch_to_every_rank():
-    c = Cluster(policy="sync", world_size=3, total=30, batch_size=4, epochs=2)
+    c = Cluster(policy="sync", world_size=3, total=30, batch_size=4, epochs=2, scalars={"acc": 0.5})
     c.join_all()
     c.run()
     for r in range(3):

@@ -30,13 +30,19 @@ from flodl.core import (
 from flodl.core._resync import _subtract, lost_positions
 from flodl.core import ACTIVE, PENDING, TRAINING
 
+from flodl.rank import Admitted, IncarnationSeen, SendTiming
+from flodl.wire import pb
+from flodl_coordinator.translate import timing_event
+
 from .cluster import Cluster
 
-_RANK_EVENTS = (BatchDone, ChunkDone, SyncAcked)
+_RANK_EVENTS = (BatchDone, ChunkDone, SyncAcked)  # frames a dead coordinator loses
 
 
 class CrashCluster(Cluster):
-    """A cluster whose coordinator can be killed and restarted on its journal."""
+    """A cluster whose coordinator can be killed and restarted on its journal. The ranks
+    are the real rank machines: they notice the new incarnation on the first frame they
+    handle (or ``resync``: a beacon) and build their resync report themselves."""
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
@@ -45,19 +51,12 @@ class CrashCluster(Cluster):
         self.consensus_in_outage = False  # a consensus the dead reducer sent before dying
         self.hold_acks = False  # the consensus has not come back yet (snapshots wait)
         self.outage: list = []  # rank frames sent while the coordinator was down
-        self.sent_batches: list[list[BatchDone]] = [[] for _ in range(ws)]
-        self.sent_chunks: list[list[ChunkDone]] = [[] for _ in range(ws)]
-        self.folded = [0] * ws  # each rank's own folded step
-        self.processed = [0] * ws  # highest command_id each rank handled
+        self.folded = [0] * ws  # the highest step each rank's acks named
         self.unsynced = [False] * ws  # has not heard the new incarnation yet
+        self.reports: dict = {}  # rank -> its resync report, built and not sent yet
 
-    # Rank-side bookkeeping (what flodl_worker.resync keeps), then the wire.
     def feed(self, ev):
-        if isinstance(ev, BatchDone):
-            self.sent_batches[ev.rank].append(ev)
-        elif isinstance(ev, ChunkDone):
-            self.sent_chunks[ev.rank].append(ev)
-        elif isinstance(ev, SyncAcked):
+        if isinstance(ev, SyncAcked):
             self.folded[ev.rank] = max(self.folded[ev.rank], ev.step_count)
         if self.down:
             if isinstance(ev, _RANK_EVENTS):
@@ -72,11 +71,14 @@ class CrashCluster(Cluster):
 
     def deliver_one(self, rank: int) -> bool:
         r = self.ranks[rank]
-        if r.active and r.inbox:
-            if self.unsynced[rank]:  # the first frame of the new incarnation: report first
-                self.resync(rank)
-            self.processed[rank] = max(self.processed[rank], r.inbox[0].command_id)
+        if r.active and r.inbox and self.unsynced[rank]:  # the first frame of the new incarnation
+            self.resync(rank)
         return super().deliver_one(rank)
+
+    @property
+    def processed(self) -> list[int]:
+        """The highest command_id each rank handled (its machine's)."""
+        return [r.m.last_command_id for r in self.ranks]
 
     def crash(self) -> list:
         """kill -9: the journal so far is all that survives."""
@@ -92,42 +94,36 @@ class CrashCluster(Cluster):
         self.consensus_in_outage = False
         for r in self.ranks:
             r.inbox.clear()  # undelivered commands died with the process
-            r.ack_due = None  # the rank drops its snapshots: their rounds are gone
+            r.ack_due = None  # so did the reducer's rounds: no consensus comes back
         self.unsynced = [r.active for r in self.ranks]
         self.feed(CoordinatorRestarted(now=self.now, incarnation=7))
         late = self.outage[len(self.outage) - delivered :] if delivered else []
         self.outage = []
         for ev in late:
             if self.ranks[ev.rank].active:
-                Cluster.feed(self, ev)  # the rank-side books already have it
+                Cluster.feed(self, ev)
 
     def resync_event(self, rank: int) -> RankResynced:
-        r, folded = self.ranks[rank], self.folded[rank]
-        return RankResynced(
-            now=self.now,
-            rank=rank,
-            last_command_id=self.processed[rank],
-            local_step=r.step,
-            folded_step=folded,
-            throttled=r.throttled,
-            idle=not r.work,
-            batches=tuple(
-                (b.step_count, b.epoch, b.offset, b.samples, b.batch_ms, b.data_ms, b.loss, b.lr)
-                for b in self.sent_batches[rank]
-                if b.step_count > folded
-            ),
-            held=tuple((e, o, n) for e, o, n in r.work if n > 0),
-            chunks=tuple(
-                (c.epoch, c.chunk_seq, c.batches, c.samples, c.avg_loss, c.epoch_ms, c.share_complete_ms,
-                 c.compute_only_ms, c.data_starve_ms)
-                for c in self.sent_chunks[rank]
-            ),  # fmt: skip
-        )
+        """The rank machine's resync report, decoded as the coordinator would (built once,
+        sent by ``resync``). With no restart to hear, the machine reports as after an
+        answer to a repeated hello (its first ack may have been lost)."""
+        if rank not in self.reports:
+            r = self.ranks[rank]
+            if r.m.is_restart(self.coordinator_incarnation):
+                cmds = r.m.handle(IncarnationSeen(incarnation=self.coordinator_incarnation))
+            else:
+                cmds = r.m.handle(Admitted(spec=r.m.spec, global_step=r.m.global_step, hello_resent=True))
+            (report,) = [x for x in cmds if isinstance(x, SendTiming) and x.kind == "resync"]
+            self._do(r, [x for x in cmds if x is not report])
+            self.reports[rank] = timing_event(self.now, pb.Timing(rank=rank, resync=report.body))
+        return self.reports[rank]
 
     def resync(self, rank: int) -> list:
         """The rank hears the new incarnation (a beacon, say) and reports, once."""
+        ev = self.resync_event(rank)
+        del self.reports[rank]
         self.unsynced[rank] = False
-        return self.feed(self.resync_event(rank))
+        return self.feed(ev)
 
     def resync_all(self) -> None:
         for r in range(len(self.ranks)):
@@ -275,6 +271,8 @@ def test_lost_metrics_become_chunk_done():
     c = _cluster("sync", epochs=2, defer_chunks=True)
     # Rank 1 reported its last batch of epoch 0; its ChunkDone is the frame the crash eats.
     c.run_until(lambda: c.ranks[1].chunk_due == 0)
+    for r in (0, 2):  # the others' metrics got through: rank 1's is the only one lost
+        c.send_chunk(r)
     journal = c.crash()
     c.send_chunk(1)  # lost: it was on its way to the dead process
     assert any(isinstance(ev, ChunkDone) and ev.rank == 1 for ev in c.outage)
