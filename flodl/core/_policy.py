@@ -59,12 +59,17 @@ class Policy:
 
 SYNC_POLICY = Policy("sync", SYNC, should_average, barrier_paced=True, overshoot=False, atomic_dispatch=False,
                      streams_epochs=False)  # fmt: skip
-# The engines' two switches live on the dispatchers (their setup hands them to the
-# CadenceState the engines read); the Policy repeats them so the table above is data.
-CADENCE_POLICY = Policy("cadence", _dispatcher.CADENCE, _dispatcher.cadence_gate, barrier_paced=_dispatcher.CADENCE.barrier_paced,
-                        overshoot=_dispatcher.CADENCE.overshoot, atomic_dispatch=True, streams_epochs=False)  # fmt: skip
-ASYNC_POLICY = Policy("async", _async.ASYNC, _dispatcher.cadence_gate, barrier_paced=_async.ASYNC.barrier_paced,
-                      overshoot=_async.ASYNC.overshoot, atomic_dispatch=False, streams_epochs=True)  # fmt: skip
+# Cadence and Async are one dispatcher class composed with the switches (and, for Async,
+# its epoch streaming: ``cadence._async.STREAMS``); its setup hands barrier_paced and
+# overshoot to the CadenceState the engines read. The Policy repeats them so the table
+# above is data.
+def _composed(name: str, d: _dispatcher.CadenceDispatcher) -> Policy:
+    return Policy(name, d, _dispatcher.cadence_gate, barrier_paced=d.barrier_paced, overshoot=d.overshoot,
+                  atomic_dispatch=d.atomic_dispatch, streams_epochs=d.streams is not None)  # fmt: skip
+
+
+CADENCE_POLICY = _composed("cadence", _dispatcher.CADENCE)
+ASYNC_POLICY = _composed("async", _async.ASYNC)
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (SYNC_POLICY, CADENCE_POLICY, ASYNC_POLICY)}
 # Views for callers that want one part (tests, the step).

@@ -7,9 +7,10 @@ Async is Cadence (``cadence._dispatcher``) with two barriers relaxed (spec §2.1
 (``flodl_worker.averaging``: EASGD ``theta <- theta + alpha (consensus - theta)`` when
 ``RunSpec.policy`` is Async and ``0 < easgd_alpha < 1``; ``easgd_alpha`` defaults to 0.5).
 Everything else -- ElChe calibration and feedback (``_feedback``), the chunk pools and
-their reservation spans, the firing gate, deaths -- is Cadence's, which is why this is a
-subclass of :class:`~flodl.core.cadence._dispatcher.CadenceDispatcher` and not a second engine:
-the Cadence helpers read the run's policy for the two things that differ, so they
+their reservation spans, the firing gate, deaths -- is Cadence's, which is why ``ASYNC``
+is the one :class:`~flodl.core.cadence._dispatcher.CadenceDispatcher`, composed with
+this module's epoch streaming (``STREAMS``) and the policy's switches, and not a second
+engine: the Cadence helpers read the switches for the two things that differ, so they
 behave as Async here:
 
 * **Reduce barrier** (``_overshoot.reduce_step_budget``): a rank may run
@@ -77,18 +78,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from flodl.wire import pb
-
 from .. import _coverage, _dispatch
-from . import _feedback
-from ._dispatcher import CadenceDispatcher, _held, offer_chunk
+from ._dispatcher import CadenceDispatcher, _held, new_pool, offer_chunk
 from .._commands import Command, Notice
 from .._phases import TRAINING
 from .._state import CoordinatorState
 
-__all__ = ["AsyncDispatcher", "ASYNC", "source_epoch", "live_epochs", "wake"]
-
-POLICY = "async"
+__all__ = ["ASYNC", "STREAMS", "source_epoch", "live_epochs", "wake"]
 
 
 def live_epochs(st: CoordinatorState) -> list[int]:
@@ -125,7 +121,7 @@ def _open(st: CoordinatorState, epoch: int, rank: int, out: list[Command]) -> No
     cov, current = st.coverage.epochs, {d.rank_epoch.get(r) for r in st.alive_ranks()}
     for old in [e for e in cad.pools if e in cov and cov[e].frozen and e not in current]:
         del cad.pools[old]  # aggregated, and nobody's current epoch any more
-    cad.pools[epoch] = CadenceDispatcher._new_pool(st, epoch, total)
+    cad.pools[epoch] = new_pool(st, epoch, total)
     out.append(Notice("epoch_opened", {"epoch": epoch, "rank": rank, "live_epochs": live_epochs(st)}))
 
 
@@ -149,60 +145,26 @@ def wake(st: CoordinatorState, out: list[Command]) -> None:
         _dispatch_next(st, r, out)
 
 
-class AsyncDispatcher(CadenceDispatcher):
-    """Cadence with the overshoot budget and epoch streaming (see the module doc)."""
+class _Streams:
+    """Async's part of the composed dispatcher (``_dispatcher.EpochStreams``)."""
 
-    progressive = True
-    barrier_paced = False  # may run its overshoot past the reduce barrier
-    overshoot = True
-
-    def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
-        if st.dispatch.last_dispatched is None:  # the run's first (or resumed) epoch
-            super().dispatch_epoch(st, epoch, out)
-            return
+    def open_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
         # ``advance`` reaches a later epoch only when nobody streamed into it (every rank
         # was at its reduce barrier when the last epoch drained): open it like a stream,
         # so the barrier still holds whoever is at it.
         _open(st, epoch, -1, out)
         wake(st, out)
 
-    def reassign(self, st: CoordinatorState, rank: int, out: list[Command]) -> None:
-        # Cadence's: the dead rank's uncommitted positions reopen in every live pool;
-        # then survivors are woken from the oldest epoch with work.
-        super().reassign(st, rank, out)
+    def wake(self, st: CoordinatorState, out: list[Command]) -> None:
         wake(st, out)
 
-    def give_back(self, st: CoordinatorState, rank: int, lost, out: list[Command]) -> None:
-        # Cadence's: a refused window's positions go back to their pools; then idle
-        # ranks are woken from the oldest epoch with work.
-        super().give_back(st, rank, lost, out)
-        wake(st, out)
-
-    def wake_idle(self, st: CoordinatorState, out: list[Command]) -> None:
-        # Cadence's batch bookkeeping calls this: oldest epoch first, streaming.
-        wake(st, out)
-
-    def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None:
-        cad = st.cadence
-        for r in ranks:  # the next window starts here (as under Cadence)
-            cad.window_mark[r] = st.ranks[r].last_step
-        cad.barrier_at = None
-        wake(st, out)  # before the RequestParams (the caller's): the round overlaps training
-
-    def on_round_finished(
-        self, st: CoordinatorState, ranks: list[int], out: list[Command]
-    ) -> dict[int, pb.EpochPlan]:
-        cad = st.cadence
+    def round_epoch(self, st: CoordinatorState) -> Optional[int]:
+        """The epoch a finished round is counted for: the oldest live one."""
         live = live_epochs(st)
-        epoch = live[0] if live else st.dispatch.last_dispatched
-        _feedback.finish_window(st, epoch, out)
-        cad.throttled.clear()
-        if epoch is not None:
-            cad.averages[epoch] = cad.averages.get(epoch, 0) + 1
-        return {}  # no atomic dispatch: nobody waits for the Update
-
-    def after_round(self, st: CoordinatorState, out: list[Command]) -> None:
-        wake(st, out)
+        return live[0] if live else st.dispatch.last_dispatched
 
 
-ASYNC = AsyncDispatcher()
+STREAMS = _Streams()
+# Cadence with the overshoot budget and epoch streaming (see the module doc); the run's
+# first (or resumed) epoch is dispatched as under Cadence.
+ASYNC = CadenceDispatcher(barrier_paced=False, overshoot=True, atomic_dispatch=False, streams=STREAMS)

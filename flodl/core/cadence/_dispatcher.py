@@ -75,7 +75,7 @@ last batch); chunk sizing sees the remainder rounded up to whole batches.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 from flodl.wire import pb
 
@@ -102,6 +102,8 @@ from ._window import WindowLedger
 __all__ = [
     "CadenceDispatcher",
     "CADENCE",
+    "EpochStreams",
+    "new_pool",
     "new_state",
     "cadence_gate",
     "quiesced",
@@ -111,9 +113,6 @@ __all__ = [
     "start_window",
     "wake",
 ]
-
-POLICY = "cadence"
-
 
 def new_state(cfg: CoreConfig, *, barrier_paced: bool = True, overshoot: bool = False) -> CadenceState:
     el = ElChe(
@@ -358,21 +357,72 @@ def _check_throttle(st: CoordinatorState, rank: int, out: list[Command]) -> None
         st.send(out, rank, throttle=pb.Control.Throttle())
 
 
+def new_pool(st: CoordinatorState, epoch: int, total: int) -> ChunkPool:
+    """A fresh pool for ``epoch`` with reservation spans from the current counts (equal
+    spans among the alive until ElChe calibrated or has a speed hint)."""
+    bs, el = st.config.batch_size, st.cadence.elche
+    counts = _alive_counts(st)
+    if not (el.calibrated or el.has_speed_hint()):
+        counts = [1 if c > 0 else 0 for c in counts]  # equal spans among the alive
+    batch_total = (total // bs) * bs
+    spans = reservation_span_sizes(batch_total, bs, counts, True)
+    owners = [r for r, c in enumerate(counts) if c > 0] or [len(counts) - 1]
+    spans[owners[-1]] += total - batch_total  # the sub-batch tail
+    return ChunkPool.with_spans(epoch, total, spans)
+
+
 # -- the dispatcher -----------------------------------------------------------------------
 
 
+class EpochStreams(Protocol):
+    """What a streaming policy (Async: ``_async.STREAMS``) adds to the dispatcher: epochs
+    opened on the fly instead of at an epoch barrier, and its own wake rule."""
+
+    def open_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None: ...
+
+    def wake(self, st: CoordinatorState, out: list[Command]) -> None: ...
+
+    def round_epoch(self, st: CoordinatorState) -> Optional[int]: ...
+
+
 class CadenceDispatcher:
-    """Progressive, barrier-paced chunk dispatch driven by ElChe (see module doc)."""
+    """Progressive chunk dispatch driven by ElChe (see module doc), one class for Cadence
+    and Async, parameterised by the policy's switches: ``barrier_paced`` and
+    ``overshoot`` (handed to the engines through ``CadenceState``), ``atomic_dispatch``
+    (the next window is folded into the ``Update``) and ``streams`` (``streams_epochs``:
+    Async's epoch streaming, ``_async``; None under Cadence).
+
+    Under streaming, a death and a refused window run Cadence's wake and then the
+    stream's, in that order (as when Async was a subclass of this class)."""
 
     progressive = True
-    # The engines' switches (``_policy``): Cadence holds ranks at the barriers, no look-ahead.
-    barrier_paced = True
-    overshoot = False
+
+    def __init__(
+        self,
+        *,
+        barrier_paced: bool = True,
+        overshoot: bool = False,
+        atomic_dispatch: bool = True,
+        streams: Optional[EpochStreams] = None,
+    ) -> None:
+        self.barrier_paced = barrier_paced  # the ranks are held at the reduce and epoch barriers
+        self.overshoot = overshoot  # the reduce budget has a moving look-ahead (``_overshoot``)
+        self.atomic_dispatch = atomic_dispatch
+        self.streams = streams
+
+    _new_pool = staticmethod(new_pool)
+
+    def _wake(self, st: CoordinatorState, out: list[Command]) -> None:
+        (wake if self.streams is None else self.streams.wake)(st, out)
 
     def setup(self, st: CoordinatorState) -> None:
         st.cadence = new_state(st.config, barrier_paced=self.barrier_paced, overshoot=self.overshoot)
 
     def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
+        if self.streams is not None and st.dispatch.last_dispatched is not None:
+            # Streaming reaches a later epoch here only when nobody streamed into it.
+            self.streams.open_epoch(st, epoch, out)
+            return
         total = _dispatch.epoch_samples(st.total_samples, 1, epoch)
         if total <= 0:
             raise LocalViolation("dispatch_epoch requires total_samples > 0")
@@ -392,7 +442,7 @@ class CadenceDispatcher:
             holes = st.checkpoints.resume_holes
             cad.pools[epoch] = ChunkPool.from_coverage(epoch, total, st.config.world_size, holes)
         else:
-            cad.pools[epoch] = self._new_pool(st, epoch, total)
+            cad.pools[epoch] = new_pool(st, epoch, total)
         alive = st.alive_ranks()
         for r in alive:
             d.rank_epoch[r] = epoch
@@ -400,18 +450,6 @@ class CadenceDispatcher:
         for r, got in start_window(st, epoch, alive).items():
             _send_plan(st, r, epoch, got, out)
         wake(st, out)
-
-    @staticmethod
-    def _new_pool(st: CoordinatorState, epoch: int, total: int) -> ChunkPool:
-        bs, el = st.config.batch_size, st.cadence.elche
-        counts = _alive_counts(st)
-        if not (el.calibrated or el.has_speed_hint()):
-            counts = [1 if c > 0 else 0 for c in counts]  # equal spans among the alive
-        batch_total = (total // bs) * bs
-        spans = reservation_span_sizes(batch_total, bs, counts, True)
-        owners = [r for r, c in enumerate(counts) if c > 0] or [len(counts) - 1]
-        spans[owners[-1]] += total - batch_total  # the sub-batch tail
-        return ChunkPool.with_spans(epoch, total, spans)
 
     def reassign(self, st: CoordinatorState, rank: int, out: list[Command]) -> None:
         cad, d = st.cadence, st.dispatch
@@ -429,6 +467,8 @@ class CadenceDispatcher:
             _pin(st, d.last_dispatched)
         wake(st, out)
         _note_barrier(st)
+        if self.streams is not None:  # then survivors are woken from the oldest epoch with work
+            self.streams.wake(st, out)
 
     def give_back(
         self, st: CoordinatorState, rank: int, lost: list[tuple[int, int, int]], out: list[Command]
@@ -449,6 +489,8 @@ class CadenceDispatcher:
             _pin(st, d.last_dispatched)
         wake(st, out)
         _note_barrier(st)
+        if self.streams is not None:  # then idle ranks are woken from the oldest epoch with work
+            self.streams.wake(st, out)
 
     def idle(self, st: CoordinatorState, rank: int) -> bool:
         return quiesced(st, rank)
@@ -466,18 +508,17 @@ class CadenceDispatcher:
         chunk = cad.in_flight.get(r)
         if chunk is not None and chunk[0] == ev.epoch and (pool is None or pool.in_flight(r) == 0):
             del cad.in_flight[r]
-            self.wake_idle(st, out)
+            self._wake(st, out)  # hand work to a rank that ran dry (streaming: oldest epoch first)
         _note_barrier(st)
-
-    def wake_idle(self, st: CoordinatorState, out: list[Command]) -> None:
-        """Hand work to ranks that ran dry (the Async policy streams instead)."""
-        wake(st, out)
 
     def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None:
         cad = st.cadence
         for r in ranks:  # the next window starts here
             cad.window_mark[r] = st.ranks[r].last_step
         cad.barrier_at = None
+        if self.streams is not None:
+            self.streams.wake(st, out)  # before the RequestParams (the caller's): the round overlaps training
+            return
         epoch = st.dispatch.last_dispatched
         if epoch is None or st.run.phase is not TRAINING:
             return
@@ -489,12 +530,14 @@ class CadenceDispatcher:
         self, st: CoordinatorState, ranks: list[int], out: list[Command]
     ) -> dict[int, pb.EpochPlan]:
         cad = st.cadence
-        epoch = st.dispatch.last_dispatched
+        epoch = st.dispatch.last_dispatched if self.streams is None else self.streams.round_epoch(st)
         _feedback.finish_window(st, epoch, out)
         cad.throttled.clear()
         if epoch is None:
             return {}
         cad.averages[epoch] = cad.averages.get(epoch, 0) + 1
+        if not self.atomic_dispatch:
+            return {}  # nobody waits for the Update
         ready = [r for r in ranks if _held(st, r) is None]
         return {
             r: pb.EpochPlan(epoch=epoch, partition_offset=off, partition_size=n)
@@ -502,7 +545,7 @@ class CadenceDispatcher:
         }
 
     def after_round(self, st: CoordinatorState, out: list[Command]) -> None:
-        wake(st, out)
+        self._wake(st, out)
 
 
 CADENCE = CadenceDispatcher()
