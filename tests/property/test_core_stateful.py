@@ -3,7 +3,9 @@
 Hypothesis picks the policy (Sync, or Cadence with a small anchor and maybe a Throttle
 spread), and the order in which the ranks -- each the real rank machine (``flodl.rank``,
 driven by tests/unit/core/cluster.py) -- join, train, ack, report chunks, die, go
-silent, repeat old frames, and in which time passes. A separate model -- built only
+silent, repeat old frames, in which time passes, and when the coordinator is killed and
+restarted on its journal (the commands not yet handled and the open round are lost; the
+rank machines send their own resync reports). A separate model -- built only
 from the events fed and the commands emitted, never from the core's state -- tracks who
 owns each position and what was committed. Invariants after every step: a position is
 owned by at most one live rank, is never committed twice, the core's counts agree with
@@ -27,10 +29,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from flodl.core import (
     BatchDone,
     ChunkDone,
+    CoordinatorRestarted,
     ForgetRank,
     HeartbeatSeen,
     OpenRound,
     RankHello,
+    RankResynced,
     Send,
     SyncAcked,
     Tick,
@@ -86,19 +90,27 @@ class Ledger:
             if ev.rank in self.gone or rd is None or ev.cycle != rd[0] or ev.rank not in rd[1] or ev.rank in rd[2]:
                 return
             rd[2].add(ev.rank)
-            self.folded[ev.rank] = max(self.folded[ev.rank], ev.step_count)
-            keep = []
-            for item in self.pending[ev.rank]:
-                if item[3] <= ev.step_count:
-                    self._commit(*item[:3])
-                else:
-                    keep.append(item)
-            self.pending[ev.rank] = keep
+            self._fold(ev.rank, ev.step_count)
+        elif isinstance(ev, CoordinatorRestarted):
+            self.round = None  # the open round died with the old process
+        elif isinstance(ev, RankResynced) and ev.rank not in self.gone:
+            self._fold(ev.rank, ev.folded_step)  # a consensus the rank applied holds its steps up to it
+
+    def _fold(self, rank: int, step: int) -> None:
+        self.folded[rank] = max(self.folded[rank], step)
+        keep = []
+        for item in self.pending[rank]:
+            if item[3] <= step:
+                self._commit(*item[:3])
+            else:
+                keep.append(item)
+        self.pending[rank] = keep
 
     def _assign(self, rank: int, epoch: int, offset: int, size: int) -> None:
         assert rank not in self.gone
         for p in range(offset, offset + size):
-            assert (epoch, p) not in self.owner, f"position {p} of epoch {epoch} assigned twice"
+            # Again to the same rank only: a plan the coordinator's restart lost is resent.
+            assert self.owner.get((epoch, p), rank) == rank, f"position {p} of epoch {epoch} assigned twice"
             assert (epoch, p) not in self.committed, "a committed position was handed out again"
             self.owner[(epoch, p)] = rank
 
@@ -147,6 +159,7 @@ class CoreMachine(RuleBasedStateMachine):
         )
         self.model = Ledger(ws)
         self.seen = 0
+        self.restarts = 0
         self.last_aggregated = -1
         if prejoin:
             self.c.join_all()
@@ -246,6 +259,22 @@ class CoreMachine(RuleBasedStateMachine):
         frames = [e for e in self.c.journal if isinstance(e, (BatchDone, SyncAcked, ChunkDone, HeartbeatSeen, RankHello))]
         if frames:
             self.c.feed(data.draw(st.sampled_from(frames[-12:])))
+
+    @precondition(lambda self: self._formed() and self.c.state.run.phase is TRAINING and self.restarts < 2)
+    @rule()
+    def restart_coordinator(self):
+        """kill -9 and restart on the journal: every command not yet handled dies with the
+        process, so does the reducer's open round; the rank machines hear the new
+        incarnation on their next frame and send their resync report."""
+        c = self.c
+        rebuilt = replay(c.config, c.journal)
+        assert rebuilt == c.state
+        c.state = rebuilt
+        for r in c.ranks:
+            r.inbox.clear()
+            r.ack_due = None
+        self.restarts += 1
+        c.feed(CoordinatorRestarted(now=c.now, incarnation=self.restarts + 1))
 
     @precondition(lambda self: self._running())
     @rule()
