@@ -276,6 +276,10 @@ class HeldSends:
         self.unheard.add(hop)
         self.paused.add(hop)
 
+    def hold(self, hop: bytes) -> None:
+        """``hop`` is unreachable for now: hold its frames until it is heard (or retried)."""
+        self.unheard.add(hop)
+
     def resume(self, hop: bytes) -> None:
         """``hop`` is back (its agent says so): deliver what waited once it is heard."""
         self.paused.discard(hop)

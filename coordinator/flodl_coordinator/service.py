@@ -146,7 +146,8 @@ class CoordinatorService:
         self.agents = AgentBook(self.config.world_size)
         self.agent_errors: list[str] = []  # agents that gave their host up, and why (summary)
         self.relay_restarts: list[dict] = []  # relays restarted by their agent (summary)
-        self._relays_down: set[bytes] = set()  # their frames are held until the agent says "ready"
+        self._links_down: dict[bytes, dict] = {}  # relay hop -> its relay_restarts row, while down
+        self._send_errno = 0  # of the last failed send (EHOSTUNREACH: the peer is gone)
         for record in self.recovered.agent_records if self.recovered else ():
             self.agents.restore(record)
         self._peer_key = ""  # the CURVE client key (ZAP User-Id) of the frame being handled
@@ -240,6 +241,7 @@ class CoordinatorService:
                 if self.clock() >= next_tick:
                     if self.held:
                         self.held.retry(self._send_held)
+                        self._links_back(self.clock())
                     self._feed(Tick(now=self.clock()))
                     self._drop_log.flush(self.clock())
                     next_tick = self.clock() + self.settings.tick_interval_s
@@ -375,6 +377,7 @@ class CoordinatorService:
             return self._drop((), e)
         if self.held and route:
             self.held.heard(route[0], self._send_held)  # a peer back after a restart (not while paused)
+            self._links_back(now)
         self._peer_key = _user_id(frames[-1]) if self.curve_keys is not None else ""
         try:
             d = decode(payload, session=self.settings.session)
@@ -501,25 +504,61 @@ class CoordinatorService:
             why = self.agents.report_refusal(route, r, m.token, self._peer_key)
             if why:
                 raise RouteMismatch(f"relay_restarting refused: {why}")
-        name = hop.decode(errors="replace")
         if not m.ready:
-            if self.held is None:
-                self.held = recovery.HeldSends(set())
-            self.held.expect(hop)
-            self._relays_down.add(hop)
-            self.relay_restarts.append({"relay": name, "reason": m.reason[:200], "ranks": ranks, "down_at": now})
+            self._link_down(hop, m.reason[:200] or "relay restarting", now, paused=True)
             log.warning("relay %s of ranks %s is being restarted by its agent (%s): holding its frames",
-                        name, ranks, m.reason[:200])
+                        hop.decode(errors="replace"), ranks, m.reason[:200])
             return
-        if hop not in self._relays_down:
+        row = self._links_down.get(hop)
+        if row is None:
             return  # (a repeated "ready")
-        self._relays_down.discard(hop)
-        self.held.resume(hop)
-        self.relay_restarts[-1]["back_at"] = now
-        self.reducer.abandon()
-        self.endpoint = self._new_endpoint()
-        log.warning("relay %s is back: resynchronising the run (frames inside the dead relay are lost)", name)
-        self._feed(CoordinatorRestarted(now=now, incarnation=self.endpoint.sender.incarnation, cause="relay"))
+        row["ready_at"] = now
+        self.held.resume(hop)  # delivered, and the run resynchronised, once it is heard (_links_back)
+        self.held.retry(self._send_held)
+        self._links_back(now)
+
+    def _link_down(self, hop: bytes, reason: str, now: float, *, paused: bool) -> None:
+        """The relay ``hop`` is gone for now (its agent restarts it, or its link dropped):
+        hold its frames instead of failing them -- its ranks live and will be reachable
+        again through it. ``paused``: not even a frame heard from the hop flushes them
+        until the agent says the new relay is up (a frame left over from the dead
+        connection must not). A relay that never comes back costs its ranks their
+        liveness (``liveness_timeout_s``), as any silence does."""
+        if self.held is None:
+            self.held = recovery.HeldSends(set())
+        if paused:
+            self.held.expect(hop)
+        else:
+            self.held.hold(hop)
+        if hop in self._links_down and paused:
+            self._links_down[hop]["reason"] = reason  # the agent knows why better than a dropped link
+        if hop not in self._links_down:
+            ranks = [r for r in range(len(self.state.ranks)) if (self.state.route_of(r) or (b"",))[0] == hop]
+            row = {"relay": hop.decode(errors="replace"), "reason": reason, "ranks": ranks, "down_at": now}
+            self._links_down[hop] = row
+            self.relay_restarts.append(row)
+            if not paused:
+                log.warning("the link to relay %s of ranks %s dropped: holding its frames until it is back",
+                            row["relay"], ranks)
+
+    def _links_back(self, now: float) -> None:
+        """A relay that was down is heard from again and its held frames are delivered:
+        resynchronise the run exactly as after a coordinator restart -- the frames that
+        were inside the dead relay or the broken link (a consensus, an ack, a fold) are
+        lost, and the resync recovers them: a new incarnation, the open round abandoned
+        and redone, every rank's Resync report reconciled by the core
+        (``CoordinatorRestarted``, ``cause="relay"``, journaled like any event)."""
+        if not self._links_down or self.held is None:
+            return
+        back = [hop for hop in self._links_down if hop not in self.held.unheard]
+        for hop in back:
+            row = self._links_down.pop(hop)
+            row["back_at"] = now
+            log.warning("relay %s is back: resynchronising the run (frames inside it were lost)", row["relay"])
+        if back:
+            self.reducer.abandon()
+            self.endpoint = self._new_endpoint()
+            self._feed(CoordinatorRestarted(now=now, incarnation=self.endpoint.sender.incarnation, cause="relay"))
 
     def _new_endpoint(self) -> Endpoint:
         # A random incarnation per process (and per resync): the ranks tell a restart by it.
@@ -700,7 +739,22 @@ class CoordinatorService:
     def _send_direct(self, frames) -> bool:
         if self.held and self.held.intercept(frames):
             return True  # a peer not reconnected since the restart: delivered when it is
-        return self._send_now(frames)
+        if self._send_now(frames):
+            return True
+        if self._send_errno == zmq.EHOSTUNREACH and frames and bytes(frames[0]) in self._relay_hops():
+            # A relay's link dropped (it died, or the network): hold, do not fail its ranks.
+            self._link_down(bytes(frames[0]), "the link to the relay dropped", self.clock(), paused=False)
+            return self.held.intercept(frames)
+        return False
+
+    def _relay_hops(self) -> set[bytes]:
+        """First hops of the ranks that reach us through a relay ([relay, rank] routes)."""
+        hops = set()
+        for r in range(len(self.state.ranks)):
+            route = self.state.route_of(r)
+            if route is not None and len(route) >= 2:
+                hops.add(bytes(route[0]))
+        return hops
 
     @contextmanager
     def _pass(self):
@@ -733,6 +787,7 @@ class CoordinatorService:
             return True
         except zmq.ZMQError as e:
             # EHOSTUNREACH: ROUTER_MANDATORY says the peer is gone; EAGAIN: its queue is full.
+            self._send_errno = e.errno
             if not quiet:  # (a held frame's retry: the peer is simply not back yet)
                 self.dropped[f"send_{zmq.strerror(e.errno).replace(' ', '_').lower()}"] += 1
             return False

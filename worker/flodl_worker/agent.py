@@ -445,6 +445,13 @@ class Agent:
             if now >= at and self.stop_reason is None:
                 del self.restart_at[rank]
                 self._restart_rank(old)
+        if self.relay is not None and self.relay.proc.poll() is not None and not self.relay.reported:
+            self.relay.reported = True
+            if self.stop_reason is None:
+                self._relay_died(time.monotonic())
+        if self.relay_restart_at is not None and time.monotonic() >= self.relay_restart_at and self.stop_reason is None:
+            self.relay_restart_at = None
+            self._restart_relay()
 
     def _maybe_restart(self, child: _Child, code: int) -> None:
         """A failed rank process is started again (bounded, with backoff): see max_restarts."""
@@ -465,13 +472,6 @@ class Agent:
         child = self._spawn(old.name, list(self.cfg.command), env, old.rank)
         child.restarts = old.restarts + 1
         self.ranks[self.ranks.index(old)] = child
-        if self.relay is not None and self.relay.proc.poll() is not None and not self.relay.reported:
-            self.relay.reported = True
-            if self.stop_reason is None:
-                self._relay_died(time.monotonic())
-        if self.relay_restart_at is not None and time.monotonic() >= self.relay_restart_at and self.stop_reason is None:
-            self.relay_restart_at = None
-            self._restart_relay()
 
     def _relay_died(self, now: float) -> None:
         """The relay ended on its own: restart it (bounded), or give the host up."""
