@@ -137,6 +137,14 @@ class Cluster:
                     rank = int(line.split("rank ", 1)[1].split()[0])
                     self.forgotten.setdefault(rank, now)
 
+    def admitted(self, rank: int) -> bool:
+        """Whether the journal holds an admitted hello of ``rank`` (it said hello)."""
+        try:
+            text = self.journal.read_text()
+        except OSError:
+            return False
+        return any(f'"rank": {rank},' in line and '"type": "RankHello"' in line for line in text.splitlines())
+
     def rank_pid(self, rank: int) -> int | None:
         want = {f"FLODL_TRACE_DIR={self.trace}".encode(), f"FLODL_RANK={rank}".encode()}
         for entry in os.listdir("/proc"):
@@ -202,8 +210,15 @@ def _strike(c: Cluster, kind: str, victim: int, early: bool, at: float, samples:
         c.start_coordinator()
     else:
         os.kill(pid, signal.SIGSTOP if kind == "sigstop_rank" else signal.SIGKILL)
-    if kind == "sigstop_rank":  # once the coordinator let it go, end it so its agent sees the exit
+    if kind == "sigstop_rank":
+        # Once the coordinator let it go, end it so its agent sees the exit (and restarts it).
+        # A rank stopped before its hello was never known to the coordinator, which cannot
+        # forget it: it is ended after liveness_timeout_s, as a watchdog would end a hung
+        # process (left alone, the formation deadline fails the run, naming it).
+        hung_until = time.monotonic() + c.args.liveness_timeout
         while victim not in c.forgotten and time.monotonic() < deadline and c.coord.poll() is None:
+            if before_formation and time.monotonic() >= hung_until and not c.admitted(victim):
+                break
             time.sleep(0.05)
         _signal(pid, signal.SIGKILL)
     return {"struck_after_s": round(t - t0, 3), "struck_before_formation": before_formation, "pid": pid}
