@@ -35,7 +35,7 @@ rank if it is gone) and ``StageCheckpoint(version, meta)`` with
 * ``apply_resume(state, point)``: a fresh state continues from a ``ResumePoint``:
   counters, history, done epochs' coverage rows, Cadence averages / ElChe / guard, and
   the resumed epoch's coverage opened with its covered positions pre-committed. The
-  dispatchers then hand out only ``resume_holes`` for that epoch (``resume_ranges``).
+  dispatchers then hand out only ``resume_holes`` for that epoch.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ __all__ = [
     "on_rank_gone",
     "on_failure",
     "apply_resume",
-    "resume_ranges",
 ]
+
 
 def _role(st: CoordinatorState) -> Optional[int]:
     """The checkpoint role (``_roles``) if it is alive, else the lowest alive rank."""
@@ -212,11 +212,3 @@ def apply_resume(st: CoordinatorState, point: ResumePoint) -> None:
         if el_state:
             cad.elche.restore_from_state(el_state)
             cad.guard = make_guard(st.config.guard, history=el_state.get("trend_history") or ())
-
-
-def resume_ranges(st: CoordinatorState, epoch: int) -> Optional[tuple[tuple[int, int], ...]]:
-    """The ranges to dispatch for ``epoch`` when it is the resumed one, else None."""
-    ck = st.checkpoints
-    if ck.resume_epoch != epoch:
-        return None
-    return ck.resume_holes

@@ -89,7 +89,6 @@ __all__ = [
     "on_store_ready",
     "on_failed",
     "on_restarted",
-    "dense_rank",
     "summary",
 ]
 
@@ -118,11 +117,6 @@ class CollectiveState:
 def setup(st: CoordinatorState) -> None:
     """``initial_state``: the collective plane gets its state; the bus plane none."""
     st.collective = CollectiveState() if st.config.plane == "collective" else None
-
-
-def dense_rank(cs: CollectiveState, rank: int) -> int:
-    """``rank``'s index in the current generation (its ``new_rank``)."""
-    return cs.members.index(rank)
 
 
 def _rendezvous(st: CoordinatorState, cs: CollectiveState, out: list[Command]) -> None:

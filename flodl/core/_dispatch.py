@@ -40,7 +40,7 @@ Sync's hooks do nothing; the Cadence engine (``cadence._dispatcher``) registers 
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Protocol
 
 from flodl.wire import pb
 
@@ -48,7 +48,6 @@ from . import _coverage
 from ._commands import Command
 from ._errors import LocalViolation, RankViolation
 from ._events import BatchDone
-from ._phases import ACTIVE
 from ._state import CoordinatorState
 
 __all__ = [
@@ -60,7 +59,6 @@ __all__ = [
     "split_ranges",
     "subtract_ranges",
     "lost_by_epoch",
-    "role_rank",
     "announce_role",
     "check_batch",
     "record_batch",
@@ -142,12 +140,6 @@ def lost_by_epoch(lost: list[tuple[int, int, int]]) -> dict[int, list[tuple[int,
         else:
             ranges.append((off, n))
     return per
-
-
-def role_rank(st: CoordinatorState) -> Optional[int]:
-    """The epoch-callback role (``_roles``), None if nobody alive holds it."""
-    role = st.roles.epoch_role
-    return role if role is not None and st.ranks[role].phase is ACTIVE else None
 
 
 def announce_role(st: CoordinatorState, out: list[Command]) -> None:

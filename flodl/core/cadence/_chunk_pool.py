@@ -25,14 +25,12 @@ completed (in-flight counts as uncovered: its gradient is not in the consensus y
 
 Dispatch math (pure functions of the schedule, no pool mutation):
 
-* :func:`equal_sizes`, :func:`ratio_to_sizes`, :func:`throughput_sizes` -- whole-epoch
-  partitions (non-progressive dispatch, spec §8.2).
+* :func:`equal_sizes` -- whole-epoch partitions (non-progressive dispatch, spec §8.2).
 * :func:`reservation_span_sizes` -- per-rank spans for a new pool (§8.4).
 * :func:`compute_chunk_batches` -- the next chunk for one rank (§8.6): final-window slot,
   edge schedule, one-window chunk (barrier-paced), probe, or proportional.
 * :func:`final_window_alloc` / :func:`refresh_final_window_plan` -- the epoch's last window
   split so that no rank ends with a lone 1-batch window (§8.7).
-* :func:`advisory_spans` -- what a rank's stager should prefetch (§8.9).
 
 Everything is in samples unless a name says batches. No clock, no I/O.
 """
@@ -47,8 +45,6 @@ from typing import Optional, Sequence
 __all__ = [
     "ChunkPool",
     "equal_sizes",
-    "ratio_to_sizes",
-    "throughput_sizes",
     "reservation_span_sizes",
     "compute_chunk_batches",
     "explain_chunk_batches",
@@ -57,8 +53,6 @@ __all__ = [
     "fastest_alive_rank",
     "FinalWindowPlan",
     "refresh_final_window_plan",
-    "span_layout",
-    "advisory_spans",
     "MIN_CHUNK_BATCHES",
     "PROBE_FRACTION_DIVISOR",
 ]
@@ -69,8 +63,6 @@ MIN_CHUNK_BATCHES = 4
 # Uncalibrated probe chunks are ~1/10 of a rank's equal share: several reduces per epoch
 # so ElChe calibrates early, floored at MIN_CHUNK_BATCHES.
 PROBE_FRACTION_DIVISOR = 10
-# Throughput guard: a rank without a reading (ms 0) counts as 1 ms/1000 batches.
-_MIN_MS = 0.001
 
 Range = tuple[int, int]  # (offset, size)
 
@@ -302,37 +294,6 @@ def equal_sizes(world_size: int, total: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(world_size)]
 
 
-def _largest_first(sizes: list[int], weights: Sequence[float], total: int) -> list[int]:
-    """Hand the floor remainder +1 each to ranks by descending weight (stable)."""
-    left = total - sum(sizes)
-    for r in sorted(range(len(sizes)), key=lambda i: -weights[i]):
-        if left <= 0:
-            break
-        sizes[r] += 1
-        left -= 1
-    return sizes
-
-
-def ratio_to_sizes(ratios: Sequence[float], total: int) -> list[int]:
-    """User ratios normalised (equal if they sum to <= 0), floored, remainder by ratio."""
-    s = 0.0
-    for r in ratios:  # left to right, as upstream (3.12's sum() compensates)
-        s += r
-    norm = [r / s for r in ratios] if s > 0.0 else [1.0 / len(ratios)] * len(ratios)
-    return _largest_first([math.floor(r * total) for r in norm], norm, total)
-
-
-def throughput_sizes(ms_per_batch: Sequence[float], total: int) -> list[int]:
-    """Sizes proportional to ``1 / max(ms, 0.001)``; remainder to the fastest first."""
-    tps = [1.0 / max(m, _MIN_MS) for m in ms_per_batch]
-    total_tp = 0.0
-    for t in tps:  # left to right, as upstream (3.12's sum() compensates)
-        total_tp += t
-    if total_tp <= 0.0:
-        return equal_sizes(len(tps), total)
-    return _largest_first([math.floor((t / total_tp) * total) for t in tps], tps, total)
-
-
 def reservation_span_sizes(
     batch_total: int, batch_size: int, counts: Sequence[int], calibrated: bool
 ) -> list[int]:
@@ -542,34 +503,3 @@ def refresh_final_window_plan(
             return plan
     alloc = tuple(final_window_alloc(rem, counts, alive))
     return FinalWindowPlan(epoch, alloc, counts_t, alive_t)
-
-
-# --------------------------------------------------------------------------------------
-# Stage advisories
-# --------------------------------------------------------------------------------------
-
-
-def span_layout(span_sizes: Sequence[int]) -> list[Range]:
-    """Contiguous ``(start, len)`` per rank: the reservations a fresh pool would have."""
-    out, at = [], 0
-    for s in span_sizes:
-        out.append((at, s))
-        at += s
-    return out
-
-
-def advisory_spans(
-    reservations: Sequence[Range], rank: int, counts: Sequence[int], batch_size: int
-) -> list[Range]:
-    """Certainty-ordered prefetch list for ``rank``: its own reservation first, then each
-    other rank's tail of one window (``max(counts[o], 1) * bs``), where a steal may land.
-    ``reservations[r]`` is ``pool.reservation(r)`` or :func:`span_layout` for a future epoch.
-    """
-    start, length = reservations[rank]
-    out = [(start, length)] if length > 0 else []
-    for o, (s, n) in enumerate(reservations):
-        if o == rank or n == 0:
-            continue
-        m = min(max(counts[o], 1) * batch_size, n)
-        out.append((s + n - m, m))
-    return out

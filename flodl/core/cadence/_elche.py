@@ -216,16 +216,6 @@ class ElChe:
         """Window cap (the epoch's batch count); 0 removes it."""
         self.max_total_batches = max_total if max_total > 0 else None
 
-    def set_speed_ratio(self, slow_rank: int, ratio: float) -> "ElChe":
-        """Cold-start hint: ``slow_rank`` runs ``anchor``, others ``round(anchor*ratio)``."""
-        self._check_rank(slow_rank)
-        ratio = max(1.0, ratio)
-        for r in range(self.world_size):
-            fast = max(1, round_half_away(self.anchor * ratio))
-            self.batch_counts[r] = self.anchor if r == slow_rank else fast
-        self.anchor_rank = slow_rank
-        return self
-
     def set_initial_anchor(self, slow_rank: int) -> "ElChe":
         """Soft pin of the cold-start anchor rank (re-election may move it from Stable on)."""
         self._check_rank(slow_rank)
@@ -274,17 +264,6 @@ class ElChe:
 
     def total_batches(self) -> int:
         return sum(self.batch_counts)
-
-    def recent_batch_share(self) -> list[float]:
-        """Per-rank share of recent allocations (last ``BATCH_COUNTS_WINDOW_CAP``
-        snapshots), falling back to the current counts, then to equal shares."""
-        ws = self.world_size
-        snaps = list(self._counts_window) or [tuple(self.batch_counts)]
-        sums = [float(sum(s[r] for s in snaps)) for r in range(ws)]
-        total = sum(sums)
-        if total <= 0.0:
-            return [1.0 / ws] * ws
-        return [s / total for s in sums]
 
     # --- calibration --------------------------------------------------------------
 

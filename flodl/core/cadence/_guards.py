@@ -75,9 +75,6 @@ GROWTH_NUDGE_THRESHOLD = 1e-2
 GROWTH_SUSTAIN = 3
 GROWTH_NUDGE_FACTOR = 0.5
 
-# Below this a norm is treated as zero (cosine undefined / zero).
-_NORM_EPS = 1e-10
-
 
 # --------------------------------------------------------------------------------------
 # Verdicts
@@ -135,26 +132,6 @@ class DivergenceReport:
     def max_relative_delta(self) -> float:
         """``d_raw``: worst-case replica drift, ``max(0, max deltas)``; NaN ignored."""
         return max([0.0, *(d for d in self.deltas if not math.isnan(d))])
-
-    def cosine_similarities(self) -> Optional[tuple[float, ...]]:
-        """Per-rank cos(pre, post) from the norms; None when the norms are missing."""
-        if self.pre_norms is None or self.post_norm is None or self.post_norm < _NORM_EPS:
-            return None
-        post = self.post_norm
-        out = []
-        for delta, pre in zip(self.deltas, self.pre_norms):
-            if pre < _NORM_EPS:
-                out.append(0.0)
-                continue
-            cos = (pre * pre + post * post - (delta * post) ** 2) / (2.0 * pre * post)
-            out.append(min(1.0, max(-1.0, cos)))
-        return tuple(out)
-
-    def magnitude_shifts(self) -> Optional[tuple[float, ...]]:
-        """Per-rank ``||pre|| - ||post||``; None when the norms are missing."""
-        if self.pre_norms is None or self.post_norm is None:
-            return None
-        return tuple(p - self.post_norm for p in self.pre_norms)
 
 
 class Guard(Protocol):

@@ -174,14 +174,6 @@ class WindowLedger:
         self.loss_sum[rank] += loss
         self.loss_count[rank] += 1
 
-    def absorb_callback_cost(self, rank: int, elapsed_ms: float) -> None:
-        """Remove a callback's wall time from both scales (clamped at 0) so the balancer
-        does not read checkpoint/eval time as compute slowness."""
-        if not 0 <= rank < self.world_size:
-            return
-        self.wall_ms[rank] = max(0.0, self.wall_ms[rank] - elapsed_ms)
-        self.delivered_ms[rank] = max(0.0, self.delivered_ms[rank] - elapsed_ms)
-
     def reset_timing(self) -> None:
         """Zero wall, delivered, first-batch and loss accumulators. Steps are kept."""
         n = self.world_size
@@ -197,12 +189,6 @@ class WindowLedger:
 
     # --- derivations --------------------------------------------------------------
 
-    def mean_loss(self, rank: int) -> Optional[float]:
-        """Mean reported loss this window; None (absent, not zero) without a report."""
-        if not 0 <= rank < self.world_size or self.loss_count[rank] == 0:
-            return None
-        return self.loss_sum[rank] / self.loss_count[rank]
-
     def has_delivered_sample(self, rank: int) -> bool:
         """False for a one-batch window: its only batch went to the fill slot."""
         return self.delivered_batches[rank] > 0 and self.delivered_ms[rank] > 0.0
@@ -213,12 +199,6 @@ class WindowLedger:
             return 0.0
         marginal = self.delivered_ms[rank] / self.delivered_batches[rank]
         return max(0.0, self.first_batch_ms[rank] - marginal)
-
-    def per_batch_wall_ms(self, rank: int) -> float:
-        """Compute ms per batch; ``+inf`` without batches, so it sorts last as "fastest"."""
-        if not 0 <= rank < self.world_size or self.steps[rank] == 0:
-            return math.inf
-        return self.wall_ms[rank] / self.steps[rank]
 
     def movers_delivered_complete(self, alive: Optional[Sequence[bool]] = None) -> bool:
         """Every alive rank that moved this window has a delivered sample."""

@@ -5,18 +5,14 @@ import pytest
 from flodl.core.cadence._chunk_pool import (
     ChunkPool,
     FinalWindowPlan,
-    advisory_spans,
     compute_chunk_batches,
     consolidate_lone_ones,
     equal_sizes,
     explain_chunk_batches,
     fastest_alive_rank,
     final_window_alloc,
-    ratio_to_sizes,
     refresh_final_window_plan,
     reservation_span_sizes,
-    span_layout,
-    throughput_sizes,
 )
 from flodl.core.cadence._elche import ElChe
 from flodl.core.cadence._guards import NudgeDown, Stable, SuppressGrowth
@@ -241,11 +237,6 @@ def test_progressive_cold_start_spans_chunks_and_advisories():
     sizes = [sizing(el, pool, r, "cadence")[0] for r in range(2)]  # all sized before taking
     assert sizes == [4, 4]
     assert el.batch_counts == [4, 4]
-    res = [pool.reservation(r) for r in range(2)]
-    assert advisory_spans(res, 0, el.batch_counts, 1) == [(0, 50), (96, 4)]
-    assert advisory_spans(res, 1, el.batch_counts, 1) == [(50, 50), (46, 4)]
-    predicted = span_layout(reservation_span_sizes(100, 1, el.batch_counts, el.calibrated))
-    assert advisory_spans(predicted, 0, el.batch_counts, 1) == [(0, 50), (96, 4)]
     assert pool.take_chunk(0, 4) == (0, 4)
     assert pool.take_chunk(1, 4) == (50, 4)
 
@@ -384,11 +375,6 @@ def test_chunk_sizing_probe_proportional_and_budget_cap():
 def test_partition_helpers():
     assert equal_sizes(2, 10) == [5, 5]  # scenario 36
     assert equal_sizes(3, 10) == [4, 3, 3]
-    assert ratio_to_sizes([1, 3], 12) == [3, 9]  # scenario 37
-    assert ratio_to_sizes([0, 0], 5) == [3, 2]
-    assert throughput_sizes([10.0, 20.0], 100) == [67, 33]
-    # a rank without a reading (ms 0) counts as 1000 batches/ms: it takes nearly all
-    assert throughput_sizes([0.0, 1000.0], 1001) == [1001, 0]
 
 
 def test_reservation_span_sizes_calibrated_and_round_robin():

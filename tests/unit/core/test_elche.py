@@ -258,14 +258,6 @@ def test_world_size_one_gets_the_anchor():
     el = ElChe(1, 7)
     el.report_timing([70.0], [7], 3.0)
     assert el.batch_counts == [7] and el.anchor_rank == 0
-    assert el.recent_batch_share() == [1.0]
-
-
-def test_recent_batch_share_averages_snapshots():
-    el = ElChe(2, 10)
-    assert el.recent_batch_share() == [0.5, 0.5]
-    el.report_timing([100.0, 300.0], [10, 10], 0.0)  # [30, 10]
-    assert el.recent_batch_share() == pytest.approx([0.75, 0.25])
 
 
 def test_to_state_round_trips_through_json():
