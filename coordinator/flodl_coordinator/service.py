@@ -589,12 +589,8 @@ class CoordinatorService:
     def _refuse_version(self, route, payload, err: VersionMismatch) -> None:
         """Tell a peer of another major *why* before dropping it (its hello gets an answer)."""
         self._drop(route, err)
-        env = pb.Envelope()
-        try:
-            env.ParseFromString(bytes(payload[0]))
-        except Exception:  # noqa: BLE001 - unparseable: nothing to answer
-            return
-        if env.WhichOneof("body") == "hello" and route:
+        env = _unverified_envelope(payload)
+        if env is not None and env.WhichOneof("body") == "hello" and route:
             ack = pb.HelloAck(accepted=False, reason=f"protocol version mismatch: {err.detail}")
             self._send_frames(self.endpoint.frames("hello_ack", ack, route=route))
 
@@ -603,10 +599,8 @@ class CoordinatorService:
         session, so that it can read the answer, and without ours (no leak) -- so that a
         mistyped --session fails in seconds, by name, instead of timing out."""
         self._drop(route, err)
-        env = pb.Envelope()
-        try:
-            env.ParseFromString(bytes(payload[0]))
-        except Exception:  # noqa: BLE001 - unparseable: nothing to answer
+        env = _unverified_envelope(payload)
+        if env is None:
             return
         body = env.WhichOneof("body")
         agent_hello = body == "agent" and env.agent.WhichOneof("msg") == "hello"
@@ -876,6 +870,16 @@ def _user_id(frame) -> str:
         return frame.get("User-Id") or ""
     except (AttributeError, zmq.ZMQError):  # a bytes copy, or no ZAP handler
         return ""
+
+
+def _unverified_envelope(payload) -> pb.Envelope | None:
+    """The envelope of a frame ``decode`` refused, to answer its hello; None if unparseable."""
+    env = pb.Envelope()
+    try:
+        env.ParseFromString(bytes(payload[0]))
+    except Exception:  # noqa: BLE001 - unparseable: nothing to answer
+        return None
+    return env
 
 
 def _route_str(route: tuple) -> str:
