@@ -26,9 +26,9 @@ import time: the table below is the whole list.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Optional
 
-from .cadence import _async, _dispatcher
+from .cadence import _async, _dispatcher, _feedback
 from ._averaging import should_average
 from ._config import CoreConfig
 from ._dispatch import SYNC, Dispatcher
@@ -52,20 +52,33 @@ class Policy:
     overshoot: bool
     atomic_dispatch: bool
     streams_epochs: bool
+    # The policy's own records, where the protocol modules would otherwise read
+    # ``st.cadence``: a restart (the abandoned round's cycle or None), a resynced rank's
+    # throttle lifted, the run summary's policy part.
+    on_restarted: Callable[[CoordinatorState, Optional[int]], None]
+    release_throttle: Callable[[CoordinatorState, int], None]
+    summarise: Callable[[CoordinatorState, dict[str, Any]], None]
 
     def __repr__(self) -> str:
         return f"Policy({self.name!r})"
 
 
+def _nothing(*_: Any) -> None:
+    """Sync keeps no policy record."""
+
+
 SYNC_POLICY = Policy("sync", SYNC, should_average, barrier_paced=True, overshoot=False, atomic_dispatch=False,
-                     streams_epochs=False)  # fmt: skip
+                     streams_epochs=False, on_restarted=_nothing, release_throttle=_nothing,
+                     summarise=_nothing)  # fmt: skip
 # Cadence and Async are one dispatcher class composed with the switches (and, for Async,
 # its epoch streaming: ``cadence._async.STREAMS``); its setup hands barrier_paced and
 # overshoot to the CadenceState the engines read. The Policy repeats them so the table
 # above is data.
 def _composed(name: str, d: _dispatcher.CadenceDispatcher) -> Policy:
     return Policy(name, d, _dispatcher.cadence_gate, barrier_paced=d.barrier_paced, overshoot=d.overshoot,
-                  atomic_dispatch=d.atomic_dispatch, streams_epochs=d.streams is not None)  # fmt: skip
+                  atomic_dispatch=d.atomic_dispatch, streams_epochs=d.streams is not None,
+                  on_restarted=_dispatcher.on_restarted, release_throttle=_dispatcher.release_throttle,
+                  summarise=_feedback.summarise)  # fmt: skip
 
 
 CADENCE_POLICY = _composed("cadence", _dispatcher.CADENCE)

@@ -67,7 +67,7 @@ other), so ``last_command_id`` splits the commands cleanly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from flodl.wire import pb
 
@@ -166,8 +166,6 @@ def await_reports(
     """Every ACTIVE rank is awaiting resync; a JOINING rank gets its ``hello_ack`` again
     (``spec``: the run spec, given when some slot is JOINING)."""
     rs = st.resync
-    if abandoned is not None and st.cadence is not None:
-        st.cadence.barrier_at = None
     st.last_beacon = None
     alive = st.alive_ranks()
     rs.awaiting = {r: ev.now for r in alive}
@@ -282,17 +280,17 @@ def unknown_chunks(st: CoordinatorState, ev: RankResynced) -> Iterator[ChunkDone
 
 
 def conclude(st: CoordinatorState, ev: RankResynced, out: list[Command], recovered: int, chunks: int,
-             resent: int) -> None:  # fmt: skip
-    """5. A throttle nothing will lift any more; 6. an eval or a shutdown it should have
-    had; then the rank is resynced (its row of the restart log, a notice)."""
+             resent: int, release_throttle: Callable[[CoordinatorState, int], None]) -> None:  # fmt: skip
+    """5. A throttle nothing will lift any more (``release_throttle``: the policy's record
+    of it); 6. an eval or a shutdown it should have had; then the rank is resynced (its
+    row of the restart log, a notice)."""
     rank, rs = ev.rank, st.resync
     released = False
     if st.ranks[rank].phase is ACTIVE:
         rounds = st.rounds
         if ev.throttled and not (rounds.phase is PENDING and rank in rounds.ranks):
             st.send(out, rank, update=pb.Control.Update(version=rounds.version, cycle=rounds.cycle))
-            if st.cadence is not None:
-                st.cadence.throttled.discard(rank)
+            release_throttle(st, rank)
             released = True
         _resend_owed(st, ev, out)
     del rs.awaiting[rank]

@@ -172,7 +172,7 @@ def _handle(st: CoordinatorState, ev: Event, out: list[Command]) -> None:
 
 def _finished(st: CoordinatorState, out: list[Command]) -> None:
     """The run just became FINISHED: ``RunFinished`` with the summary, last."""
-    out.append(RunFinished(bool(st.run.ok), st.run.reason, _summary.summary(st)))
+    out.append(RunFinished(bool(st.run.ok), st.run.reason, _summary.summary(st, policy_of(st.config).summarise)))
 
 
 def step(state: CoordinatorState, event: Event) -> tuple[CoordinatorState, list[Command]]:
@@ -449,6 +449,7 @@ def _on_restarted(st: CoordinatorState, ev: CoordinatorRestarted, out: list[Comm
     for r in st.addressable_ranks():  # a liveness grace: they need time to reconnect
         _membership.touch(st, r, ev.now)
     abandoned = _averaging.abandon(st)
+    policy_of(st.config).on_restarted(st, abandoned)
     _collective.on_restarted(st)  # re-formed by the reform_group rule
     joining = any(rec.phase is JOINING for rec in st.ranks)
     spec = _membership.run_spec(st, st.cohort_len or 0) if joining else None
@@ -488,7 +489,7 @@ def _on_resynced(st: CoordinatorState, ev: RankResynced, out: list[Command]) -> 
             continue
         _metrics.on_chunk(st, cev)
         chunks += 1
-    _resync.conclude(st, ev, out, recovered, chunks, resent)
+    _resync.conclude(st, ev, out, recovered, chunks, resent, policy_of(st.config).release_throttle)
 
 
 def _nothing(st: CoordinatorState, ev: Event, out: list[Command]) -> None:

@@ -1,24 +1,24 @@
 """The run summary: composed from every record's own summary (JSON-safe).
 
-``summary(st)`` is what ``RunFinished`` carries (the step emits it when the run becomes
-FINISHED): the run's counters and rows, each rank, the coverage ledger's rows
+``summary(st, summarise)`` is what ``RunFinished`` carries (the step emits it when the
+run becomes FINISHED): the run's counters and rows, each rank, the coverage ledger's rows
 (``_coverage.summary``), the epochs and the answered evals; a coordinator restart's rows
-(``_resync.summary``); the Cadence feedback (``_feedback.summary``) and the collective
-plane's generations (``_collective.summary``) when the run has them.
+(``_resync.summary``); the policy's part (``summarise`` = ``Policy.summarise``: under
+Cadence/Async the ``elche`` block, ``cadence._feedback``) and the collective plane's
+generations (``_collective.summary``) when the run has them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from . import _collective, _coverage, _resync
-from .cadence import _feedback
 from ._state import CoordinatorState
 
 __all__ = ["summary"]
 
 
-def summary(st: CoordinatorState) -> dict[str, Any]:
+def summary(st: CoordinatorState, summarise: Callable[[CoordinatorState, dict[str, Any]], None]) -> dict[str, Any]:
     """The run summary (JSON-safe)::
 
     {world_size, policy, total_samples, epochs_completed, averages, averaging_s, global_step,
@@ -68,11 +68,7 @@ def summary(st: CoordinatorState) -> dict[str, Any]:
     }
     if st.resync.restarts:  # coordinator restarts survived
         out["coordinator_restarts"] = _resync.summary(st)
-    cad = st.cadence
-    if cad is not None:
-        out["elche"] = _feedback.summary(cad)
-        for row in out["epochs"]:
-            row["averages"] = cad.averages.get(row["epoch"], 0)
+    summarise(st, out)  # the policy's part (Cadence: ``elche``, each epoch's ``averages``)
     if st.collective is not None:  # collective plane: its process-group generations
         out["collective"] = _collective.summary(st.collective, st.config)
     return out

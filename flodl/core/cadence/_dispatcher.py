@@ -102,6 +102,8 @@ from ._window import WindowLedger
 __all__ = [
     "CadenceDispatcher",
     "CADENCE",
+    "on_restarted",
+    "release_throttle",
     "EpochStreams",
     "new_pool",
     "new_state",
@@ -369,6 +371,20 @@ def new_pool(st: CoordinatorState, epoch: int, total: int) -> ChunkPool:
     owners = [r for r, c in enumerate(counts) if c > 0] or [len(counts) - 1]
     spans[owners[-1]] += total - batch_total  # the sub-batch tail
     return ChunkPool.with_spans(epoch, total, spans)
+
+
+# -- the policy's hooks (``_policy.Policy``) -----------------------------------------------
+
+
+def on_restarted(st: CoordinatorState, abandoned: Optional[int]) -> None:
+    """The coordinator restarted: an abandoned round's exposed cost is not measured."""
+    if abandoned is not None:
+        st.cadence.barrier_at = None
+
+
+def release_throttle(st: CoordinatorState, rank: int) -> None:
+    """A resynced rank's throttle was lifted by an ``Update`` (``_resync``)."""
+    st.cadence.throttled.discard(rank)
 
 
 # -- the dispatcher -----------------------------------------------------------------------

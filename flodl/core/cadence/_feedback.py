@@ -47,7 +47,7 @@ from .._phases import ACTIVE
 from .._state import CadenceState, CoordinatorState
 from ._window import WindowReport, delivered_capable
 
-__all__ = ["finish_window", "calibrated", "overhead_estimate", "summary"]
+__all__ = ["finish_window", "calibrated", "overhead_estimate", "summarise", "summary"]
 
 POLICY = "cadence"
 
@@ -131,6 +131,15 @@ def calibrated(st: CoordinatorState) -> bool:
     """ElChe has calibrated (Cadence/Async): the Fastest roles may be elected (the step's
     ``finish_round``, after the round's ``Update`` and ``SetGlobalStep``)."""
     return st.cadence is not None and st.cadence.elche.calibrated
+
+
+def summarise(st: CoordinatorState, out: dict[str, Any]) -> None:
+    """The run summary's Cadence part (``_summary``): the ``elche`` block, and on each
+    ``epochs`` row its ``averages`` (the rounds finished while it was trained)."""
+    cad = st.cadence
+    out["elche"] = summary(cad)
+    for row in out["epochs"]:
+        row["averages"] = cad.averages.get(row["epoch"], 0)
 
 
 def summary(cad: CadenceState) -> dict[str, Any]:
