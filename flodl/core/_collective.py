@@ -70,15 +70,15 @@ rank's uncommitted samples go back to the survivors exactly as on the bus.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from flodl.wire import pb
 
 from ._commands import Command, Notice
+from ._config import CoreConfig
 from ._events import CollectiveFailed, StoreReady
 from ._phases import ACTIVE, TRAINING
-from ._state import CoordinatorState
+from ._state import CollectiveState, CoordinatorState  # CollectiveState re-exported (the records live in _state)
 
 __all__ = [
     "CollectiveState",
@@ -95,23 +95,6 @@ __all__ = [
 # Members build their group on PrefixStore(f"{STORE_PREFIX}{generation}", store): every
 # generation has its own key space on a store host that may serve several.
 STORE_PREFIX = "flodl/g"
-
-
-@dataclass(slots=True)
-class CollectiveState:
-    generation: int = 0  # 0: no group yet
-    members: tuple[int, ...] = ()  # global ranks of the current generation, in dense order
-    store_host: Optional[int] = None  # members[0]: the lowest member not tried
-    tried: tuple[int, ...] = ()  # store hosts that did not answer / whose group did not form
-    store_addr: str = ""  # "" until the store host's StoreReady
-    announced_at: float = 0.0  # when the current generation was announced
-    ready_at: Optional[float] = None  # when its store address went out
-    reform_reason: str = ""  # a re-formation is due for this reason (set by a failure)
-    host_failed: bool = False  # ... and the store host is to blame (it joins ``tried``)
-    exhausted: str = ""  # every member tried without a group forming: why (the step's ``fail`` rule ends the run)
-    reforms: int = 0  # generations after the first
-    failures: int = 0  # CollectiveFailed reports that caused a re-formation
-    rendezvous_s: float = 0.0  # summed announce -> store address time
 
 
 def setup(st: CoordinatorState) -> None:
@@ -173,7 +156,7 @@ def announce(st: CoordinatorState, out: list[Command]) -> None:
     alive = tuple(st.alive_ranks())
     why, blame_host = _due(st, cs, alive)
     if blame_host:
-        cs.tried += (cs.store_host,)
+        cs.tried += (cs.store_host,)  # type: ignore[operator]  # set once a generation was announced
     else:
         cs.tried = ()  # a new membership (or a group that had formed): every member may host
     cs.reform_reason, cs.host_failed = "", False
@@ -260,7 +243,7 @@ def on_restarted(st: CoordinatorState) -> None:
     cs.host_failed = False
 
 
-def summary(cs: CollectiveState, config: Any) -> dict[str, Any]:
+def summary(cs: CollectiveState, config: CoreConfig) -> dict[str, Any]:
     """``{backend, timeout_s, generation, members, store_host, reforms, failures, rendezvous_s}``."""
     return {
         "backend": config.collective_backend,

@@ -23,14 +23,23 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any, Optional
 
 from ._max_failure import max_failure_limit
-from ._roles import parse_policy
 
-__all__ = ["CoreConfig", "POLICIES", "PLANES", "GUARDS", "Setting", "setting"]
+__all__ = ["CoreConfig", "POLICIES", "PLANES", "GUARDS", "Setting", "setting", "parse_policy"]
 
 POLICIES = ("sync", "cadence", "async")
 PLANES = ("bus", "collective")
 COLLECTIVE_BACKENDS = ("gloo", "nccl")
 GUARDS = ("none", "level", "growth")
+
+
+def parse_policy(policy: str) -> Optional[int]:
+    """None for ``"fastest"``, N for ``"rank:N"``; ValueError otherwise."""
+    if policy == "fastest":
+        return None
+    head, sep, tail = policy.partition(":")
+    if head == "rank" and sep and tail.isdigit():
+        return int(tail)
+    raise ValueError(f"epoch_callback_policy must be 'fastest' or 'rank:N', got {policy!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

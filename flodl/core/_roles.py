@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Three roles (spec §10.1-10.5) live in ``RoleState`` (``st.roles``): ``checkpoint_role``,
+Three roles (spec §10.1-10.5) live in ``RoleState`` (``st.roles``, a record of ``_state``): ``checkpoint_role``,
 ``eval_role`` and ``epoch_role``. The policy is ``CoreConfig.epoch_callback_policy``:
 
 * ``"fastest"`` (default): a role goes to the fastest alive rank -- the lowest smoothed
@@ -40,8 +40,11 @@ Everything here is pure: functions of the state, no commands.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Optional
+
+from ._config import CoreConfig, parse_policy  # noqa: F401  (parse_policy re-exported; the run schema owns it)
+from ._events import EpochFnElapsed
+from ._state import CoordinatorState, RoleState  # noqa: F401  (RoleState re-exported; the records live in _state)
 
 __all__ = [
     "EWMA_ALPHA",
@@ -61,45 +64,19 @@ __all__ = [
 EWMA_ALPHA = 0.3
 
 
-@dataclass(slots=True)
-class RoleState:
-    checkpoint_role: Optional[int] = None
-    eval_role: Optional[int] = None
-    epoch_role: Optional[int] = None
-    dirty: bool = True  # the epoch role is not announced yet
-    calibration_elected: bool = False  # the one-time calibration election ran
-    checkpoint_ewma_ms: Optional[float] = None
-    eval_ewma_ms: Optional[float] = None
-    epoch_fn_ewma_ms: Optional[float] = None
-    pending_eval_intent: bool = False
-    pending_checkpoint_intent: bool = False
-    pending_evals: dict[int, tuple[int, int]] = field(default_factory=dict)  # schedule -> (epoch, rank)
-    evals: list[dict] = field(default_factory=list)  # [{epoch, metric}] answered non-final evals
-
-
-def parse_policy(policy: str) -> Optional[int]:
-    """None for ``"fastest"``, N for ``"rank:N"``; ValueError otherwise."""
-    if policy == "fastest":
-        return None
-    head, sep, tail = policy.partition(":")
-    if head == "rank" and sep and tail.isdigit():
-        return int(tail)
-    raise ValueError(f"epoch_callback_policy must be 'fastest' or 'rank:N', got {policy!r}")
-
-
-def _pinned(st) -> Optional[int]:
+def _pinned(st: CoordinatorState) -> Optional[int]:
     n = parse_policy(st.config.epoch_callback_policy)
     return None if n is None else min(n, st.config.world_size - 1)
 
 
-def initial_roles(config) -> RoleState:
+def initial_roles(config: CoreConfig) -> RoleState:
     """Before the world forms: Fastest -> rank 0 (the lowest, all will be alive); Rank(N) -> N."""
     n = parse_policy(config.epoch_callback_policy)
     r = 0 if n is None else min(n, config.world_size - 1)
     return RoleState(checkpoint_role=r, eval_role=r, epoch_role=r)
 
 
-def pace(st, rank: int) -> Optional[float]:
+def pace(st: CoordinatorState, rank: int) -> Optional[float]:
     """The rank's smoothed ms per batch (Cadence), None without one (Sync, no reading)."""
     cad = st.cadence
     if cad is None:
@@ -107,16 +84,16 @@ def pace(st, rank: int) -> Optional[float]:
     return cad.elche.smoothed_ms_per_batch(rank)
 
 
-def _lowest_alive(st) -> Optional[int]:
+def _lowest_alive(st: CoordinatorState) -> Optional[int]:
     alive = st.alive_ranks()
     return alive[0] if alive else None
 
 
-def lowest_alive_except(st, exclude) -> Optional[int]:
+def lowest_alive_except(st: CoordinatorState, exclude: tuple[int, ...]) -> Optional[int]:
     return next((r for r in st.alive_ranks() if r not in exclude), None)
 
 
-def resolve_fastest(st, *, paced_only: bool = False) -> Optional[int]:
+def resolve_fastest(st: CoordinatorState, *, paced_only: bool = False) -> Optional[int]:
     """The alive rank with the lowest pace (ties -> lowest rank); none paced -> the lowest
     alive rank (or None with ``paced_only``); none alive -> None."""
     best, best_ms = None, None
@@ -129,7 +106,7 @@ def resolve_fastest(st, *, paced_only: bool = False) -> Optional[int]:
     return _lowest_alive(st)
 
 
-def on_death(st, rank: int) -> None:
+def on_death(st: CoordinatorState, rank: int) -> None:
     """``rank`` is gone (it is no longer ACTIVE): move the roles it held (module doc)."""
     ro = st.roles
     if _pinned(st) is not None:
@@ -147,7 +124,7 @@ def on_death(st, rank: int) -> None:
             ro.dirty = True
 
 
-def on_calibration(st) -> None:
+def on_calibration(st: CoordinatorState) -> None:
     """Once, when Cadence first calibrates: Fastest puts all roles on the fastest paced
     rank (no pace: nothing moves, and the election stays pending)."""
     ro = st.roles
@@ -162,7 +139,7 @@ def on_calibration(st) -> None:
     ro.checkpoint_role = ro.eval_role = ro.epoch_role = fastest
 
 
-def set_checkpoint_role(st, rank: int) -> None:
+def set_checkpoint_role(st: CoordinatorState, rank: int) -> None:
     st.roles.checkpoint_role = rank
 
 
@@ -170,14 +147,14 @@ def _ewma(old: Optional[float], sample: float) -> float:
     return sample if old is None else EWMA_ALPHA * sample + (1.0 - EWMA_ALPHA) * old
 
 
-def absorb_cost(st, kind: str, elapsed_ms: float) -> None:
+def absorb_cost(st: CoordinatorState, kind: str, elapsed_ms: float) -> None:
     """Smooth a callback's cost: ``kind`` is "checkpoint", "eval" or "epoch_fn"."""
     ro = st.roles
     attr = f"{kind}_ewma_ms"
     setattr(ro, attr, _ewma(getattr(ro, attr), float(elapsed_ms)))
 
 
-def on_epoch_fn_elapsed(st, ev) -> None:
+def on_epoch_fn_elapsed(st: CoordinatorState, ev: EpochFnElapsed) -> None:
     """``EpochFnElapsed``: smooth the epoch function's cost (spec §10.5)."""
     ms = float(ev.elapsed_ms)
     if not (math.isfinite(ms) and ms >= 0.0):

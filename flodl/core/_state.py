@@ -70,7 +70,6 @@ from ._phases import (  # noqa: F401  (re-exported: older imports of the phases 
     TRAINING,
     VACANT,
 )
-from ._roles import RoleState
 
 __all__ = [
     "RankRecord",
@@ -84,6 +83,8 @@ __all__ = [
     "CadenceState",
     "CheckpointState",
     "ResyncState",
+    "RoleState",
+    "CollectiveState",
     "CoordinatorState",
 ]
 
@@ -293,6 +294,39 @@ class CheckpointState:
 
 
 @dataclass(slots=True)
+class RoleState:
+    checkpoint_role: Optional[int] = None
+    eval_role: Optional[int] = None
+    epoch_role: Optional[int] = None
+    dirty: bool = True  # the epoch role is not announced yet
+    calibration_elected: bool = False  # the one-time calibration election ran
+    checkpoint_ewma_ms: Optional[float] = None
+    eval_ewma_ms: Optional[float] = None
+    epoch_fn_ewma_ms: Optional[float] = None
+    pending_eval_intent: bool = False
+    pending_checkpoint_intent: bool = False
+    pending_evals: dict[int, tuple[int, int]] = field(default_factory=dict)  # schedule -> (epoch, rank)
+    evals: list[dict] = field(default_factory=list)  # [{epoch, metric}] answered non-final evals
+
+
+@dataclass(slots=True)
+class CollectiveState:
+    generation: int = 0  # 0: no group yet
+    members: tuple[int, ...] = ()  # global ranks of the current generation, in dense order
+    store_host: Optional[int] = None  # members[0]: the lowest member not tried
+    tried: tuple[int, ...] = ()  # store hosts that did not answer / whose group did not form
+    store_addr: str = ""  # "" until the store host's StoreReady
+    announced_at: float = 0.0  # when the current generation was announced
+    ready_at: Optional[float] = None  # when its store address went out
+    reform_reason: str = ""  # a re-formation is due for this reason (set by a failure)
+    host_failed: bool = False  # ... and the store host is to blame (it joins ``tried``)
+    exhausted: str = ""  # every member tried without a group forming: why (the step's ``fail`` rule ends the run)
+    reforms: int = 0  # generations after the first
+    failures: int = 0  # CollectiveFailed reports that caused a re-formation
+    rendezvous_s: float = 0.0  # summed announce -> store address time
+
+
+@dataclass(slots=True)
 class CoordinatorState:
     config: CoreConfig
     ranks: list[RankRecord]
@@ -302,7 +336,7 @@ class CoordinatorState:
     metrics: MetricsState = field(default_factory=MetricsState)
     run: RunState = field(default_factory=RunState)
     cadence: Optional[CadenceState] = None  # set by the Cadence dispatcher's setup
-    collective: Any = None  # _collective.CollectiveState on the collective plane (its setup)
+    collective: Optional[CollectiveState] = None  # the collective plane's (``_collective.setup``)
     checkpoints: CheckpointState = field(default_factory=CheckpointState)
     roles: RoleState = field(default_factory=RoleState)  # set from the config by initial_state
     resync: ResyncState = field(default_factory=ResyncState)  # coordinator restarts (_resync)
