@@ -45,6 +45,7 @@ from typing import Callable
 import zmq
 
 from flodl.core import (
+    LEFT,
     ContributionRefused,
     CoordinatorRestarted,
     ForgetRank,
@@ -668,7 +669,9 @@ class CoordinatorService:
                 self._send_frames(self.endpoint.frames("relay", msg, route=relay))
             self._send_round(self.reducer.open(cmd.cycle, cmd.ranks, cmd.steps))
         elif isinstance(cmd, ForgetRank):
-            log.warning("rank %d forgotten: %s", cmd.rank, cmd.reason)
+            # A clean leave at the end of a run is news, not a warning (a healthy run has none).
+            left = self.state.ranks[cmd.rank].phase is LEFT
+            log.log(logging.INFO if left else logging.WARNING, "rank %d forgotten: %s", cmd.rank, cmd.reason)
             fold_drop = self.reducer.folds.drop(self.reducer.open_cycle, cmd.rank)
             if fold_drop is not None:  # its relay stops waiting for it; the rest flush
                 self._send_frames(self.endpoint.frames("relay", fold_drop[1], route=fold_drop[0]))

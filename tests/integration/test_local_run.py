@@ -22,3 +22,8 @@ def test_three_unequal_ranks_train_digits_exactly_once_and_agree(tmp_path):
     assert summary["averages"] > 0
     assert sum(r["samples"] for r in summary["ranks"]) == 2 * DIGITS_TRAIN
     assert summary["accuracy"] is not None and 0.0 <= summary["accuracy"] <= 1.0
+    # A healthy run says nothing alarming: no warning, no error, no traceback, nothing dropped.
+    out = proc.stdout + proc.stderr
+    alarming = [line for line in out.splitlines() if any(w in line for w in (" WARNING ", " ERROR ", "Traceback"))]
+    assert not alarming, alarming[:10]
+    assert summary["dropped_frames"] == {}, summary["dropped_frames"]
