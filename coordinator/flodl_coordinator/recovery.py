@@ -276,6 +276,12 @@ class HeldSends:
         self.unheard.add(hop)
         self.paused.add(hop)
 
+    def release(self, hop: bytes) -> int:
+        """Stop holding for ``hop`` (it is not coming back): its frames are discarded."""
+        self.unheard.discard(hop)
+        self.paused.discard(hop)
+        return len(self.held.pop(hop, ()))
+
     def hold(self, hop: bytes) -> None:
         """``hop`` is unreachable for now: hold its frames until it is heard (or retried)."""
         self.unheard.add(hop)

@@ -105,6 +105,10 @@ SNDHWM = 10_000
 RCVHWM = 10_000
 # On close, give queued Shutdown/consensus frames this long to leave (ms).
 LINGER_MS = 2_000
+# A relay whose link drops is waited for this long before its ranks are unroutable, unless
+# its agent says it is restarting it (then until it says "ready"): long enough for the
+# agent's notice, short enough that a host that is gone costs little more than before.
+RELAY_GRACE_S = 3.0
 # How many frames one pass drains before it runs timers again (fairness bound).
 DRAIN_BATCH = 256
 
@@ -243,6 +247,8 @@ class CoordinatorService:
                     if self.held:
                         self.held.retry(self._send_held)
                         self._links_back(self.clock())
+                    if self._links_down:
+                        self._links_expired(self.clock())
                     self._feed(Tick(now=self.clock()))
                     self._drop_log.flush(self.clock())
                     next_tick = self.clock() + self.settings.tick_interval_s
@@ -533,14 +539,32 @@ class CoordinatorService:
             self.held.hold(hop)
         if hop in self._links_down and paused:
             self._links_down[hop]["reason"] = reason  # the agent knows why better than a dropped link
+            self._links_down[hop].pop("grace_until", None)  # its agent restarts it: wait for "ready"
         if hop not in self._links_down:
             ranks = [r for r in range(len(self.state.ranks)) if (self.state.route_of(r) or (b"",))[0] == hop]
             row = {"relay": hop.decode(errors="replace"), "reason": reason, "ranks": ranks, "down_at": now}
+            if not paused:  # no agent said it restarts the relay (yet): a bounded wait
+                row["grace_until"] = now + RELAY_GRACE_S
             self._links_down[hop] = row
             self.relay_restarts.append(row)
             if not paused:
                 log.warning("the link to relay %s of ranks %s dropped: holding its frames until it is back",
                             row["relay"], ranks)
+
+    def _links_expired(self, now: float) -> None:
+        """A relay whose link dropped and that no agent announced as restarting within
+        RELAY_GRACE_S is gone (its host, or its agent with it): its ranks are unroutable,
+        as before holding existed -- their frames are discarded and each is failed."""
+        for hop, row in list(self._links_down.items()):
+            if "grace_until" in row and now >= row["grace_until"]:
+                del self._links_down[hop]
+                self.held.release(hop)
+                row["gone_at"] = now
+                log.warning("relay %s did not come back within %gs and no agent restarts it: its ranks %s are unroutable",
+                            row["relay"], RELAY_GRACE_S, row["ranks"])
+                for r in row["ranks"]:
+                    if self.state.route_of(r) is not None:
+                        self._feed(SendFailed(now=now, rank=r, what="relay link lost"))
 
     def _links_back(self, now: float) -> None:
         """A relay that was down is heard from again and its held frames are delivered:
