@@ -19,7 +19,6 @@ import numpy as np
 
 from flodl.wire import pack_round
 from flodl_worker import averaging
-from flodl_worker.params import f32, gamma_mass
 
 
 def _attacks() -> dict[int, str]:
@@ -43,25 +42,22 @@ def _forge(kind: str, pre: list, honest: float) -> tuple[list, float]:
 
 
 def install(attacks: dict[int, str]) -> None:
-    honest_request = averaging.BusAverager.on_request
+    honest_take = averaging.BusAverager.take
     rounds = [0]
 
-    def on_request(self, cycle: int) -> None:
+    def take(self, cmd) -> None:  # the rank shell's TakeSnapshot: snapshot, then send the round
         rounds[0] += 1
         kind = attacks.get(rounds[0])
         if kind is None:
-            return honest_request(self, cycle)
+            return honest_take(self, cmd)
         r = self.rank
-        n = r.steps_since_avg
-        w = gamma_mass(n, r.spec.gamma)
-        pre = [f32(p).copy() for p in r.params]
-        arrays, weight = _forge(kind, pre, w)
-        header, blobs = pack_round(arrays, cycle=cycle, weight=weight, bf16=r.spec.bf16_wire)
-        self.snapshots[cycle] = averaging.Snapshot(n=n, step_count=r.local_step, pre=pre, weight=w)
-        print(f"hostile rank {r.cfg.rank}: round {rounds[0]} (cycle {cycle}) forged: {kind}", file=sys.stderr, flush=True)
+        pre = self._snapshot(cmd)  # the rank's own bookkeeping stays honest
+        arrays, weight = _forge(kind, pre, cmd.weight)
+        header, blobs = pack_round(arrays, cycle=cmd.cycle, weight=weight, bf16=r.spec.bf16_wire)
+        print(f"hostile rank {r.cfg.rank}: round {rounds[0]} (cycle {cmd.cycle}) forged: {kind}", file=sys.stderr, flush=True)
         r._send("round", header, blobs)
 
-    averaging.BusAverager.on_request = on_request
+    averaging.BusAverager.take = take
 
 
 if __name__ == "__main__":
