@@ -19,8 +19,8 @@ switch              Sync   Cadence  Async  meaning
 ==================  =====  =======  =====  ==================================================
 
 ``POLICIES`` maps the configured name to its value; ``policy_of`` looks it up (an
-unknown name is our bug: ``CoreConfig`` refuses it first). Nothing registers itself at
-import time: the table below is the whole list.
+unknown name is our bug: ``CoreConfig`` refuses it first). Nothing registers itself
+when imported: the table below is the whole list.
 """
 
 from __future__ import annotations
