@@ -504,7 +504,7 @@ class CoordinatorService:
         every rank's Resync report reconciled by the core (``CoordinatorRestarted``,
         ``cause="relay"``, journaled like any event)."""
         hop = bytes(m.identity)
-        ranks = [r for r in range(len(self.state.ranks)) if (self.state.route_of(r) or (b"",))[0] == hop]
+        ranks = self._ranks_behind(hop)
         if not ranks:
             raise RouteMismatch("relay_restarting for a relay that routes no admitted rank")
         for r in ranks:  # only the agent its ranks vouched for may say so
@@ -541,7 +541,7 @@ class CoordinatorService:
             self._links_down[hop]["reason"] = reason  # the agent knows why better than a dropped link
             self._links_down[hop].pop("grace_until", None)  # its agent restarts it: wait for "ready"
         if hop not in self._links_down:
-            ranks = [r for r in range(len(self.state.ranks)) if (self.state.route_of(r) or (b"",))[0] == hop]
+            ranks = self._ranks_behind(hop)
             row = {"relay": hop.decode(errors="replace"), "reason": reason, "ranks": ranks, "down_at": now}
             if not paused:  # no agent said it restarts the relay (yet): a bounded wait
                 row["grace_until"] = now + RELAY_GRACE_S
@@ -768,14 +768,18 @@ class CoordinatorService:
             return self.held.intercept(frames)
         return False
 
-    def _relay_hops(self) -> set[bytes]:
-        """First hops of the ranks that reach us through a relay ([relay, rank] routes)."""
-        hops = set()
+    def _relayed_routes(self):
+        """(rank, route) of the admitted ranks that reach us through a relay ([relay, rank])."""
         for r in range(len(self.state.ranks)):
             route = self.state.route_of(r)
             if route is not None and len(route) >= 2:
-                hops.add(bytes(route[0]))
-        return hops
+                yield r, route
+
+    def _relay_hops(self) -> set[bytes]:
+        return {bytes(route[0]) for _, route in self._relayed_routes()}
+
+    def _ranks_behind(self, hop: bytes) -> list[int]:
+        return [r for r, route in self._relayed_routes() if bytes(route[0]) == hop]
 
     @contextmanager
     def _pass(self):
