@@ -23,9 +23,22 @@ SUMMARY_INTERVAL_S = 60.0
 
 
 class DropLog:
-    def __init__(self, log: logging.Logger, interval_s: float = SUMMARY_INTERVAL_S) -> None:
+    """``first`` formats the first line of a reason (with ``what``), ``more`` a summary
+    (count, reason, seconds, the last ``what``); the service also rate-limits refused
+    and deferred hellos with it, at their own level."""
+
+    def __init__(
+        self,
+        log: logging.Logger,
+        interval_s: float = SUMMARY_INTERVAL_S,
+        *,
+        level: int = logging.WARNING,
+        first: str = "dropped frame from %s",
+        more: str = "%d more frames dropped for %s in the last %.0fs (last from %s)",
+    ) -> None:
         self.log = log
         self.interval_s = interval_s
+        self.level, self.first, self.more = level, first, more
         self._window_start: dict[str, float] = {}  # reason -> start of its current summary window
         self._quiet: Counter[str] = Counter()  # frames not logged in the current window
         self._last: dict[str, str] = {}  # reason -> the latest unlogged frame's description
@@ -34,7 +47,7 @@ class DropLog:
         """One frame dropped for ``reason``; ``what`` says from where and why (one line)."""
         if reason not in self._window_start:
             self._window_start[reason] = now
-            self.log.warning("dropped frame from %s", what)
+            self.log.log(self.level, self.first, what)
             return
         self._quiet[reason] += 1
         self._last[reason] = what
@@ -45,8 +58,8 @@ class DropLog:
         for reason in [r for r, n in self._quiet.items() if n]:
             start = self._window_start[reason]
             if force or now - start >= self.interval_s:
-                self.log.warning(
-                    "%d more frames dropped for %s in the last %.0fs (last from %s)",
+                self.log.log(
+                    self.level, self.more,
                     self._quiet.pop(reason), reason, max(0.0, now - start), self._last.pop(reason),
                 )
                 self._window_start[reason] = now

@@ -157,7 +157,11 @@ class CoordinatorService:
             self.agents.restore(record)
         self._peer_key = ""  # the CURVE client key (ZAP User-Id) of the frame being handled
         self.finished: RunFinished | None = None
-        self._refusals_logged: dict[tuple, float] = {}  # (refused|deferred, reason kind) -> last logged
+        self._hello_logs = {  # refused / deferred hellos, rate-limited per kind of reason
+            "refused": DropLog(log, first="hello refused (from %s)", more="%d more hellos refused for %r in the last %.0fs (last from %s)"),
+            "deferred": DropLog(log, level=logging.INFO, first="hello deferred (from %s)",
+                                more="%d more hellos deferred for %r in the last %.0fs (last from %s)"),
+        }  # fmt: skip
         self.status = StatusBoard()
         self._journal = _open_journal(settings.journal) if settings.journal else None
         self._journal_error: str | None = None  # set once the journal cannot be written: the run stops
@@ -250,10 +254,12 @@ class CoordinatorService:
                     if self._links_down:
                         self._links_expired(self.clock())
                     self._feed(Tick(now=self.clock()))
-                    self._drop_log.flush(self.clock())
+                    for dl in (self._drop_log, *self._hello_logs.values()):
+                        dl.flush(self.clock())
                     next_tick = self.clock() + self.settings.tick_interval_s
         finally:
-            self._drop_log.close(self.clock())
+            for dl in (self._drop_log, *self._hello_logs.values()):
+                dl.close(self.clock())
             for s, h in old.items():
                 signal.signal(s, h)
             if http is not None:
@@ -708,17 +714,12 @@ class CoordinatorService:
             self.finished = cmd
 
     def _log_refusal(self, route: tuple, ack: pb.HelloAck) -> None:
-        """Every refused (or deferred) hello is counted and said, with its reason. A
-        peer that repeats one is said once per minute per kind of reason (digits aside),
-        so a flood of hellos cannot flood the log."""
+        """Every refused (or deferred) hello is counted and said, with its reason; a peer
+        that repeats one is summarised per kind of reason (digits aside), as drops are."""
         what = "deferred" if ack.deferred else "refused"
         self.dropped[f"hello_{what}"] += 1
-        kind = (what, re.sub(r"\d+", "N", ack.reason)[:80])
-        now = self.clock()
-        if now - self._refusals_logged.get(kind, -1e18) < 60.0:
-            return
-        self._refusals_logged[kind] = now
-        log.log(logging.INFO if ack.deferred else logging.WARNING, "hello %s (from %s): %s", what, _route_str(route), ack.reason)
+        kind = re.sub(r"\d+", "N", ack.reason)[:80]
+        self._hello_logs[what].drop(kind, f"{_route_str(route)}: {ack.reason}", self.clock())
 
     def _send_round(self, result, *, queued: bool = True) -> None:
         if result is None:
