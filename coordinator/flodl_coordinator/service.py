@@ -46,6 +46,10 @@ import zmq
 
 from flodl.core import (
     LEFT,
+    hello_event,
+    hello_oversized,
+    metrics_event,
+    timing_event,
     ContributionRefused,
     CoordinatorRestarted,
     ForgetRank,
@@ -91,7 +95,6 @@ from .journal import Journal, JournalError
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings, SettingsError
 from .status import StatusBoard
-from .translate import hello_event, hello_oversized, metrics_event, timing_event
 
 __all__ = ["CoordinatorService"]
 

@@ -75,8 +75,13 @@ from ._phases import (
 )
 from ._step import initial_state, replay, step
 from ._status_view import status_view
+from ._translate import hello_event, hello_oversized, metrics_event, timing_event
 
 __all__ = [
+    "hello_event",
+    "hello_oversized",
+    "metrics_event",
+    "timing_event",
     # entry points
     "initial_state",
     "step",

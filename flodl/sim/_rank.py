@@ -6,7 +6,7 @@ machine events and carries out the machine's commands -- a ``TrainBatch`` takes
 ``ms_per_batch * (1 ± jitter)`` of virtual time, a ``TakeSnapshot`` contributes to the
 world's simulated reducer, an ``ApplyConsensus`` acks, every ``SendTiming`` /
 ``SendMetrics`` becomes the core event the coordinator's shell would decode from it
-(``to_event``, the simulator's copy of ``flodl_coordinator.translate``). There are no
+(``to_event``: the coordinator's own translation, ``flodl.core.timing_event``). There are no
 tensors: a consensus is the marker ``INCLUDED`` (or None: keep local).
 
 Faults are wrappers around the machine, not part of it: ``fail_at`` kills the process
@@ -15,20 +15,20 @@ Faults are wrappers around the machine, not part of it: ``fail_at`` kills the pr
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from flodl.core import (
-    BatchDone,
     CheckpointDone,
-    ChunkDone,
     EvalDone,
     HeartbeatSeen,
     RankExiting,
     RankExitReported,
     RankHello,
-    RankResynced,
     SyncAcked,
+    timing_event,
 )
+from flodl.core import metrics_event as translate_metrics
 from flodl.rank import (
     WAIT_PLAN,
     WAIT_THROTTLE,
@@ -63,34 +63,19 @@ INCLUDED: tuple = ()  # the consensus "arrays" of a simulated round: this rank's
 HELLO_RESEND_S = 5.0  # flodl_worker.rank's
 
 
+def _fields(ev) -> tuple[type, dict]:
+    """(class, fields but ``now``) of a core event: the world stamps ``now`` on arrival."""
+    return type(ev), {f.name: getattr(ev, f.name) for f in fields(ev) if f.name != "now"}
+
+
 def to_event(rank: int, kind: str, body: Any) -> tuple[type, dict]:
-    """The core event (class, fields) for ``timing.<kind> = body`` from ``rank``."""
-    if kind == "batch":
-        b = body
-        return BatchDone, dict(rank=rank, batch_ms=b.batch_ms, data_ms=b.data_ms, step_count=b.step_count,
-                               loss=b.batch_loss, samples=b.samples, epoch=b.epoch, offset=b.offset, lr=b.lr)  # fmt: skip
-    if kind == "checkpoint_result":
-        return CheckpointDone, dict(rank=rank, version=body.version, elapsed_ms=body.elapsed_ms,
-                                    error=body.error if body.HasField("error") else None)  # fmt: skip
-    if kind == "resync":
-        m = body
-        return RankResynced, dict(
-            rank=rank, last_command_id=m.last_command_id, local_step=m.local_step, folded_step=m.folded_step,
-            throttled=m.throttled, idle=m.idle,
-            batches=tuple((b.step_count, b.epoch, b.offset, b.samples, b.batch_ms, b.data_ms, b.batch_loss, b.lr)
-                          for b in m.batches),
-            held=tuple((p.epoch, p.partition_offset, p.partition_size) for p in m.held),
-            chunks=tuple((c.epoch, c.chunk_seq, c.batches_processed, c.samples_processed, c.avg_loss, c.epoch_ms,
-                          c.share_complete_ms, c.compute_only_ms, c.data_starve_ms) for c in m.chunks),
-        )  # fmt: skip
-    raise ValueError(f"the simulator does not translate timing.{kind}")
+    """The core event for ``timing.<kind> = body`` from ``rank``: the coordinator's own
+    translation (``flodl.core.timing_event``) of the frame the real rank would send."""
+    return _fields(timing_event(0.0, pb.Timing(rank=rank, **{kind: body})))
 
 
 def metrics_event(m: pb.Metrics) -> tuple[type, dict]:
-    return ChunkDone, dict(rank=m.rank, epoch=m.epoch, chunk_seq=m.chunk_seq, batches=m.batches_processed,
-                           samples=m.samples_processed, avg_loss=m.avg_loss, epoch_ms=m.epoch_ms,
-                           share_complete_ms=m.share_complete_ms, compute_only_ms=m.compute_only_ms,
-                           data_starve_ms=m.data_starve_ms)  # fmt: skip
+    return _fields(translate_metrics(0.0, m))
 
 
 class SimRank:

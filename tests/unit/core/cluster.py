@@ -4,7 +4,7 @@ Every rank is ``flodl.rank.RankMachine`` -- the machine ``flodl_worker.rank`` dr
 torch and a socket and ``flodl.sim`` in virtual time -- in a small shell (``RankShell``)
 with no tensors: so the core's scenario and property tests run the real rank's plans,
 throttle, credit, folded step, checkpoint arming and resync report. What a rank sends is
-decoded by the coordinator's own ``flodl_coordinator.translate``.
+decoded by the coordinator's own translation (``flodl.core.timing_event``).
 
 The shell, as ``pump_once`` drives it (or a test, step by step):
 
@@ -95,8 +95,8 @@ from flodl.rank import (
     Warn,
 )
 from flodl.wire import pb
-from flodl_coordinator.translate import metrics_event as translate_metrics
-from flodl_coordinator.translate import timing_event
+from flodl.core import metrics_event as translate_metrics
+from flodl.core import timing_event
 
 MODEL_SIG = b"\x5a" * 8
 

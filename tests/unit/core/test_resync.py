@@ -32,7 +32,7 @@ from flodl.core import ACTIVE, PENDING, TRAINING
 
 from flodl.rank import Admitted, IncarnationSeen, SendTiming
 from flodl.wire import pb
-from flodl_coordinator.translate import timing_event
+from flodl.core import timing_event
 
 from .cluster import Cluster
 

@@ -45,7 +45,7 @@ def test_epoch_fn_elapsed_round_trips_through_json_records():
 
 
 def test_epoch_fn_elapsed_is_translated_from_the_wire():
-    from flodl_coordinator.translate import timing_event
+    from flodl.core import timing_event
 
     t = pb.Timing(rank=2, epoch_fn_elapsed=pb.Timing.EpochFnElapsed(epoch=4, elapsed_ms=12.5))
     assert timing_event(7.0, t) == EpochFnElapsed(now=7.0, rank=2, epoch=4, elapsed_ms=12.5)

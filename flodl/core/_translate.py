@@ -1,8 +1,11 @@
-"""Decoded wire bodies -> core events. The one place that knows both vocabularies."""
+"""Decoded wire bodies -> core events. The one place that knows both vocabularies.
+
+Here, not in the service, so that every driver of the core -- the coordinator's shell,
+the simulator, the core's test cluster -- turns a rank's frame into the same event."""
 
 from __future__ import annotations
 
-from flodl.core import (
+from ._events import (
     BatchDone,
     CheckpointDone,
     ChunkDone,
@@ -119,8 +122,8 @@ def timing_event(now: float, t: pb.Timing):
     if kind == "store_ready":
         return StoreReady(now=now, rank=r, generation=t.store_ready.generation, addr=t.store_ready.addr)
     if kind == "collective_failed":
-        f = t.collective_failed
-        return CollectiveFailed(now=now, rank=r, generation=f.generation, cycle=f.cycle, reason=f.reason)
+        cf = t.collective_failed
+        return CollectiveFailed(now=now, rank=r, generation=cf.generation, cycle=cf.cycle, reason=cf.reason)
     step = t.heartbeat.step_count if kind == "heartbeat" else 0
     return HeartbeatSeen(now=now, rank=r, step_count=step)
 
