@@ -166,6 +166,8 @@ class CoordinatorService:
                                 more="%d more hellos deferred for %r in the last %.0fs (last from %s)"),
         }  # fmt: skip
         self.status = StatusBoard()
+        self._status_stale = True
+        self._events_stepped = 0
         self._journal = _open_journal(settings.journal) if settings.journal else None
         self._journal_error: str | None = None  # set once the journal cannot be written: the run stops
         self._outbox: list | None = None  # frames held until the journal is durable (``_pass``)
@@ -257,6 +259,7 @@ class CoordinatorService:
                     if self._links_down:
                         self._links_expired(self.clock())
                     self._feed(Tick(now=self.clock()))
+                    self._publish_status()
                     for dl in (self._drop_log, *self._hello_logs.values()):
                         dl.flush(self.clock())
                     next_tick = self.clock() + self.settings.tick_interval_s
@@ -337,6 +340,7 @@ class CoordinatorService:
             )
 
     def _finish(self) -> int:
+        self._publish_status()  # the end of the run is visible too
         f = self.finished
         if f is None:
             return 1
@@ -665,6 +669,7 @@ class CoordinatorService:
     def _step_pending(self) -> None:
         while self._pending:
             ev = self._pending.popleft()
+            self._events_stepped += 1
             self._journal_write(to_record(ev))
             try:
                 self.state, commands = step(self.state, ev)
@@ -676,7 +681,15 @@ class CoordinatorService:
                 continue
             for cmd in commands:
                 self._execute(cmd)
-        self.status.update(self.state, self.dropped, self.reducer, checkpoints=self.checkpointing.status(self.state))
+        self._status_stale = True  # republished once per tick (_publish_status), not per event
+
+    def _publish_status(self) -> None:
+        """The status view walks every rank: build it once per tick when something
+        changed (an operator polls in seconds), not after every event on the hot path."""
+        if self._status_stale:
+            self._status_stale = False
+            self.status.update(self.state, self.dropped, self.reducer, checkpoints=self.checkpointing.status(self.state),
+                               events=self._events_stepped)
 
     def _execute(self, cmd) -> None:
         if isinstance(cmd, Send):

@@ -27,8 +27,10 @@ class StatusBoard:
         if cmd.kind == "epoch":
             self._last_epoch = dict(cmd.data)
 
-    def update(self, state, dropped, reducer, checkpoints: dict | None = None) -> None:
-        self._events += 1
+    def update(self, state, dropped, reducer, checkpoints: dict | None = None, events: int | None = None) -> None:
+        """Publish a fresh snapshot; ``events``: how many the core has stepped (default:
+        one more per call)."""
+        self._events = self._events + 1 if events is None else events
         core = status_view(state)
         self._snap = {
             "phase": core["run"]["phase"],
