@@ -518,8 +518,9 @@ class CoordinatorService:
         ``cause="relay"``, journaled like any event)."""
         hop = bytes(m.identity)
         ranks = self._ranks_behind(hop)
-        if not ranks:
-            raise RouteMismatch("relay_restarting for a relay that routes no admitted rank")
+        if not ranks:  # (it died before any rank said hello through it: nothing to hold)
+            log.info("relay %s restarting before any rank was admitted through it", hop.decode(errors="replace"))
+            return
         for r in ranks:  # only the agent its ranks vouched for may say so
             why = self.agents.report_refusal(route, r, m.token, self._peer_key)
             if why:
