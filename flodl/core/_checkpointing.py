@@ -9,9 +9,9 @@ rank if it is gone) and ``StageCheckpoint(version, meta)`` with
 ``_checkpoint.checkpoint_meta`` of that instant (the shell stages the meta). The record is ``CheckpointState``.
 
 * ``on_epoch_aggregated`` (regular, ``checkpoint_every = N > 0``): right after epoch
-  ``e`` aggregated, when ``(e + 1) % N == 0``. Every rank then holds the last consensus
-  and has not stepped since: the epoch's coverage is complete, so every batch was folded,
-  and the next epoch is dispatched only after this (same step, later commands: FIFO).
+  ``e`` aggregated, when ``(e + 1) % N == 0``. The epoch's coverage is complete, so
+  every batch of it was folded; steps past the last snapshot (Cadence and Async already
+  train the next epoch, ``cadence._boundary``) are in neither the consensus nor the meta.
   The cycle named is the last finished round's. While a round is open the save is
   *deferred* to its finish (``on_round_finished``, at its cycle): acks of the open round
   may already have committed batches only its consensus holds (that is often what

@@ -32,7 +32,9 @@ The ``Dispatcher`` protocol is the seam a policy engine replaces: it owns
 batch (``on_batch``), when a round opens (``on_trigger``, just before the
 ``RequestParams``: Cadence hands idle ranks their next window there, so the round
 overlaps training) and around a finished round (``on_round_finished`` returns the
-chunk each rank gets inside its ``Update``; ``after_round`` wakes idle ranks).
+chunk each rank gets inside its ``Update``; ``after_round`` wakes idle ranks), and
+when an epoch is aggregated (``on_epoch_aggregated``: Cadence makes room in the windows
+its callbacks land in).
 ``progressive`` says whether chunks stream (no ``Throttle`` barrier at a trigger).
 Sync's hooks do nothing; the Cadence engine (``cadence._dispatcher``) registers itself in
 ``_policy.POLICIES`` and keeps its own state in ``state.cadence``.
@@ -207,6 +209,8 @@ class Dispatcher(Protocol):
 
     def after_round(self, st: CoordinatorState, out: list[Command]) -> None: ...
 
+    def on_epoch_aggregated(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None: ...
+
 
 class SyncDispatcher:
     """Equal contiguous partitions per epoch; a lost rank's remainder is split equally."""
@@ -229,6 +233,9 @@ class SyncDispatcher:
 
     def after_round(self, st: CoordinatorState, out: list[Command]) -> None:
         pass
+
+    def on_epoch_aggregated(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
+        pass  # Sync has no windows to make room in
 
     def plans_for_epoch(self, st: CoordinatorState, epoch: int) -> dict[int, tuple[int, int]]:
         cached = st.dispatch.plans.get(epoch)

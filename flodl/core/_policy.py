@@ -15,7 +15,9 @@ switch              Sync   Cadence  Async  meaning
 ``overshoot``       no     no       yes    the reduce budget has a look-ahead that moves with
                                            the guard's verdicts (``_overshoot``)
 ``atomic_dispatch`` no     yes      no     the next chunk is folded into the ``Update``
-``streams_epochs``  no     no       yes    epoch e+1 opens while e is still live
+``streams_epochs``  no     yes      yes    epoch e+1 opens while e is still live
+                                           (Cadence: a window runs on into it,
+                                           ``cadence._boundary``)
 ==================  =====  =======  =====  ==================================================
 
 ``POLICIES`` maps the configured name to its value; ``policy_of`` looks it up (an
@@ -28,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .cadence import _async, _dispatcher, _feedback
+from .cadence import _async, _boundary, _dispatcher, _feedback
 from ._averaging import should_average
 from ._config import CoreConfig
 from ._dispatch import SYNC, Dispatcher
@@ -81,7 +83,7 @@ def _composed(name: str, d: _dispatcher.CadenceDispatcher) -> Policy:
                   summarise=_feedback.summarise)  # fmt: skip
 
 
-CADENCE_POLICY = _composed("cadence", _dispatcher.CADENCE)
+CADENCE_POLICY = _composed("cadence", _boundary.CADENCE)
 ASYNC_POLICY = _composed("async", _async.ASYNC)
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (SYNC_POLICY, CADENCE_POLICY, ASYNC_POLICY)}

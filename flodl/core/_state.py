@@ -243,6 +243,7 @@ class CadenceState:
     # The policy's switches for the engines (``_policy``): set by the dispatcher's setup.
     barrier_paced: bool = True  # False under Async: no final-window plan, probe/proportional chunks
     overshoot_on: bool = False  # True under Async: the reduce budget has a look-ahead
+    streams_epochs: bool = False  # epoch e+1 opens while e is live (Async, and Cadence at its boundary)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CadenceState):

@@ -316,6 +316,7 @@ def _aggregate(st: CoordinatorState, out: list[Command], policy: Policy) -> None
     epoch = _metrics.aggregate_next(st, out)
     _checkpointing.on_epoch_aggregated(st, epoch, out)  # before the next epoch's dispatch
     _run.serve_eval_intent(st, epoch, out)
+    policy.dispatcher.on_epoch_aggregated(st, epoch, out)  # the callbacks just asked for
 
 
 def _advance_due(st: CoordinatorState, policy: Policy) -> tuple[bool, str]:

@@ -163,6 +163,9 @@ class _Streams:
         live = live_epochs(st)
         return live[0] if live else st.dispatch.last_dispatched
 
+    def window_epoch(self, st: CoordinatorState, out: list[Command]) -> Optional[int]:
+        return None  # a trigger only wakes: each idle rank is offered a chunk of its own
+
 
 STREAMS = _Streams()
 # Cadence with the overshoot budget and epoch streaming (see the module doc); the run's

@@ -101,7 +101,7 @@ from ._window import WindowLedger
 
 __all__ = [
     "CadenceDispatcher",
-    "CADENCE",
+    "ends_at_a_barrier",
     "on_restarted",
     "release_throttle",
     "EpochStreams",
@@ -116,7 +116,9 @@ __all__ = [
     "wake",
 ]
 
-def new_state(cfg: CoreConfig, *, barrier_paced: bool = True, overshoot: bool = False) -> CadenceState:
+def new_state(
+    cfg: CoreConfig, *, barrier_paced: bool = True, overshoot: bool = False, streams_epochs: bool = False
+) -> CadenceState:
     el = ElChe(
         cfg.world_size,
         cfg.anchor,
@@ -136,6 +138,7 @@ def new_state(cfg: CoreConfig, *, barrier_paced: bool = True, overshoot: bool = 
         overshoot=OvershootBudget(),
         barrier_paced=barrier_paced,
         overshoot_on=overshoot,
+        streams_epochs=streams_epochs,
     )
 
 
@@ -217,8 +220,18 @@ def _pin(st: CoordinatorState, epoch: int) -> None:
         remaining_batches=_batches(pool.remaining(), st.config.batch_size),
         counts=cad.elche.batch_counts,
         alive=[rec.phase is ACTIVE for rec in st.ranks],
-        barrier_paced=cad.barrier_paced,  # Async: no final-window plan
+        barrier_paced=ends_at_a_barrier(st, epoch),
     )
+
+
+def ends_at_a_barrier(st: CoordinatorState, epoch: int) -> bool:
+    """Whether the ranks' windows stop at ``epoch``'s end, so its last window needs a
+    final-window plan: never under Async; under Cadence only when no later epoch takes
+    over (the run's last epoch, or Cadence without streaming, ``_boundary``)."""
+    cad = st.cadence
+    if not cad.barrier_paced:
+        return False
+    return not cad.streams_epochs or epoch + 1 >= st.config.num_epochs
 
 
 def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
@@ -400,6 +413,11 @@ class EpochStreams(Protocol):
 
     def round_epoch(self, st: CoordinatorState) -> Optional[int]: ...
 
+    def window_epoch(self, st: CoordinatorState, out: list[Command]) -> Optional[int]:
+        """The epoch the windows handed out at a trigger or in an ``Update`` draw from
+        (opened now if it must be); None: the trigger only wakes idle ranks (Async)."""
+        ...
+
 
 class CadenceDispatcher:
     """Progressive chunk dispatch driven by ElChe (see module doc), one class for Cadence
@@ -432,7 +450,16 @@ class CadenceDispatcher:
         (wake if self.streams is None else self.streams.wake)(st, out)
 
     def setup(self, st: CoordinatorState) -> None:
-        st.cadence = new_state(st.config, barrier_paced=self.barrier_paced, overshoot=self.overshoot)
+        st.cadence = new_state(
+            st.config, barrier_paced=self.barrier_paced, overshoot=self.overshoot, streams_epochs=self.streams is not None
+        )
+
+    def _window_epoch(self, st: CoordinatorState, out: list[Command]) -> Optional[int]:
+        """Where windows started now come from: the epoch last dispatched (the epoch
+        barrier), or what the stream says (``EpochStreams.window_epoch``)."""
+        if self.streams is None:
+            return st.dispatch.last_dispatched
+        return self.streams.window_epoch(st, out)
 
     def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
         if self.streams is not None and st.dispatch.last_dispatched is not None:
@@ -532,15 +559,16 @@ class CadenceDispatcher:
         for r in ranks:  # the next window starts here
             cad.window_mark[r] = st.ranks[r].last_step
         cad.barrier_at = None
-        if self.streams is not None:
-            self.streams.wake(st, out)  # before the RequestParams (the caller's): the round overlaps training
-            return
-        epoch = st.dispatch.last_dispatched
-        if epoch is None or st.run.phase is not TRAINING:
-            return
+        # Everything sent here goes before the RequestParams (the caller's): the round
+        # overlaps training.
         ready = [r for r in ranks if _held(st, r) is None]
-        for r, got in start_window(st, epoch, ready).items():
-            _send_plan(st, r, epoch, got, out)  # before its RequestParams (the caller's)
+        if ready and st.run.phase is TRAINING and st.dispatch.last_dispatched is not None:
+            epoch = self._window_epoch(st, out)
+            if epoch is not None:
+                for r, got in start_window(st, epoch, ready).items():
+                    _send_plan(st, r, epoch, got, out)
+        if self.streams is not None:
+            self.streams.wake(st, out)  # whoever that epoch could not serve streams on
 
     def on_round_finished(
         self, st: CoordinatorState, ranks: list[int], out: list[Command]
@@ -555,13 +583,22 @@ class CadenceDispatcher:
         if not self.atomic_dispatch:
             return {}  # nobody waits for the Update
         ready = [r for r in ranks if _held(st, r) is None]
+        if not ready:
+            return {}
+        source = self._window_epoch(st, out)
+        if source is None:
+            return {}
         return {
-            r: pb.EpochPlan(epoch=epoch, partition_offset=off, partition_size=n)
-            for r, (off, n) in start_window(st, epoch, ready).items()
+            r: pb.EpochPlan(epoch=source, partition_offset=off, partition_size=n)
+            for r, (off, n) in start_window(st, source, ready).items()
         }
 
     def after_round(self, st: CoordinatorState, out: list[Command]) -> None:
         self._wake(st, out)
 
-
-CADENCE = CadenceDispatcher()
+    def on_epoch_aggregated(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
+        """The ranks already stream into ``epoch + 1``: the callbacks of this aggregation
+        run inside their current windows, so that is where the slack goes (``_slack``);
+        behind an epoch barrier ``dispatch_epoch`` stages it before the first windows."""
+        if self.barrier_paced and epoch + 1 in st.cadence.pools:
+            _slack.stage(st, epoch + 1, out)

@@ -22,8 +22,8 @@ from flodl.core import (
     replay,
 )
 from flodl.core.cadence import _feedback
+from flodl.core.cadence._boundary import CADENCE
 from flodl.core.cadence._dispatcher import (
-    CADENCE,
     _dispatch_next,
     cadence_gate,
     chunk_batches,
@@ -386,8 +386,8 @@ def test_fold_mid_epoch():
 
 def test_tail_is_shared_by_the_final_window_plan():
     # Scenario 46 (Async caps the tail by share; under Cadence the pinned final-window
-    # plan splits the last 59 batches by counts [50, 10]: no lone 1, sum exact).
-    st = _state(2, 10, total=59)
+    # plan splits the run's last 59 batches by counts [50, 10]: no lone 1, sum exact).
+    st = _state(2, 10, total=59, epochs=1)
     for _ in range(5):
         st.cadence.elche.report_timing([200, 1000], [10, 10], 10)
     assert st.cadence.elche.batch_counts == [50, 10]
@@ -402,8 +402,8 @@ def test_tail_is_shared_by_the_final_window_plan():
 
 
 def test_cadence_final_window_has_no_lone_one():
-    # Scenario 47: counts [45, 10, 9]; pool 63 -> [44, 10, 9].
-    st = _state(3, 10, total=63)
+    # Scenario 47, in the run's last epoch: counts [45, 10, 9]; pool 63 -> [44, 10, 9].
+    st = _state(3, 10, total=63, epochs=1)
     for _ in range(5):
         st.cadence.elche.report_timing([200, 900, 1000], [10, 10, 10], 10)
     assert st.cadence.elche.batch_counts == [45, 10, 9]
@@ -414,6 +414,19 @@ def test_cadence_final_window_has_no_lone_one():
     assert st.cadence.final_plan.alloc == (44, 10, 9)  # sum 63, no lone 1, rank 0 largest
     assert [taken[r][1] for r in range(3)] == [21, 10, 9]  # equal spans of 21: rank 0 short
     assert [chunk_batches(st, r, 0) for r in range(3)] == [44, 10, 9]  # the pinned sizes
+
+
+def test_an_epoch_that_is_not_the_last_has_no_final_window_plan():
+    # Its last window runs on into the next epoch (``_boundary``): no rank is cut short to
+    # end with the epoch; each takes its window's worth and streams the rest later.
+    st = _state(3, 10, total=63, epochs=2)
+    for _ in range(5):
+        st.cadence.elche.report_timing([200, 900, 1000], [10, 10, 10], 10)
+    _pool(st, 0, 63)
+    taken = start_window(st, 0, [0, 1, 2])
+    assert st.cadence.final_plan is None
+    assert [taken[r][1] for r in range(3)] == [21, 10, 9]  # rank 0: its span; it streams on later
+    assert st.cadence.pools[0].remaining() == 63 - 40
 
 
 def test_streamed_chunk_never_crosses_the_reduce():
@@ -479,18 +492,37 @@ def test_three_unequal_ranks_exact_coverage_and_elche_summary():
     assert overlapped >= 3 * (s["averages"] - 2 * 3)
 
 
-def test_epoch_barrier_nothing_of_the_next_epoch_before_this_one_aggregated():
-    c = _cluster(world_size=3, total=60, batch_size=4, epochs=3, anchor=2)
+class BoundaryCluster(CheckedCluster):
+    """Checks, at every plan handed out, that it comes from the oldest epoch with work."""
+
+    def feed(self, ev):
+        before = {e: p.remaining() for e, p in self.state.cadence.pools.items()}
+        cmds = super().feed(ev)
+        for _r, ctl in controls(cmds):
+            if ctl.HasField("start_epoch") or (ctl.HasField("update") and ctl.update.HasField("next_plan")):
+                epoch = _plan(ctl)[0]
+                older = {e: n for e, n in before.items() if e < epoch}
+                # A step hands out an older epoch's last chunks before any of this one.
+                assert all(self.state.cadence.pools[e].remaining() == 0 for e in older if e in self.state.cadence.pools)
+                self.plans.append((epoch, self.state.metrics.last_aggregated))
+        return cmds
+
+
+def test_windows_run_on_into_the_next_epoch_before_this_one_aggregated():
+    c = BoundaryCluster(world_size=3, total=60, batch_size=4, epochs=3, policy="cadence", anchor=2,
+                        probe_batches=None, speeds=[10, 20, 40])  # fmt: skip
+    c.plans = []
     c.join_all()
-    c.run()
-    aggregated = -1
-    for cmd in c.commands:
-        if getattr(cmd, "kind", None) == "epoch_aggregated" and cmd.rank == 0:
-            aggregated = cmd.control.epoch_aggregated.metrics.epoch
-        if getattr(cmd, "kind", None) in ("start_epoch", "update"):
-            ctl = cmd.control
-            if ctl.HasField("start_epoch") or ctl.update.HasField("next_plan"):
-                assert _plan(ctl)[0] <= aggregated + 1
+    res = c.run()
+    assert res.ok
+    assert [{k: e[k] for k in ("duplicates", "missing")} for e in res.summary["coverage"]] == [
+        {"duplicates": 0, "missing": 0}
+    ] * 3
+    early = [(e, agg) for e, agg in c.plans if e > 0 and (agg is None or agg < e - 1)]
+    assert {e for e, _ in early} == {1, 2}  # both boundaries were streamed, not waited at
+    assert all(agg is None or agg >= e - 2 for e, agg in c.plans)  # at most two epochs live
+    opened = [x.data["epoch"] for x in c.of_type(Notice) if x.kind == "epoch_opened"]
+    assert opened == [1, 2]
 
 
 def test_death_mid_epoch_exact_coverage_with_discards_counted():

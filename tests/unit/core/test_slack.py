@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from flodl.core import EpochFnElapsed, Notice, from_record, to_record
+from flodl.core import EpochFnElapsed, Notice, Send, from_record, to_record
 from flodl.core.cadence import _slack
 from flodl.core import DEAD
 from flodl.wire import pb
@@ -218,21 +218,30 @@ def _first_plan(c: Cluster, rank: int, epoch: int) -> int:
     raise AssertionError(f"rank {rank} got no StartEpoch of epoch {epoch}")
 
 
-def test_a_cadence_run_shortens_the_epoch_role_window_after_its_epoch_fn():
+def test_a_cadence_run_shortens_the_epoch_role_window_its_epoch_fn_lands_in():
     c = EpochFnCluster(world_size=2, total=240, batch_size=2, epochs=3, policy="cadence", speeds=[10.0, 20.0])
     c.join_all()
     res = c.run()
     assert res.ok
     notes = [x for x in c.commands if isinstance(x, Notice) and x.kind == "callback_slack"]
-    # epoch 1 starts in the step that aggregated epoch 0: no epoch-fn time is known yet.
-    # Epoch 2 starts after the role reported epoch 0's (400 ms), so its first window is
-    # shorter by ceil(400 / 10 ms) = 40 batches, floored at 1.
+    # Epoch 0's aggregation: no epoch-fn time is known yet. Epoch 1 aggregates after the
+    # role reported epoch 0's (400 ms) while both ranks already train epoch 2 (Cadence
+    # streams the boundary, ``cadence._boundary``): the window they are running, in which
+    # the role runs its epoch function, loses ceil(400 / 10 ms) = 40 batches (floored at 1).
     assert [n.data["epoch"] for n in notes] == [2]
     role = c.state.roles.epoch_role
     assert role == 0  # the fastest rank, elected at calibration
-    assert notes[0].data["slack_ms"][role] == 400.0
-    assert _first_plan(c, role, 2) < _first_plan(c, role, 1)
-    assert _first_plan(c, 1, 2) == _first_plan(c, 1, 1)  # the other rank is untouched
+    note = notes[0].data
+    assert note["slack_ms"][role] == 400.0
+    assert note["counts"][role] == max(1, note["counts_before"][role] - 40)
+    assert note["counts"][1] == note["counts_before"][1]  # the other rank is untouched
+    at = c.commands.index(notes[0])
+    aggregated = [x for x in c.commands[:at] if isinstance(x, Send) and x.kind == "epoch_aggregated"]
+    assert aggregated[-1].control.epoch_aggregated.metrics.epoch == 1  # staged as epoch 1 aggregated
+    started = [x for x in c.commands[:at] if isinstance(x, Send) and x.kind == "start_epoch"]
+    assert any(x.control.start_epoch.plan.epoch == 2 for x in started)  # ... into a window of epoch 2
+    after = [x for x in c.commands[at:] if isinstance(x, Notice) and x.kind == "window"]
+    assert after and after[0].data["counts"][role] > note["counts"][role]  # the next recompute restores it
     for row in res.summary["coverage"]:
         assert (row["duplicates"], row["missing"]) == (0, 0)
     assert c.state.cadence.elche.pending_callback_slack_ms == [0.0, 0.0]
