@@ -1,10 +1,13 @@
 """Heterogeneous rig benchmark: flodl sync / cadence / async / collective against torch DDP.
 
-The rig: 3 ranks on this machine with emulated device speeds ``--slowdown 1,2,4``
-(each batch additionally sleeps ``base_ms × factor``), the synthetic task (same model,
-batch size and step function everywhere). Measured in one invocation:
+A rig: one rank per entry of its slowdown list on this machine (each batch additionally
+sleeps ``base_ms x factor``), the synthetic task (same model, batch size and step function
+everywhere). ``--rigs`` runs several in one invocation (default: the 1,2,4 rig and the
+6-rank 1,1,2,3,5,8 rig, where ElChe's windows grow to most of an epoch). Measured per rig,
+side by side:
 
-* solo: each rank's throughput training alone (the ceiling is their sum);
+* solo: each rank's throughput training alone (the ceiling is their sum), median of
+  ``--repeats``;
 * flodl sync, cadence and async: ``flodl run --local`` (real coordinator, relay, ranks),
   on the bus plane;
 * flodl collective: cadence with ``--plane collective`` (torch.distributed all-reduce,
@@ -12,14 +15,18 @@ batch size and step function everywhere). Measured in one invocation:
   checkout's ``flodl run`` does not accept ``--plane`` yet;
 * torch DDP (gloo) on the same emulation (``bench/ddp_peer.py``).
 
-Efficiency = throughput / Σ solo throughputs. ``round_open_share`` = the share of the
-run's wall time during which an averaging round was open (under cadence rounds overlap
-the next window, so this is not idle time); ``exposed_averaging_share`` = the share during
-which every rank had finished its window and waited for the round (ElChe's measure). Then the digits task at an
-equal sample budget (same epochs) for accuracy: every flodl mode (async included) vs DDP.
+Per mode: the median throughput of ``--repeats`` runs (each run's too), ``efficiency`` =
+throughput / sum of solo throughputs, ``vs_ddp`` = throughput / DDP's median.
+``rank_busy_share`` = each rank's samples per second of the run over its solo rate (1.0: it
+never waited; below that it idled, or the machine slowed it). ``round_open_share`` = the
+share of the run's wall time during which an averaging round was open (under cadence
+rounds overlap the next window, so this is not idle time); ``exposed_averaging_share`` =
+the share during which every rank had finished its window and waited for the round
+(ElChe's measure). Then the digits task at an equal sample budget (same epochs) for
+accuracy: every flodl mode (async included) vs DDP, and the gap in points.
 
-Prints one JSON object. Noisy machine: ``--repeats`` runs each mode and reports the
-median.
+Prints one JSON object. Noisy machine: compare the ratios, which are measured against
+peers in the same invocation.
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ def run_accepts(flag: str) -> bool:
     return flag in p.stdout
 
 
-def flodl_run(task: str, policy: str, args, extra: list[str] | None = None) -> dict:
+def flodl_run(task: str, policy: str, args, extra: list[str] | None = None, solos: list[float] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         summary = os.path.join(d, "s.json")
         cmd = [
@@ -87,6 +94,10 @@ def flodl_run(task: str, policy: str, args, extra: list[str] | None = None) -> d
         s = json.load(open(summary))
     wall = s.get("wall_s") or 0.0
     avg_s = s.get("averaging_s")
+    busy = None
+    if solos and wall:
+        samples = [r.get("samples", 0) for r in sorted(s.get("ranks", []), key=lambda r: r["rank"])]
+        busy = [round(n / wall / solo, 3) for n, solo in zip(samples, solos)]
     return {
         "samples_per_s": s.get("samples_per_s"),
         "wall_s": wall,
@@ -96,6 +107,7 @@ def flodl_run(task: str, policy: str, args, extra: list[str] | None = None) -> d
         "exposed_averaging_share": (
             round((s.get("elche") or {}).get("exposed_sync_s", 0.0) / wall, 4) if (s.get("elche") and wall) else None
         ),
+        "rank_busy_share": busy,
         "accuracy": s.get("accuracy"),
         "exact_coverage": all(c["duplicates"] == 0 and c["missing"] == 0 for c in s.get("coverage", [])),
         "elche": s.get("elche"),
@@ -115,11 +127,60 @@ def median_of(runs: list[dict], key: str):
     return statistics.median(xs) if xs else None
 
 
+def bench_rig(slowdown: str, names: list[str], skipped: dict, args) -> dict:
+    """One rig: solos, every mode and DDP (``--repeats`` each), then digits accuracy."""
+    args.slowdown, args.slow = slowdown, [float(x) for x in slowdown.split(",")]
+    args.epochs = args.train_epochs
+    res: dict = {"rig": {"slowdown": slowdown, "ranks": len(args.slow), "base_ms": args.base_ms,
+                         "batch_size": args.batch_size, "epochs": args.epochs, "task": "synthetic"}}  # fmt: skip
+    solos = [statistics.median(solo(x, args.base_ms, args.batch_size) for _ in range(args.repeats)) for x in args.slow]
+    res["solo_samples_per_s"] = [round(x, 1) for x in solos]
+    ceiling = sum(solos)
+    res["solo_sum"] = round(ceiling, 1)
+    modes: dict = {}
+    for name in names:
+        policy, extra = MODES[name]
+        runs = [flodl_run("synthetic", policy, args, extra, solos) for _ in range(args.repeats)]
+        m = dict(runs[-1])
+        m["samples_per_s"] = median_of(runs, "samples_per_s")
+        m["runs_samples_per_s"] = [r.get("samples_per_s") for r in runs]
+        m["exact_coverage"] = all(r.get("exact_coverage") for r in runs)
+        m["errors"] = sum(1 for r in runs if "error" in r)
+        m["runs"] = len(runs)
+        m["policy"], m["plane"] = policy, "collective" if "--plane" in extra else "bus"
+        modes[f"flodl_{name}"] = m
+    ddps = [ddp_run("synthetic", args) for _ in range(args.repeats)]
+    modes["torch_ddp_gloo"] = {"samples_per_s": median_of(ddps, "samples_per_s"), "runs": len(ddps),
+                               "runs_samples_per_s": [d.get("samples_per_s") for d in ddps]}  # fmt: skip
+    ddp_sps = modes["torch_ddp_gloo"]["samples_per_s"]
+    for m in modes.values():
+        sps = m.get("samples_per_s")
+        m["efficiency"] = round(sps / ceiling, 3) if sps else None
+        m["vs_ddp"] = round(sps / ddp_sps, 3) if (sps and ddp_sps) else None
+    res["modes"] = {**modes, **skipped}
+    if not args.skip_accuracy:
+        args.epochs = args.accuracy_epochs
+        acc: dict = {}
+        for name in names:
+            policy, extra = MODES[name]
+            run = flodl_run("digits", policy, args, extra)
+            acc[f"flodl_{name}"] = run.get("accuracy") if "error" not in run else {"error": run["error"][-300:]}
+        acc.update({k: None for k in skipped})
+        ddp_acc = ddp_run("digits", args)["accuracy"]
+        acc["torch_ddp_gloo"] = ddp_acc
+        gap = {k: round(100 * (v - ddp_acc), 2) for k, v in acc.items()
+               if isinstance(v, float) and k != "torch_ddp_gloo"}  # fmt: skip
+        res["digits_accuracy_equal_samples"] = {"epochs": args.epochs, "samples": args.epochs * 1437, **acc,
+                                                "points_vs_ddp": gap}  # fmt: skip
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--slowdown", default="1,2,4")
+    ap.add_argument("--rigs", default="1,2,4;1,1,2,3,5,8", help="slowdown lists, one per rig, ';'-separated")
+    ap.add_argument("--slowdown", help="one rig only (same as --rigs with one entry)")
     ap.add_argument("--base-ms", type=float, default=10.0)
-    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--epochs", dest="train_epochs", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--modes", default="sync,cadence,async,collective", help=f"any of {','.join(MODES)}")
@@ -127,7 +188,13 @@ def main() -> None:
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--accuracy-epochs", type=int, default=12, help="digits epochs for the accuracy comparison")
     args = ap.parse_args()
-    args.slow = [float(s) for s in args.slowdown.split(",")]
+    rigs = [args.slowdown] if args.slowdown else [r.strip() for r in args.rigs.split(";") if r.strip()]
+    for rig in rigs:
+        try:
+            if not all(float(x) > 0 for x in rig.split(",")):
+                raise ValueError
+        except ValueError:
+            ap.error(f"rig {rig!r}: expected positive slowdown factors like 1,2,4")
     names = [m for m in (args.policies or args.modes).split(",") if m]
     unknown = [m for m in names if m not in MODES]
     if unknown:
@@ -136,40 +203,10 @@ def main() -> None:
     if "collective" in names and not run_accepts("--plane"):
         skipped["flodl_collective"] = {"skipped": "`flodl run` does not accept --plane yet (collective plane not merged)"}
         names.remove("collective")
-    res: dict = {"bench": "hetero", "rig": {"slowdown": args.slowdown, "base_ms": args.base_ms,
-                 "batch_size": args.batch_size, "epochs": args.epochs, "task": "synthetic"}}  # fmt: skip
-    solos = [solo(s, args.base_ms, args.batch_size) for s in args.slow]
-    res["solo_samples_per_s"] = [round(x, 1) for x in solos]
-    ceiling = sum(solos)
-    res["solo_sum"] = round(ceiling, 1)
-    modes: dict = {}
-    for name in names:
-        policy, extra = MODES[name]
-        runs = [flodl_run("synthetic", policy, args, extra) for _ in range(args.repeats)]
-        m = dict(runs[-1])
-        m["samples_per_s"] = median_of(runs, "samples_per_s")
-        m["runs"] = len(runs)
-        m["policy"], m["plane"] = policy, "collective" if "--plane" in extra else "bus"
-        modes[f"flodl_{name}"] = m
-    ddps = [ddp_run("synthetic", args) for _ in range(args.repeats)]
-    modes["torch_ddp_gloo"] = {"samples_per_s": median_of(ddps, "samples_per_s"), "runs": len(ddps)}
-    for m in modes.values():
-        sps = m.get("samples_per_s")
-        m["efficiency"] = round(sps / ceiling, 3) if sps else None
-    res["modes"] = {**modes, **skipped}
-    ddp_sps = modes["torch_ddp_gloo"]["samples_per_s"]
-    res["speedup_vs_ddp"] = {k: round(v["samples_per_s"] / ddp_sps, 2) for k, v in modes.items()
-                             if v.get("samples_per_s") and ddp_sps}  # fmt: skip
-    if not args.skip_accuracy:
-        args.epochs = args.accuracy_epochs
-        acc = {}
-        for name in names:
-            policy, extra = MODES[name]
-            run = flodl_run("digits", policy, args, extra)
-            acc[f"flodl_{name}"] = run.get("accuracy") if "error" not in run else {"error": run["error"][-300:]}
-        acc.update({k: None for k in skipped})
-        acc["torch_ddp_gloo"] = ddp_run("digits", args)["accuracy"]
-        res["digits_accuracy_equal_samples"] = {"epochs": args.epochs, "samples": args.epochs * 1437, **acc}
+    res: dict = {"bench": "hetero", "repeats": args.repeats, "cpus": os.cpu_count(),
+                 "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+                 "rigs": [bench_rig(rig, names, skipped, args) for rig in rigs]}  # fmt: skip
+    res["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(res, indent=2))
 
 

@@ -77,11 +77,13 @@ class CoreConfig:
     # averages after every step of every rank.
     policy: str = setting(
         "cadence", choices=POLICIES,
-        help="averaging policy: cadence (per-rank windows proportional to speed) | sync (average once "
-        "every rank stepped) | async (cadence windows with a bounded overshoot, streaming across epochs, "
-        "EASGD blend of the consensus)",
+        help="averaging policy: cadence (per-rank windows proportional to speed, running on across epoch "
+        "ends) | sync (average once every rank stepped) | async (cadence windows with a bounded overshoot, "
+        "streaming across epochs, EASGD blend of the consensus)",
         doc="`cadence`: ElChe — each rank runs a window of batches proportional to its measured speed, "
-        "windows grow until averaging costs ≤ `overhead_target`; `sync`: average once every rank made ≥ 1 "
+        "windows grow until averaging costs ≤ `overhead_target`; a window that reaches the end of an epoch "
+        "runs on into the next one (nobody waits for the epoch to close; each epoch is still trained exactly "
+        "once); `sync`: average once every rank made ≥ 1 "
         "step (held to the slowest rank, like DDP); `async`: cadence windows, but a rank may run "
         "`max_overshoot` batches past its window (3, widening to 15 while the guard is content), streams "
         "into the next epoch without waiting for the current one to close, and blends the consensus "

@@ -9,19 +9,23 @@ idles at a barrier the slowest card sets (spec §6). Work is handed out progress
 one chunk per rank at a time, from one ``ChunkPool`` per epoch (§8.4-8.8); a chunk is
 normally exactly one window.
 
-* **Epoch start** (``dispatch_epoch``, §8.4): a pool whose reservation spans follow the
+* **Epoch start** (``dispatch_epoch``, §8.4; the run's first epoch, or one reached
+  behind an epoch barrier): a pool whose reservation spans follow the
   alive ranks' counts (equal before calibration), every alive rank put at the epoch,
   then callback slack (``_slack.stage``: a rank that runs a callback at this boundary
-  gets a shorter first window), then ``start_window``: the final-window plan is pinned,
+  gets a shorter first window), then ``start_window``: the final-window plan is pinned
+  (in an epoch whose end is a barrier, ``ends_at_a_barrier``),
   every rank's chunk is sized (``compute_chunk_batches``) *before any take*, then
   taken; each goes out as ``StartEpoch``.
 * **Streaming** (``_dispatch_next``, §8.5): when a rank's chunk is done it gets its next
   one unless held -- one chunk in flight; the *reduce barrier* (its steps since the last
   *trigger* reached ``reduce_step_budget`` and are not all folded yet: it waits for the
   next round's trigger);
-  throttled (waits for the ``Update``); the *epoch barrier* (its epoch's pool is drained:
-  epoch e+1 opens only once e is aggregated, by ``_run.advance``; we never stream
-  across). The pool is credited per ``BatchDone`` (positions trained, in order), so a
+  throttled (waits for the ``Update``). When its epoch's pool is drained the composed
+  stream (``EpochStreams``) decides: Cadence's (``_boundary``) hands it the rest of its
+  window from the next epoch, Async's (``_async``) its next chunk; without one the rank
+  waits at the *epoch barrier* (epoch e+1 opens once e is aggregated, by
+  ``_run.advance``). The pool is credited per ``BatchDone`` (positions trained, in order), so a
   chunk is done when its last batch is reported, whenever the ``ChunkDone`` metrics
   frame lands.
 * **Trigger** (``on_trigger``): the round overlaps the next window. Every participant's
