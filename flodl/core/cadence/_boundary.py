@@ -46,8 +46,9 @@ from __future__ import annotations
 from typing import Optional
 
 from . import _async, _slack
-from ._dispatcher import CadenceDispatcher
+from ._dispatcher import CadenceDispatcher, window_steps
 from .._commands import Command
+from .._phases import TRAINING
 from .._state import CoordinatorState
 
 __all__ = ["CADENCE", "BOUNDARY_STREAMS"]
@@ -64,7 +65,11 @@ class _BoundaryStreams:
         _async.wake(st, out)
 
     def wake(self, st: CoordinatorState, out: list[Command]) -> None:
-        _async.wake(st, out)
+        if st.run.phase is not TRAINING or st.dispatch.last_dispatched is None:
+            return
+        for r in st.alive_ranks():
+            if not leaves_the_tail(st, r):
+                _async._dispatch_next(st, r, out)
 
     def round_epoch(self, st: CoordinatorState) -> Optional[int]:
         """The epoch a finished round is counted for: the oldest live one."""
@@ -77,6 +82,26 @@ class _BoundaryStreams:
         if epoch is not None and cad is not None and epoch not in cad.pools:
             _async._open(st, epoch, -1, out)
         return epoch
+
+
+def leaves_the_tail(st: CoordinatorState, rank: int) -> bool:
+    """In the run's last window (a final-window plan is pinned), a rank that ran its
+    share of it leaves what is left to a rank still training: that one asks when its
+    chunk is done, and whoever asks first finishes first. Spans drift once windows
+    straddle epochs, so takes can come back short and leave fragments; handed to the
+    first idle rank -- often the slowest, whose share is smallest -- they would end the
+    run one slow chunk late. The last rank training (a chunk in flight, not throttled:
+    a throttled rank waits for the round this one may be holding up) always takes them,
+    so nothing deadlocks."""
+    cad = st.cadence
+    if cad is None:
+        return False
+    plan = cad.final_plan
+    if plan is None or rank in cad.in_flight or st.dispatch.rank_epoch.get(rank) != plan.epoch:
+        return False
+    if window_steps(st, rank) < plan.alloc[rank]:
+        return False
+    return any(r in cad.in_flight and r not in cad.throttled for r in st.alive_ranks() if r != rank)
 
 
 BOUNDARY_STREAMS = _BoundaryStreams()

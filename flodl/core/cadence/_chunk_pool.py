@@ -344,8 +344,8 @@ def explain_chunk_batches(
     rem = remaining_samples // batch_size
     if rem == 0:
         return 0, "pool empty"
-    if final_alloc is not None:
-        return final_alloc[rank], "final-window plan"
+    if final_alloc is not None:  # what is left of the rank's share (a short take comes back for the rest)
+        return max(0, final_alloc[rank] - steps), "final-window plan"
 
     def cap(s: int) -> int:
         return min(s, max(1, budget - steps)) if budget > 0 else s

@@ -363,17 +363,20 @@ def _note_barrier(st: CoordinatorState) -> None:
             cad.barrier_at = st.now
 
 
-def _check_throttle(st: CoordinatorState, rank: int, out: list[Command]) -> None:
+def _check_throttle(st: CoordinatorState, rank: int, out: list[Command]) -> bool:
+    """Throttle the rank if it ran too far ahead; True when it was throttled now."""
     m = st.config.batch_diff_cap
     cad = st.cadence
     if m is None or rank in cad.throttled:
-        return
+        return False
     if any(rec.phase is not ACTIVE for rec in st.ranks):
-        return  # a rank is gone: the spread is no longer meaningful (spec: active < ws)
+        return False  # a rank is gone: the spread is no longer meaningful (spec: active < ws)
     steps = [window_steps(st, r) for r in range(len(st.ranks))]
     if steps[rank] > min(steps) + m:
         cad.throttled.add(rank)
         st.send(out, rank, throttle=pb.Control.Throttle())
+        return True
+    return False
 
 
 def new_pool(st: CoordinatorState, epoch: int, total: int) -> ChunkPool:
@@ -551,11 +554,13 @@ class CadenceDispatcher:
         pool = cad.pools.get(ev.epoch)
         if pool is not None and ev.samples > 0:
             pool.mark_completed(r, ev.samples)
-        _check_throttle(st, r, out)
+        throttled = _check_throttle(st, r, out)
         chunk = cad.in_flight.get(r)
         if chunk is not None and chunk[0] == ev.epoch and (pool is None or pool.in_flight(r) == 0):
             del cad.in_flight[r]
             self._wake(st, out)  # hand work to a rank that ran dry (streaming: oldest epoch first)
+        elif throttled and self.streams is not None:
+            self._wake(st, out)  # it stopped training: the tail it was left (``_boundary``) goes to another
         _note_barrier(st)
 
     def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None:

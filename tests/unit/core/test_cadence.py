@@ -22,7 +22,7 @@ from flodl.core import (
     replay,
 )
 from flodl.core.cadence import _feedback
-from flodl.core.cadence._boundary import CADENCE
+from flodl.core.cadence._boundary import BOUNDARY_STREAMS, CADENCE, leaves_the_tail
 from flodl.core.cadence._dispatcher import (
     _dispatch_next,
     cadence_gate,
@@ -414,6 +414,35 @@ def test_cadence_final_window_has_no_lone_one():
     assert st.cadence.final_plan.alloc == (44, 10, 9)  # sum 63, no lone 1, rank 0 largest
     assert [taken[r][1] for r in range(3)] == [21, 10, 9]  # equal spans of 21: rank 0 short
     assert [chunk_batches(st, r, 0) for r in range(3)] == [44, 10, 9]  # the pinned sizes
+
+
+def test_in_the_last_window_a_rank_that_ran_its_share_leaves_the_rest_to_one_still_training():
+    st = _state(3, 10, total=63, epochs=1)
+    for _ in range(5):
+        st.cadence.elche.report_timing([200, 900, 1000], [10, 10, 10], 10)
+    _pool(st, 0, 63)
+    st.dispatch.last_dispatched = 0
+    taken = start_window(st, 0, [0, 1, 2])  # plan [44, 10, 9]; rank 0 got its span's 21
+    assert st.cadence.final_plan.alloc == (44, 10, 9) and taken[0][1] == 21
+    # Rank 2 ran its 9: a fragment is left, but rank 0 is still training and asks again.
+    _steps(st, [0, 0, 9])
+    del st.cadence.in_flight[2]
+    assert leaves_the_tail(st, 2)
+    out = []
+    BOUNDARY_STREAMS.wake(st, out)
+    assert out == [] and 2 not in st.cadence.in_flight
+    # Rank 0 asks for the rest of its share (44 - 21), not for a whole window.
+    _steps(st, [21, 0, 9])
+    del st.cadence.in_flight[0]
+    assert chunk_batches(st, 0, 0) == 23
+    # A throttled rank is not training: it cannot be the one the tail is left to.
+    st.cadence.in_flight[0] = (0, 0, 1)
+    st.cadence.throttled.add(0)
+    _steps(st, [21, 10, 9])
+    del st.cadence.in_flight[1]
+    assert not leaves_the_tail(st, 1) and not leaves_the_tail(st, 2)
+    BOUNDARY_STREAMS.wake(st, out)
+    assert out == [] and cadence_gate(st)[0]  # both at their reduce barrier, rank 0 throttled: the round fires
 
 
 def test_an_epoch_that_is_not_the_last_has_no_final_window_plan():
