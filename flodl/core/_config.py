@@ -185,6 +185,12 @@ class CoreConfig:
     probe_batches: Optional[int] = setting(
         1, help="cadence: batches per rank in the first, uncalibrated window; 0 = the anchor",
     )  # fmt: skip
+    # Integer windows never end together (and the probe window not at all): a rank that
+    # ran its window idles at the reduce barrier until the slowest ends its own. Ours.
+    run_ahead: bool = setting(
+        True, help="cadence: a rank that ran its window while others still train theirs starts its next "
+        "window at once instead of idling at the reduce barrier (false: it waits for the next round)",
+    )  # fmt: skip
     # -- checkpoints and failure policy (``_checkpointing``) ----------------------------
     checkpoint_every: int = setting(
         0, help="a consensus checkpoint every N aggregated epochs (0 = only when the run fails, if "

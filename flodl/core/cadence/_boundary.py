@@ -37,6 +37,18 @@ batches) that wait is a large part of every epoch -- 6.5-10 % of the run on a
   epochs also aggregate mid-window). A rank that already ran past the shortened count
   just reaches the gate; its chunk in flight is the start of its next window.
 
+* **No wait at the reduce barrier either** (``run_ahead``, on by default). Integer windows
+  never end together -- the probe window not at all -- so a rank that ran its window
+  used to idle until the slowest ended its own. Now, while the gate still waits for a
+  rank that is training (or for an open round), an idle rank at its barrier is handed
+  its next window's first batches: as many as fit in the wait at its pace
+  (``gate_wait_ms``, ElChe's smoothed paces; one batch while they are unknown), at most a
+  window. Steps reported after the trigger belong to the next window (the mark moves to
+  the last step reported), so the gate, the sizing and the folding count them exactly as
+  before; the rank only starts its next window early. The run's last window is left to
+  the final-window plan (nothing is run ahead once what is left fits in it).
+* **The last window's fragments go to whoever is still training** (``leaves_the_tail``).
+
 Checkpoints and resume are Async's: the save taken when ``e`` aggregates records the
 committed ranges of ``e + 1``, which a resume dispatches only the holes of.
 """
@@ -46,9 +58,9 @@ from __future__ import annotations
 from typing import Optional
 
 from . import _async, _slack
-from ._dispatcher import CadenceDispatcher, window_steps
+from ._dispatcher import CadenceDispatcher, _batches, _budget, _send_plan, _take, ends_at_a_barrier, window_steps
 from .._commands import Command
-from .._phases import TRAINING
+from .._phases import PENDING, TRAINING
 from .._state import CoordinatorState
 
 __all__ = ["CADENCE", "BOUNDARY_STREAMS"]
@@ -67,9 +79,15 @@ class _BoundaryStreams:
     def wake(self, st: CoordinatorState, out: list[Command]) -> None:
         if st.run.phase is not TRAINING or st.dispatch.last_dispatched is None:
             return
+        waiting: Optional[float] = None  # the ms until the gate can fire, worked out once
         for r in st.alive_ranks():
-            if not leaves_the_tail(st, r):
-                _async._dispatch_next(st, r, out)
+            if leaves_the_tail(st, r) or _async._dispatch_next(st, r, out):
+                continue
+            if st.config.run_ahead and at_reduce_barrier(st, r):
+                if waiting is None:
+                    waiting = gate_wait_ms(st)
+                if waiting != 0.0:  # -1: a wait of unknown length
+                    run_ahead(st, r, waiting, out)
 
     def round_epoch(self, st: CoordinatorState) -> Optional[int]:
         """The epoch a finished round is counted for: the oldest live one."""
@@ -102,6 +120,64 @@ def leaves_the_tail(st: CoordinatorState, rank: int) -> bool:
     if window_steps(st, rank) < plan.alloc[rank]:
         return False
     return any(r in cad.in_flight and r not in cad.throttled for r in st.alive_ranks() if r != rank)
+
+
+def at_reduce_barrier(st: CoordinatorState, rank: int) -> bool:
+    """Idle at its reduce barrier: it ran its window and waits for the next trigger."""
+    cad = st.cadence
+    if cad is None or rank in cad.in_flight or rank in cad.throttled:
+        return False
+    budget = _budget(st, rank)
+    return budget > 0 and window_steps(st, rank) >= budget and st.unfolded(rank) > 0
+
+
+def gate_wait_ms(st: CoordinatorState) -> float:
+    """How long the next trigger is still away, by ElChe's paces: the longest rest of a
+    window some rank still trains (0 when the gate could fire now). A round still open
+    holds the gate too: then at least one batch (the round's length is unknown)."""
+    cad = st.cadence
+    if cad is None:
+        return 0.0
+    ms = cad.elche.ms_per_batch()
+    counts = cad.elche.batch_counts
+    longest = 0.0
+    training = False
+    for r in st.alive_ranks():
+        if r in cad.throttled or r not in cad.in_flight:
+            continue
+        left = counts[r] - window_steps(st, r)
+        if left > 0:
+            training = True
+            longest = max(longest, left * ms[r])
+    if not training and st.rounds.phase is not PENDING:
+        return 0.0  # nobody the gate waits for: the trigger is due now
+    return longest if longest > 0.0 else -1.0  # -1: some wait, unknown length
+
+
+def run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, out: list[Command]) -> bool:
+    """Fill a wait at the reduce barrier: hand the rank its next window's first batches
+    now, as many as fit in ``waiting_ms`` at its pace (one when the wait or the pace is
+    unknown), at most a window. Steps after the trigger belong to the next window (the
+    mark moves to the last step reported), so none of this is lost or counted twice: the
+    rank just starts its next window early instead of idling at the barrier."""
+    cad = st.cadence
+    assert cad is not None
+    epoch = _async.source_epoch(st)
+    if epoch is None:
+        return False
+    if epoch not in cad.pools:
+        _async._open(st, epoch, rank, out)
+    left = _batches(cad.pools[epoch].remaining(), st.config.batch_size)
+    if ends_at_a_barrier(st, epoch) and left < sum(cad.elche.batch_counts) + len(st.ranks):
+        return False  # the run's last window is next: its final-window plan splits what is left
+    ms = cad.elche.smoothed_ms_per_batch(rank)
+    n = int(waiting_ms // ms) if (ms and waiting_ms > 0.0) else 1
+    n = max(1, min(n, cad.elche.batch_counts[rank], left))
+    got = _take(st, rank, epoch, n)
+    if got is None:
+        return False
+    _send_plan(st, rank, epoch, got, out)
+    return True
 
 
 BOUNDARY_STREAMS = _BoundaryStreams()

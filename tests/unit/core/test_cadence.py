@@ -68,6 +68,7 @@ def _pool(st, epoch, total, *, equal=True):
 def _cluster(**kw):
     kw.setdefault("policy", "cadence")
     kw.setdefault("probe_batches", None)  # the reference's scenarios: the first window is the anchor
+    kw.setdefault("run_ahead", False)  # ... and a rank waits at its reduce barrier
     return Cluster(**kw)
 
 

@@ -174,7 +174,8 @@ def test_71_progressive_death_reclaims_the_chunk_in_flight_and_the_survivor_take
     # Cadence ws 2: rank 1 holds its first chunk untouched; rank 0 ran its window and waits
     # at the reduce barrier. Rank 1's death reopens its chunk, the round fires for rank 0
     # alone and rank 0's next window starts with exactly the reclaimed range.
-    c = Cluster(policy="cadence", world_size=2, total=100, batch_size=2, epochs=1, anchor=2)
+    c = Cluster(policy="cadence", world_size=2, total=100, batch_size=2, epochs=1, anchor=2,
+                run_ahead=False)  # the reference's barrier: rank 0 waits there, it does not run ahead
     c.join_all()
     st = c.state
     pool = st.cadence.pools[0]
