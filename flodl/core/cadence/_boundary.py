@@ -41,11 +41,12 @@ batches) that wait is a large part of every epoch -- 6.5-10 % of the run on a
   never end together -- the probe window not at all -- so a rank that ran its window
   used to idle until the slowest ended its own. Now, while the gate still waits for a
   rank that is training (or for an open round), an idle rank at its barrier is handed
-  its next window's first batches: as many as fit in the wait at its pace
-  (``gate_wait_ms``, ElChe's smoothed paces; one batch while they are unknown), at most a
-  window. Steps reported after the trigger belong to the next window (the mark moves to
-  the last step reported), so the gate, the sizing and the folding count them exactly as
-  before; the rank only starts its next window early. The run's last window is left to
+  more batches: as many as fit in the wait at its pace (``gate_wait_ms``, ElChe's smoothed
+  paces; one batch while they are unknown), at most one more window in all
+  (``run_ahead_room``). A batch reported before the trigger is one more step of this
+  window (folded by the round, weighted by steps like any other); one reported after it
+  is the next window's first (the mark moves to the last step reported): the gate, the
+  sizing and the folding count them exactly as before. The run's last window is left to
   the final-window plan (nothing is run ahead once what is left fits in it).
 * **The last window's fragments go to whoever is still training** (``leaves_the_tail``).
 
@@ -131,6 +132,17 @@ def at_reduce_barrier(st: CoordinatorState, rank: int) -> bool:
     return budget > 0 and window_steps(st, rank) >= budget and st.unfolded(rank) > 0
 
 
+def run_ahead_room(st: CoordinatorState, rank: int) -> int:
+    """Batches the rank may still run past its window before the trigger: up to one more
+    window (``2 x max(budget, anchor)`` in all: the probe window's budget is 1), so a rank
+    that hangs mid-window lets the others run at most a window ahead until it is declared
+    dead."""
+    cad = st.cadence
+    assert cad is not None
+    budget = _budget(st, rank)
+    return max(0, 2 * max(budget, cad.elche.anchor) - window_steps(st, rank))
+
+
 def gate_wait_ms(st: CoordinatorState) -> float:
     """How long the next trigger is still away, by ElChe's paces: the longest rest of a
     window some rank still trains (0 when the gate could fire now). A round still open
@@ -155,13 +167,17 @@ def gate_wait_ms(st: CoordinatorState) -> float:
 
 
 def run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, out: list[Command]) -> bool:
-    """Fill a wait at the reduce barrier: hand the rank its next window's first batches
-    now, as many as fit in ``waiting_ms`` at its pace (one when the wait or the pace is
-    unknown), at most a window. Steps after the trigger belong to the next window (the
-    mark moves to the last step reported), so none of this is lost or counted twice: the
-    rank just starts its next window early instead of idling at the barrier."""
+    """Fill a wait at the reduce barrier: hand the rank more batches now, as many as fit
+    in ``waiting_ms`` at its pace (one when the wait or the pace is unknown), within
+    ``run_ahead_room``. Nothing is lost or counted twice: a batch reported before the
+    trigger is one more step of this window (folded by the round, its weight counted in
+    steps), one reported after it is the next window's first (the mark moves to the
+    last step reported). The rank trains instead of idling at the barrier."""
     cad = st.cadence
     assert cad is not None
+    room = run_ahead_room(st, rank)
+    if room == 0:
+        return False
     epoch = _async.source_epoch(st)
     if epoch is None:
         return False
@@ -172,7 +188,7 @@ def run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, out: list[Comm
         return False  # the run's last window is next: its final-window plan splits what is left
     ms = cad.elche.smoothed_ms_per_batch(rank)
     n = int(waiting_ms // ms) if (ms and waiting_ms > 0.0) else 1
-    n = max(1, min(n, cad.elche.batch_counts[rank], left))
+    n = max(1, min(n, room, left))
     got = _take(st, rank, epoch, n)
     if got is None:
         return False

@@ -761,3 +761,25 @@ def test_a_window_folded_whole_before_its_snapshot_does_not_hold_the_reduce_barr
     c.advance(1.0)
     fin = c.run()
     assert [row["missing"] for row in fin.summary["coverage"]] == [0]
+
+
+def test_a_rank_runs_ahead_of_the_barrier_while_another_trains_by_at_most_one_window():
+    # run_ahead (the default): rank 0 ran its window while rank 1 still holds its chunk.
+    # It trains on instead of idling -- those steps are this window's, folded by the
+    # round like any other -- but at most one more window: a rank that hangs mid-window
+    # lets the others run only that far ahead before it is declared dead.
+    c = CheckedCluster(world_size=2, total=100, batch_size=1, epochs=1, policy="cadence", anchor=4,
+                       probe_batches=None, guard="none")  # fmt: skip
+    c.join_all()
+    st = c.state
+    _drain(c, 0)
+    while c.train_one(0):
+        _drain(c, 0)
+    assert window_steps(st, 0) == 8 and 0 not in st.cadence.in_flight  # 4 + one more window
+    assert st.rounds.gate_reason.startswith("rank 1 ran 0/4")
+    _drain(c, 1)
+    while st.rounds.cycle == 0 and c.train_one(1):
+        _drain(c, 1)
+    assert st.rounds.cycle == 1 and st.rounds.ranks == (0, 1)  # rank 1 ran its window: the round fires
+    res = c.run()
+    assert res.ok and [{k: e[k] for k in EXACT} for e in res.summary["coverage"]] == [EXACT]
