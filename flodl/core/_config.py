@@ -188,8 +188,8 @@ class CoreConfig:
     # Integer windows never end together (and the probe window not at all): a rank that
     # ran its window idles at the reduce barrier until the slowest ends its own. Ours.
     run_ahead: bool = setting(
-        True, help="cadence: a rank that ran its window while others still train theirs starts its next "
-        "window at once instead of idling at the reduce barrier (false: it waits for the next round)",
+        True, help="cadence: a rank that ran its window while others still train theirs keeps training "
+        "(at most one more window) instead of idling at the reduce barrier (false: it waits for the round)",
     )  # fmt: skip
     # -- checkpoints and failure policy (``_checkpointing``) ----------------------------
     checkpoint_every: int = setting(
