@@ -55,6 +55,7 @@ from flodl.wire import pb
 from ._commands import Command, Send
 from ._config import CoreConfig
 from ._errors import LocalViolation
+from ._rank_index import INDEXED_FIELDS, RankIndex
 from ._phases import (  # noqa: F401  (re-exported: older imports of the phases from here)
     ACTIVE,
     DEAD,
@@ -106,6 +107,17 @@ class RankRecord:
     samples: int = 0
     param_digest: str = ""
     divergence: Optional[float] = None  # from the latest SyncAcked
+    # The state's RankIndex (``_rank_index``), told of every write to an indexed field.
+    index: Optional[RankIndex] = field(default=None, compare=False, repr=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        index = getattr(self, "index", None) if name in INDEXED_FIELDS else None
+        if index is None:
+            object.__setattr__(self, name, value)
+            return
+        old = getattr(self, name)
+        object.__setattr__(self, name, value)
+        index.changed(self, name, old)
 
 
 @dataclass(slots=True)
@@ -349,6 +361,13 @@ class CoordinatorState:
     ignored: dict[str, int] = field(default_factory=dict)  # benign drops, by cause
     # rule -> the last reason the step's fixed point gave for it (``/status``: why not yet)
     reasons: dict[str, str] = field(default_factory=dict)
+    # Incremental views of ``ranks`` (``_rank_index``): derived, so not compared.
+    index: RankIndex = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.index = RankIndex(self.ranks)
+        for rec in self.ranks:
+            rec.index = self.index
 
     # -- queries ---------------------------------------------------------------------
 
@@ -367,11 +386,24 @@ class CoordinatorState:
         return self.ranks[rank].phase is JOINING or self.ranks[rank].phase is ACTIVE
 
     def alive_ranks(self) -> list[int]:
-        """ACTIVE ranks in ascending order: the formed world's survivors."""
-        return [r.rank for r in self.ranks if r.phase is ACTIVE]
+        """ACTIVE ranks in ascending order: the formed world's survivors (a new list)."""
+        return list(self.index.alive())
+
+    def alive_count(self) -> int:
+        return self.index.alive_count()
 
     def addressable_ranks(self) -> list[int]:
-        return [r.rank for r in self.ranks if r.phase is JOINING or r.phase is ACTIVE]
+        return self.index.addressable()
+
+    def any_unfolded(self) -> bool:
+        """Some ACTIVE rank has steps no consensus folded yet."""
+        return bool(self.index.movers)
+
+    def index_drift(self) -> list[str]:
+        """What the rank index disagrees with a recount about (empty: nothing); the
+        property tests assert it after every step."""
+        rs = self.rounds
+        return self.index.drift(self.ranks, rs.ranks, rs.acked, rs.phase is PENDING)
 
     def unfolded(self, rank: int) -> int:
         """Steps the rank reported that no consensus has folded in yet."""

@@ -96,7 +96,10 @@ class ChunkPool:
         is parked at its span end and the holes wait in ``reclaimed``."""
         pool = cls(epoch, total, world_size)
         pool._cursor = [end for _, end in pool._spans]
-        pool._reclaimed = deque((int(o), int(s)) for o, s in holes if s > 0)
+        pool._unassigned = 0
+        for o, s in holes:
+            if s > 0:
+                pool._reclaim((int(o), int(s)))
         return pool
 
     def _init(self, epoch: int, total: int, sizes: list[int]) -> None:
@@ -114,6 +117,29 @@ class ChunkPool:
         self.chunks_sent = [0] * ws
         self._outstanding: list[deque[list[int]]] = [deque() for _ in range(ws)]
         self._reclaimed: deque[Range] = deque()
+        # ``remaining()`` is asked per rank on every chunk: its two sums are kept as the
+        # cursors, span ends and reclaimed ranges move (``check_sums`` recomputes them).
+        self._unassigned = sum(self.residue(r) for r in range(ws))  # every span's residue
+        self._reclaimed_samples = 0
+
+    def _reclaim(self, rng: Range, *, front: bool = False) -> None:
+        (self._reclaimed.appendleft if front else self._reclaimed.append)(rng)
+        self._reclaimed_samples += rng[1]
+
+    def _unreclaim(self) -> Range:
+        rng = self._reclaimed.popleft()
+        self._reclaimed_samples -= rng[1]
+        return rng
+
+    def check_sums(self) -> None:
+        """Raise AssertionError if the kept sums of ``remaining()`` drifted from a recount."""
+        unassigned = sum(self.residue(r) for r in range(self.world_size))
+        reclaimed = sum(s for _, s in self._reclaimed)
+        if (self._unassigned, self._reclaimed_samples) != (unassigned, reclaimed):
+            raise AssertionError(
+                f"epoch {self.epoch} pool: kept sums (unassigned {self._unassigned}, reclaimed "
+                f"{self._reclaimed_samples}) differ from a recount ({unassigned}, {reclaimed})"
+            )
 
     @property
     def world_size(self) -> int:
@@ -136,9 +162,7 @@ class ChunkPool:
 
     def remaining(self) -> int:
         """Not yet handed out: every span's residue plus the reclaimed ranges."""
-        return sum(self.residue(r) for r in range(self.world_size)) + sum(
-            s for _, s in self._reclaimed
-        )
+        return self._unassigned + self._reclaimed_samples
 
     def in_flight(self, rank: int) -> int:
         return max(0, self.dispatched[rank] - self.completed[rank])
@@ -180,16 +204,17 @@ class ChunkPool:
         if size < 0:
             raise ValueError(f"chunk size must be >= 0, got {size}")
         if size > 0 and self._reclaimed:
-            off, length = self._reclaimed.popleft()
+            off, length = self._unreclaim()
             n = min(size, length)
             if n < length:
-                self._reclaimed.appendleft((off + n, length - n))
+                self._reclaim((off + n, length - n), front=True)
             return self._record(rank, off, n)
         residue = self.residue(rank)
         if residue > 0:
             n = min(size, residue)
             off = self._cursor[rank]
             self._cursor[rank] += n
+            self._unassigned -= n
             return self._record(rank, off, n)
         donor, best = None, 0
         for r in range(self.world_size):  # ties -> highest rank (Rust max_by_key)
@@ -199,6 +224,7 @@ class ChunkPool:
             return None
         n = min(size, best)
         self._spans[donor][1] -= n
+        self._unassigned -= n
         return self._record(rank, self._spans[donor][1], n)
 
     def rollback_take(self, rank: int, offset: int, size: int) -> bool:
@@ -215,9 +241,11 @@ class ChunkPool:
         self.dispatched[rank] = max(0, self.dispatched[rank] - size)
         self.chunks_sent[rank] = max(0, self.chunks_sent[rank] - 1)
         if self._cursor[rank] == offset + size:
+            before = self.residue(rank)
             self._cursor[rank] -= size
+            self._unassigned += self.residue(rank) - before
         else:
-            self._reclaimed.appendleft((offset, size))
+            self._reclaim((offset, size), front=True)
         return True
 
     def forfeit(self, rank: int) -> int:
@@ -227,7 +255,7 @@ class ChunkPool:
         moved = 0
         while q:
             off, n = q.popleft()
-            self._reclaimed.append((off, n))
+            self._reclaim((off, n))
             moved += n
         self.dispatched[rank] = max(0, self.dispatched[rank] - moved)
         return moved
@@ -249,7 +277,7 @@ class ChunkPool:
         queued = 0
         for off, size in holes:
             if size > 0:
-                self._reclaimed.append((int(off), int(size)))
+                self._reclaim((int(off), int(size)))
                 queued += int(size)
         return queued
 
@@ -262,7 +290,7 @@ class ChunkPool:
         queued = 0
         for off, size in holes:
             if size > 0:
-                self._reclaimed.append((int(off), int(size)))
+                self._reclaim((int(off), int(size)))
                 queued += int(size)
         return queued
 
