@@ -16,7 +16,11 @@ those made one event O(N) and a round O(N^2). A ``RankIndex`` keeps the answers:
   ``Tick`` need not look (``_membership.stale_ranks`` rebuilds the bound when it looks);
 * ``still_heap``: a min-heap over ACTIVE ranks without unfolded steps (lazy: entries
   are checked when popped), so Sync's gate finds the lowest rank that blocks it without
-  walking the movers (``lowest_still``).
+  walking the movers (``lowest_still``);
+* ``released``: ranks that became ACTIVE or had their steps folded since the Cadence
+  dispatcher last looked (``drain_released``): what may let a held rank be served again
+  or reopen its window; ``alive_version`` counts changes of the ACTIVE set (caches of
+  per-rank values over the alive ranks key on it).
 
 Who keeps it: the records themselves. Assigning a ``RankRecord``'s ``phase``,
 ``last_step``, ``folded_step`` or ``last_seen`` tells its index (``RankRecord.__setattr__``),
@@ -43,7 +47,7 @@ INDEXED_FIELDS = frozenset({"phase", "last_step", "folded_step", "last_seen"})
 
 class RankIndex:
     __slots__ = ("phases", "movers", "waiting", "participants", "acked", "seen_floor", "still_heap", "_in_heap",
-                 "_alive")  # fmt: skip
+                 "_alive", "released", "alive_version")  # fmt: skip
 
     def __init__(self, records: Iterable[Any] = ()) -> None:
         self.phases: dict[Any, set[int]] = {p: set() for p in (VACANT, JOINING, ACTIVE, DEAD, LEFT)}
@@ -55,6 +59,8 @@ class RankIndex:
         self.still_heap: list[int] = []
         self._in_heap: set[int] = set()
         self._alive: Optional[list[int]] = None
+        self.released: set[int] = set()
+        self.alive_version = 0
         for rec in records:
             self.phases.setdefault(rec.phase, set()).add(rec.rank)
             self._steps(rec)
@@ -79,6 +85,11 @@ class RankIndex:
 
     def count(self, phase: Any) -> int:
         return len(self.phases.get(phase, ()))
+
+    def drain_released(self) -> set[int]:
+        """``released`` since the last call (one reader: the Cadence dispatcher)."""
+        out, self.released = self.released, set()
+        return out
 
     def lowest_still(self, blocks: Callable[[int], bool]) -> Optional[int]:
         """The lowest ACTIVE rank without unfolded steps for which ``blocks`` is true.
@@ -131,7 +142,9 @@ class RankIndex:
         self.phases.setdefault(rec.phase, set()).add(r)
         if old is ACTIVE or rec.phase is ACTIVE:
             self._alive = None
+            self.alive_version += 1
         if rec.phase is ACTIVE:
+            self.released.add(r)
             if r in self.participants and r not in self.acked:
                 self.waiting.add(r)
         else:
@@ -150,7 +163,10 @@ class RankIndex:
         if rec.phase is ACTIVE and rec.last_step > rec.folded_step:
             self.movers.add(r)
             return
-        self.movers.discard(r)
+        if r in self.movers:
+            self.movers.discard(r)
+            if rec.phase is ACTIVE:
+                self.released.add(r)
         if rec.phase is ACTIVE and r not in self._in_heap:
             heapq.heappush(self.still_heap, r)
             self._in_heap.add(r)

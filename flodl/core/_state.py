@@ -255,6 +255,14 @@ class CadenceState:
     # The policy's switches for the engines (``_policy``): set by the dispatcher's setup.
     barrier_paced: bool = True  # False under Async: no final-window plan, probe/proportional chunks
     overshoot_on: bool = False  # True under Async: the reduce budget has a look-ahead
+    # Incremental views, so that no batch walks every rank (``_dispatcher``, "Views"):
+    # ranks a wake may serve (a superset of those it can), a lazy min-heap of ranks that
+    # may block the gate (``in_open``: its members), and ElChe's counts with the ranks
+    # that are not ACTIVE zeroed, with their sum, keyed by the rank index's alive_version.
+    wakeable: set[int] = field(default_factory=set)
+    open_windows: list[int] = field(default_factory=list)
+    in_open: set[int] = field(default_factory=set)
+    alive_counts: Optional[tuple[int, list[int], int]] = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CadenceState):

@@ -361,6 +361,7 @@ def explain_chunk_batches(
     budget: int = 0,
     final_alloc: Optional[Sequence[int]] = None,
     min_chunk_batches: int = MIN_CHUNK_BATCHES,
+    counts_total: Optional[int] = None,
 ) -> tuple[int, str]:
     """Batches for ``rank``'s next chunk, and which rule decided (spec §8.6).
 
@@ -368,6 +369,7 @@ def explain_chunk_batches(
     ``calibrated``: ElChe calibrated or speed-hinted. ``budget``: ``reduce_step_budget``
     for the rank and ``steps`` its steps this window (the cap never crosses a reduce).
     ``final_alloc``: the pinned final-window plan's alloc **for this epoch**, if any.
+    ``counts_total``: ``sum(counts)`` when the caller keeps it (asked per chunk: O(1)).
     """
     rem = remaining_samples // batch_size
     if rem == 0:
@@ -378,7 +380,7 @@ def explain_chunk_batches(
     def cap(s: int) -> int:
         return min(s, max(1, budget - steps)) if budget > 0 else s
 
-    total = sum(counts)
+    total = sum(counts) if counts_total is None else counts_total
     if total > 0 and rem < total:
         return cap(min(counts[rank], rem)), "edge schedule: less than one window left"
     if barrier_paced and counts[rank] > 0:
@@ -406,6 +408,7 @@ def compute_chunk_batches(
     budget: int = 0,
     final_alloc: Optional[Sequence[int]] = None,
     min_chunk_batches: int = MIN_CHUNK_BATCHES,
+    counts_total: Optional[int] = None,
 ) -> int:
     """:func:`explain_chunk_batches` without the reason."""
     return explain_chunk_batches(
@@ -420,6 +423,7 @@ def compute_chunk_batches(
         budget=budget,
         final_alloc=final_alloc,
         min_chunk_batches=min_chunk_batches,
+        counts_total=counts_total,
     )[0]
 
 

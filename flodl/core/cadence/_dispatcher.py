@@ -68,6 +68,20 @@ Throttle (§4 step 5): with ``max_batch_diff = m`` and every rank ACTIVE, a rank
 window steps exceed the slowest's by more than ``m`` gets one ``Throttle``; it counts as
 at the barrier until the round finishes (its ``Update`` releases it).
 
+Views (why no batch walks every rank): ``CadenceState`` keeps three incremental views,
+maintained here. ``wakeable`` holds every ACTIVE rank a wake could serve now (a superset:
+a rank leaves it when a wake looks at it, served or not, and comes back when what held
+it can have changed -- its chunk completed, its throttle lifted, its steps folded or it
+became ACTIVE (the rank index's ``released``), or ``rearm`` after a trigger, a finished
+round, a dispatch, a death or a refused window); so ``wake`` looks only at those, in rank
+order, and not at all while every pool is empty. ``open_windows`` is a lazy min-heap of
+the ranks that may block the gate (window open, not throttled, not quiesced): the gate
+pops those that no longer block and stops at the lowest that does; the same events put
+ranks back (and a take, which may un-quiesce its taker). ``alive_counts`` caches ElChe's
+counts over the ACTIVE ranks and their sum (chunk sizing asks per chunk), rebuilt when the
+ACTIVE set changes and dropped where the counts change (a finished round, a dispatch).
+``check_views`` recomputes all three (the property tests run it after every step).
+
 Sizes are in batches, the pool in samples. The epoch's sub-batch tail (``total % bs``)
 belongs to the last alive rank's span, so it is trained like any other position (a short
 last batch); chunk sizing sees the remainder rounded up to whole batches.
@@ -75,6 +89,7 @@ last batch); chunk sizing sees the remainder rounded up to whole batches.
 
 from __future__ import annotations
 
+import heapq
 from typing import Optional, Protocol
 
 from flodl.wire import pb
@@ -114,6 +129,8 @@ __all__ = [
     "chunk_batches",
     "start_window",
     "wake",
+    "rearm",
+    "check_views",
 ]
 
 def new_state(cfg: CoreConfig, *, barrier_paced: bool = True, overshoot: bool = False) -> CadenceState:
@@ -128,7 +145,11 @@ def new_state(cfg: CoreConfig, *, barrier_paced: bool = True, overshoot: bool = 
     # A min_anchor above anchor lifts both; the first window may be a shorter probe.
     first = min(cfg.probe_batches, el.anchor) if cfg.probe_batches else el.anchor
     el.batch_counts = [first] * cfg.world_size
+    every = list(range(cfg.world_size))  # the views start full: nobody is missed before a rearm
     return CadenceState(
+        wakeable=set(every),
+        open_windows=every,
+        in_open=set(every),
         elche=el,
         ledger=WindowLedger(cfg.world_size),
         guard=make_guard(cfg.guard),
@@ -158,8 +179,23 @@ def _budget(st: CoordinatorState, rank: int) -> int:
 
 def _alive_counts(st: CoordinatorState) -> list[int]:
     """ElChe's counts with every rank that is not ACTIVE zeroed (it gets no work)."""
-    counts = st.cadence.elche.batch_counts
-    return [c if rec.phase is ACTIVE else 0 for c, rec in zip(counts, st.ranks)]
+    return _counts_view(st)[1]
+
+
+def _counts_view(st: CoordinatorState) -> tuple[int, list[int], int]:
+    """(alive_version, ``_alive_counts``, their sum), cached until the ACTIVE set changes
+    or ``_counts_changed`` (the callers must not change the list)."""
+    cad, version = st.cadence, st.index.alive_version
+    view = cad.alive_counts
+    if view is None or view[0] != version:
+        counts = [c if rec.phase is ACTIVE else 0 for c, rec in zip(cad.elche.batch_counts, st.ranks)]
+        view = cad.alive_counts = (version, counts, sum(counts))
+    return view
+
+
+def _counts_changed(st: CoordinatorState) -> None:
+    """ElChe's counts may have moved (feedback, callback slack): drop the cached view."""
+    st.cadence.alive_counts = None
 
 
 def _pool_of(st: CoordinatorState, rank: int) -> Optional[ChunkPool]:
@@ -185,26 +221,37 @@ def cadence_gate(st: CoordinatorState) -> tuple[bool, str]:
 
 
 def windows_done(st: CoordinatorState) -> tuple[bool, str]:
-    """The gate's body: every alive rank ran its window, is throttled or quiesced."""
-    alive = st.alive_ranks()
-    if not alive:
+    """The gate's body: every alive rank ran its window, is throttled or quiesced.
+
+    Looks only at ``open_windows`` (module doc, "Views"): the lowest rank there that still
+    blocks is the one named, as a walk over every alive rank in order would."""
+    if not st.alive_count():
         return False, "no active rank"
     cad = st.cadence
-    counts = cad.elche.batch_counts
-    any_mover = False
-    for r in alive:
-        steps = window_steps(st, r)
-        any_mover = any_mover or st.unfolded(r) > 0
-        if steps >= counts[r] or r in cad.throttled:
-            continue
-        if not quiesced(st, r):
-            return False, f"rank {r} ran {steps}/{counts[r]} batches of its window and has work left"
-    if not any_mover:
+    _absorb_released(st)
+    counts, heap = cad.elche.batch_counts, cad.open_windows
+    while heap:
+        r = heap[0]
+        if st.ranks[r].phase is ACTIVE and r not in cad.throttled:
+            steps = window_steps(st, r)
+            if steps < counts[r] and not quiesced(st, r):
+                return False, f"rank {r} ran {steps}/{counts[r]} batches of its window and has work left"
+        heapq.heappop(heap)
+        cad.in_open.discard(r)
+    if not st.any_unfolded():
         return False, "no rank has stepped since the last average"
     return True, "every active rank ran its window, is throttled, or has no work left"
 
 
 # -- sizing and taking --------------------------------------------------------------------
+
+
+def _pinnable(st: CoordinatorState) -> bool:
+    """The last dispatched epoch still has a pool to plan, and someone to plan it for
+    (an aggregated epoch has nothing left to hand out: no plan is pinned for it)."""
+    last = st.dispatch.last_dispatched
+    ec = st.coverage.epochs.get(last) if last is not None else None
+    return last in st.cadence.pools and ec is not None and not ec.frozen and st.alive_count() > 0
 
 
 def _pin(st: CoordinatorState, epoch: int) -> None:
@@ -228,10 +275,12 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
     if pool is None:
         return 0
     bs, el, plan = st.config.batch_size, cad.elche, cad.final_plan
+    view = _counts_view(st)
     return compute_chunk_batches(
         rank,
         remaining_samples=_batches(pool.remaining(), bs) * bs,
-        counts=_alive_counts(st),
+        counts=view[1],
+        counts_total=view[2],
         batch_size=bs,
         barrier_paced=cad.barrier_paced,  # Async: probe / proportional chunks
         calibrated=el.calibrated or el.has_speed_hint(),
@@ -261,6 +310,7 @@ def _take(st: CoordinatorState, rank: int, epoch: int, batches: int) -> Optional
         ranges.append((off, n))
     d.rank_epoch[rank] = epoch
     cad.in_flight[rank] = (epoch, off, n)
+    _may_block(cad, rank)  # it is not quiesced any more
     return got
 
 
@@ -331,11 +381,90 @@ def offer_chunk(st: CoordinatorState, rank: int, epoch: int, pool: ChunkPool, ou
 
 
 def wake(st: CoordinatorState, out: list[Command]) -> None:
-    """Give every idle, unheld alive rank whose pool has work its next chunk."""
+    """Give every idle, unheld alive rank whose pool has work its next chunk (rank order;
+    only the ranks in ``wakeable`` can be, module doc "Views")."""
     if st.run.phase is not TRAINING:
         return
-    for r in st.alive_ranks():
+    cad = st.cadence
+    _absorb_released(st)
+    if not cad.wakeable or not any(pool.remaining() for pool in cad.pools.values()):
+        return  # nobody could be given anything: they stay wakeable
+    for r in sorted(cad.wakeable):
+        cad.wakeable.discard(r)
         _dispatch_next(st, r, out)
+
+
+# -- the views (module doc, "Views") ---------------------------------------------------------
+
+
+def _may_block(cad: CadenceState, rank: int) -> None:
+    if rank not in cad.in_open:
+        heapq.heappush(cad.open_windows, rank)
+        cad.in_open.add(rank)
+
+
+def _absorb_released(st: CoordinatorState) -> None:
+    """Ranks that became ACTIVE or had their steps folded (the rank index's ``released``)
+    may be served again and may block the gate."""
+    released = st.index.drain_released()
+    if released:
+        cad = st.cadence
+        cad.wakeable |= released
+        for r in released:
+            _may_block(cad, r)
+
+
+def rearm(st: CoordinatorState) -> None:
+    """Something that can release many ranks at once happened (a trigger moved the window
+    marks, a round finished, an epoch was dispatched or opened, a death or a refused
+    window refilled a pool): every ACTIVE rank may be served and may block the gate."""
+    cad = st.cadence
+    st.index.drain_released()
+    alive = st.index.alive()
+    cad.wakeable.update(alive)
+    cad.in_open.update(alive)
+    cad.open_windows = sorted(cad.in_open)  # a sorted list is a heap
+
+
+def check_views(st: CoordinatorState) -> list[str]:
+    """What the views disagree with a recount about (empty: nothing). ``wakeable`` must
+    hold every rank a wake could serve, ``open_windows`` every rank that blocks the gate,
+    ``alive_counts`` the current counts of the alive."""
+    cad = st.cadence
+    if cad is None:
+        return []
+    bad: list[str] = []
+    pending = st.index.released
+    if st.run.phase is TRAINING:
+        streams = not cad.barrier_paced  # Async: any idle rank draws from the source epoch
+        from ._async import source_epoch  # (a late import: _async imports this module)
+
+        has_work = source_epoch(st) is not None if streams else None
+        for r in st.index.alive():
+            if _held(st, r) is not None or r in cad.wakeable or r in pending:
+                continue
+            pool = _pool_of(st, r)
+            if (has_work if streams else pool is not None and pool.remaining() > 0):
+                bad.append(f"rank {r} could be served but is not wakeable")
+    counts = cad.elche.batch_counts
+    for r in st.index.alive():
+        if r in cad.in_open or r in pending or r in cad.throttled:
+            continue
+        if window_steps(st, r) < counts[r] and not quiesced(st, r):
+            bad.append(f"rank {r} blocks the gate but is not in open_windows")
+    if set(cad.open_windows) != cad.in_open:
+        bad.append("open_windows and in_open differ")
+    view = cad.alive_counts
+    if view is not None and view[0] == st.index.alive_version:
+        want = [c if rec.phase is ACTIVE else 0 for c, rec in zip(counts, st.ranks)]
+        if view[1] != want or view[2] != sum(want):
+            bad.append(f"alive_counts {view[1:]} differ from a recount {want}")
+    for pool in cad.pools.values():
+        try:
+            pool.check_sums()
+        except AssertionError as e:
+            bad.append(str(e))
+    return bad
 
 
 def _note_barrier(st: CoordinatorState) -> None:
@@ -384,7 +513,10 @@ def on_restarted(st: CoordinatorState, abandoned: Optional[int]) -> None:
 
 def release_throttle(st: CoordinatorState, rank: int) -> None:
     """A resynced rank's throttle was lifted by an ``Update`` (``_resync``)."""
-    st.cadence.throttled.discard(rank)
+    cad = st.cadence
+    cad.throttled.discard(rank)
+    cad.wakeable.add(rank)
+    _may_block(cad, rank)
 
 
 # -- the dispatcher -----------------------------------------------------------------------
@@ -463,6 +595,8 @@ class CadenceDispatcher:
         for r in alive:
             d.rank_epoch[r] = epoch
         _slack.stage(st, epoch, out)  # a callback holder's first window is shorter
+        _counts_changed(st)
+        rearm(st)
         for r, got in start_window(st, epoch, alive).items():
             _send_plan(st, r, epoch, got, out)
         wake(st, out)
@@ -479,7 +613,8 @@ class CadenceDispatcher:
             pool.reopen(rank, _coverage.uncommitted(st.coverage, epoch, mine))
             if mine:
                 d.assigned[epoch][rank] = []
-        if d.last_dispatched in cad.pools and st.alive_ranks():
+        rearm(st)
+        if _pinnable(st):
             _pin(st, d.last_dispatched)
         wake(st, out)
         _note_barrier(st)
@@ -501,7 +636,8 @@ class CadenceDispatcher:
             per_rank = d.assigned.setdefault(epoch, {})
             per_rank[rank] = _dispatch.subtract_ranges(per_rank.get(rank, []), ranges)
             pool.give_back(ranges)
-        if d.last_dispatched in cad.pools and st.alive_ranks():
+        rearm(st)
+        if _pinnable(st):
             _pin(st, d.last_dispatched)
         wake(st, out)
         _note_barrier(st)
@@ -524,6 +660,7 @@ class CadenceDispatcher:
         chunk = cad.in_flight.get(r)
         if chunk is not None and chunk[0] == ev.epoch and (pool is None or pool.in_flight(r) == 0):
             del cad.in_flight[r]
+            cad.wakeable.add(r)
             self._wake(st, out)  # hand work to a rank that ran dry (streaming: oldest epoch first)
         _note_barrier(st)
 
@@ -532,6 +669,7 @@ class CadenceDispatcher:
         for r in ranks:  # the next window starts here
             cad.window_mark[r] = st.ranks[r].last_step
         cad.barrier_at = None
+        rearm(st)
         if self.streams is not None:
             self.streams.wake(st, out)  # before the RequestParams (the caller's): the round overlaps training
             return
@@ -549,6 +687,8 @@ class CadenceDispatcher:
         epoch = st.dispatch.last_dispatched if self.streams is None else self.streams.round_epoch(st)
         _feedback.finish_window(st, epoch, out)
         cad.throttled.clear()
+        _counts_changed(st)
+        rearm(st)
         if epoch is None:
             return {}
         cad.averages[epoch] = cad.averages.get(epoch, 0) + 1
