@@ -174,9 +174,9 @@ def failure(st: CoordinatorState) -> Optional[tuple[str, int]]:
     or no ACTIVE rank is left, in TRAINING or FINAL_EVAL; else None."""
     if st.run.phase not in (TRAINING, FINAL_EVAL):
         return None
-    limit = max_failure_limit(st.config.max_failure, st.config.world_size)
     dead = st.index.count(DEAD)
-    if limit is not None and dead > 0 and dead >= limit:
+    limit = max_failure_limit(st.config.max_failure, st.config.world_size) if dead > 0 else None
+    if limit is not None and dead >= limit:
         reason = f"max_failure exceeded: {dead} dead rank(s), limit {limit} ({st.config.max_failure})"
         return reason, pb.SAVE_REASON_MAX_FAILURE_EXCEEDED
     if st.alive_count():

@@ -262,7 +262,7 @@ class CadenceState:
     wakeable: set[int] = field(default_factory=set)
     open_windows: list[int] = field(default_factory=list)
     in_open: set[int] = field(default_factory=set)
-    alive_counts: Optional[tuple[int, list[int], int]] = None
+    alive_counts: Optional[tuple[int, list[int], int, bool]] = None  # (+ calibrated or speed-hinted)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CadenceState):

@@ -37,6 +37,7 @@ Everything is in samples unless a name says batches. No clock, no I/O.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -121,6 +122,33 @@ class ChunkPool:
         # cursors, span ends and reclaimed ranges move (``check_sums`` recomputes them).
         self._unassigned = sum(self.residue(r) for r in range(ws))  # every span's residue
         self._reclaimed_samples = 0
+        # Steals look for the largest residue: a lazy max-heap of (-residue, -rank) (ties
+        # -> highest rank), built at the first steal; a stale entry is dropped when seen.
+        self._donors: Optional[list[tuple[int, int]]] = None
+
+    def _residue_moved(self, rank: int) -> None:
+        if self._donors is not None and self.residue(rank) > 0:
+            heapq.heappush(self._donors, (-self.residue(rank), -rank))
+
+    def _largest_residue(self, exclude: int) -> Optional[int]:
+        """The rank other than ``exclude`` with the largest residue > 0 (ties -> highest)."""
+        ws = self.world_size
+        if self._donors is None or len(self._donors) > 4 * ws + 64:
+            self._donors = [(-self.residue(r), -r) for r in range(ws) if self.residue(r) > 0]
+            heapq.heapify(self._donors)
+        heap, skipped, found = self._donors, [], None
+        while heap:
+            neg_res, neg_rank = heap[0]
+            if self.residue(-neg_rank) != -neg_res:
+                heapq.heappop(heap)  # stale: the residue moved since
+            elif -neg_rank == exclude:
+                skipped.append(heapq.heappop(heap))
+            else:
+                found = -neg_rank
+                break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
 
     def _reclaim(self, rng: Range, *, front: bool = False) -> None:
         (self._reclaimed.appendleft if front else self._reclaimed.append)(rng)
@@ -215,16 +243,15 @@ class ChunkPool:
             off = self._cursor[rank]
             self._cursor[rank] += n
             self._unassigned -= n
+            self._residue_moved(rank)
             return self._record(rank, off, n)
-        donor, best = None, 0
-        for r in range(self.world_size):  # ties -> highest rank (Rust max_by_key)
-            if r != rank and self.residue(r) >= best and self.residue(r) > 0:
-                donor, best = r, self.residue(r)
+        donor = self._largest_residue(rank)  # ties -> highest rank (Rust max_by_key)
         if donor is None:
             return None
-        n = min(size, best)
+        n = min(size, self.residue(donor))
         self._spans[donor][1] -= n
         self._unassigned -= n
+        self._residue_moved(donor)
         return self._record(rank, self._spans[donor][1], n)
 
     def rollback_take(self, rank: int, offset: int, size: int) -> bool:
@@ -244,6 +271,7 @@ class ChunkPool:
             before = self.residue(rank)
             self._cursor[rank] -= size
             self._unassigned += self.residue(rank) - before
+            self._residue_moved(rank)
         else:
             self._reclaim((offset, size), front=True)
         return True

@@ -182,14 +182,16 @@ def _alive_counts(st: CoordinatorState) -> list[int]:
     return _counts_view(st)[1]
 
 
-def _counts_view(st: CoordinatorState) -> tuple[int, list[int], int]:
-    """(alive_version, ``_alive_counts``, their sum), cached until the ACTIVE set changes
-    or ``_counts_changed`` (the callers must not change the list)."""
+def _counts_view(st: CoordinatorState) -> tuple[int, list[int], int, bool]:
+    """(alive_version, ``_alive_counts``, their sum, ElChe calibrated or speed-hinted),
+    cached until the ACTIVE set changes or ``_counts_changed`` (callers must not change
+    the list)."""
     cad, version = st.cadence, st.index.alive_version
     view = cad.alive_counts
     if view is None or view[0] != version:
-        counts = [c if rec.phase is ACTIVE else 0 for c, rec in zip(cad.elche.batch_counts, st.ranks)]
-        view = cad.alive_counts = (version, counts, sum(counts))
+        el = cad.elche
+        counts = [c if rec.phase is ACTIVE else 0 for c, rec in zip(el.batch_counts, st.ranks)]
+        view = cad.alive_counts = (version, counts, sum(counts), el.calibrated or el.has_speed_hint())
     return view
 
 
@@ -274,7 +276,7 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
     pool = cad.pools.get(epoch)
     if pool is None:
         return 0
-    bs, el, plan = st.config.batch_size, cad.elche, cad.final_plan
+    bs, plan = st.config.batch_size, cad.final_plan
     view = _counts_view(st)
     return compute_chunk_batches(
         rank,
@@ -283,7 +285,7 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
         counts_total=view[2],
         batch_size=bs,
         barrier_paced=cad.barrier_paced,  # Async: probe / proportional chunks
-        calibrated=el.calibrated or el.has_speed_hint(),
+        calibrated=view[3],
         total_samples=pool.total,
         steps=window_steps(st, rank),
         budget=_budget(st, rank),
@@ -457,8 +459,9 @@ def check_views(st: CoordinatorState) -> list[str]:
     view = cad.alive_counts
     if view is not None and view[0] == st.index.alive_version:
         want = [c if rec.phase is ACTIVE else 0 for c, rec in zip(counts, st.ranks)]
-        if view[1] != want or view[2] != sum(want):
-            bad.append(f"alive_counts {view[1:]} differ from a recount {want}")
+        hinted = cad.elche.calibrated or cad.elche.has_speed_hint()
+        if view[1:] != (want, sum(want), hinted):
+            bad.append(f"alive_counts {view[1:]} differ from a recount {(want, sum(want), hinted)}")
     for pool in cad.pools.values():
         try:
             pool.check_sums()
