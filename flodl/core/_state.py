@@ -39,6 +39,13 @@ it and nothing outside writes it). Equality is structural, so a replayed state c
 ``==`` to the original. Nothing in here holds a protobuf message: commands are built
 from these values when they are emitted, and numbered by ``next_command_id``.
 
+``index`` (``_rank_index.RankIndex``) holds incremental views of ``ranks`` -- who is
+ACTIVE / addressable / DEAD, who has unfolded steps, whom the open round waits for, a
+liveness floor -- so that an event costs O(1), not a walk over every rank. The records
+keep it: an assignment to a ``RankRecord``'s ``phase``, ``last_step``, ``folded_step`` or
+``last_seen`` tells it, so any writer (a mid-run join included) keeps it exact. It is
+derived: equality ignores it; ``index_drift`` recomputes it (``flodl.core.view_drift``).
+
 ``send`` is the single place a ``Send`` is made: it refuses (``LocalViolation``) to
 address a rank that is not JOINING or ACTIVE, so "no command to a DEAD or LEFT rank"
 is enforced where commands are born, not hoped for downstream.
@@ -108,6 +115,8 @@ class RankRecord:
     param_digest: str = ""
     divergence: Optional[float] = None  # from the latest SyncAcked
     # The state's RankIndex (``_rank_index``), told of every write to an indexed field.
+    # Last on purpose: a copy restores the slots in order, so the fields it indexes are
+    # set (as plain writes) before it is there to be told.
     index: Optional[RankIndex] = field(default=None, compare=False, repr=False)
 
     def __setattr__(self, name: str, value: Any) -> None:

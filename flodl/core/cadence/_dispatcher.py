@@ -80,7 +80,7 @@ pops those that no longer block and stops at the lowest that does; the same even
 ranks back (and a take, which may un-quiesce its taker). ``alive_counts`` caches ElChe's
 counts over the ACTIVE ranks and their sum (chunk sizing asks per chunk), rebuilt when the
 ACTIVE set changes and dropped where the counts change (a finished round, a dispatch).
-``check_views`` recomputes all three (the property tests run it after every step).
+``flodl.core.view_drift`` recomputes all three (the property tests run it after every step).
 
 Sizes are in batches, the pool in samples. The epoch's sub-batch tail (``total % bs``)
 belongs to the last alive rank's span, so it is trained like any other position (a short
@@ -130,7 +130,6 @@ __all__ = [
     "start_window",
     "wake",
     "rearm",
-    "check_views",
 ]
 
 def new_state(cfg: CoreConfig, *, barrier_paced: bool = True, overshoot: bool = False) -> CadenceState:
@@ -426,48 +425,6 @@ def rearm(st: CoordinatorState) -> None:
     cad.wakeable.update(alive)
     cad.in_open.update(alive)
     cad.open_windows = sorted(cad.in_open)  # a sorted list is a heap
-
-
-def check_views(st: CoordinatorState) -> list[str]:
-    """What the views disagree with a recount about (empty: nothing). ``wakeable`` must
-    hold every rank a wake could serve, ``open_windows`` every rank that blocks the gate,
-    ``alive_counts`` the current counts of the alive."""
-    cad = st.cadence
-    if cad is None:
-        return []
-    bad: list[str] = []
-    pending = st.index.released
-    if st.run.phase is TRAINING:
-        streams = not cad.barrier_paced  # Async: any idle rank draws from the source epoch
-        from ._async import source_epoch  # (a late import: _async imports this module)
-
-        has_work = source_epoch(st) is not None if streams else None
-        for r in st.index.alive():
-            if _held(st, r) is not None or r in cad.wakeable or r in pending:
-                continue
-            pool = _pool_of(st, r)
-            if (has_work if streams else pool is not None and pool.remaining() > 0):
-                bad.append(f"rank {r} could be served but is not wakeable")
-    counts = cad.elche.batch_counts
-    for r in st.index.alive():
-        if r in cad.in_open or r in pending or r in cad.throttled:
-            continue
-        if window_steps(st, r) < counts[r] and not quiesced(st, r):
-            bad.append(f"rank {r} blocks the gate but is not in open_windows")
-    if set(cad.open_windows) != cad.in_open:
-        bad.append("open_windows and in_open differ")
-    view = cad.alive_counts
-    if view is not None and view[0] == st.index.alive_version:
-        want = [c if rec.phase is ACTIVE else 0 for c, rec in zip(counts, st.ranks)]
-        hinted = cad.elche.calibrated or cad.elche.has_speed_hint()
-        if view[1:] != (want, sum(want), hinted):
-            bad.append(f"alive_counts {view[1:]} differ from a recount {(want, sum(want), hinted)}")
-    for pool in cad.pools.values():
-        try:
-            pool.check_sums()
-        except AssertionError as e:
-            bad.append(str(e))
-    return bad
 
 
 def _note_barrier(st: CoordinatorState) -> None:
