@@ -3,7 +3,7 @@
 ``view_drift(state)`` lists every disagreement (empty: none) between what the core keeps
 so that an event costs O(1) -- the rank index (``_rank_index``: phases, unfolded steps,
 the open round's waiting set, the liveness floor), Cadence's wake/gate views and cached
-counts (``cadence._dispatcher``, "Views"), the chunk pools' kept sums -- and the same
+counts (``cadence._views``), the chunk pools' kept sums -- and the same
 values recomputed from the records. The stateful property tests assert it after every
 step, so a writer that forgets to keep a view shows up there rather than as a slow or
 wrong answer much later. It walks everything: a check, never on the step's path.

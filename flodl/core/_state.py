@@ -264,7 +264,7 @@ class CadenceState:
     # The policy's switches for the engines (``_policy``): set by the dispatcher's setup.
     barrier_paced: bool = True  # False under Async: no final-window plan, probe/proportional chunks
     overshoot_on: bool = False  # True under Async: the reduce budget has a look-ahead
-    # Incremental views, so that no batch walks every rank (``_dispatcher``, "Views"):
+    # Incremental views, so that no batch walks every rank (``cadence._views``):
     # ranks a wake may serve (a superset of those it can), a lazy min-heap of ranks that
     # may block the gate (``in_open``: its members), and ElChe's counts with the ranks
     # that are not ACTIVE zeroed, with their sum, keyed by the rank index's alive_version.

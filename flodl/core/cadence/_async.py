@@ -79,7 +79,8 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import _coverage, _dispatch
-from ._dispatcher import CadenceDispatcher, _absorb_released, _held, new_pool, offer_chunk, rearm
+from ._dispatcher import CadenceDispatcher, _held, new_pool, offer_chunk
+from ._views import absorb_released, rearm
 from .._commands import Command, Notice
 from .._phases import TRAINING
 from .._state import CoordinatorState
@@ -140,12 +141,12 @@ def _dispatch_next(st: CoordinatorState, rank: int, out: list[Command]) -> bool:
 
 def wake(st: CoordinatorState, out: list[Command]) -> None:
     """Offer every idle alive rank its next chunk (rank order: deterministic). Only the
-    ranks in ``wakeable`` can take one (``_dispatcher``'s "Views"), and none while no
-    epoch has work (``source_epoch`` is the same for every rank)."""
+    ranks in ``wakeable`` can take one (``_views``), and none while no epoch has work
+    (``source_epoch`` is the same for every rank)."""
     if st.run.phase is not TRAINING or st.dispatch.last_dispatched is None:
         return
     cad = st.cadence
-    _absorb_released(st)
+    absorb_released(st)
     for r in sorted(cad.wakeable):
         if source_epoch(st) is None:
             return  # nobody could be given anything: they stay wakeable

@@ -68,19 +68,9 @@ Throttle (§4 step 5): with ``max_batch_diff = m`` and every rank ACTIVE, a rank
 window steps exceed the slowest's by more than ``m`` gets one ``Throttle``; it counts as
 at the barrier until the round finishes (its ``Update`` releases it).
 
-Views (why no batch walks every rank): ``CadenceState`` keeps three incremental views,
-maintained here. ``wakeable`` holds every ACTIVE rank a wake could serve now (a superset:
-a rank leaves it when a wake looks at it, served or not, and comes back when what held
-it can have changed -- its chunk completed, its throttle lifted, its steps folded or it
-became ACTIVE (the rank index's ``released``), or ``rearm`` after a trigger, a finished
-round, a dispatch, a death or a refused window); so ``wake`` looks only at those, in rank
-order, and not at all while every pool is empty. ``open_windows`` is a lazy min-heap of
-the ranks that may block the gate (window open, not throttled, not quiesced): the gate
-pops those that no longer block and stops at the lowest that does; the same events put
-ranks back (and a take, which may un-quiesce its taker). ``alive_counts`` caches ElChe's
-counts over the ACTIVE ranks and their sum (chunk sizing asks per chunk), rebuilt when the
-ACTIVE set changes and dropped where the counts change (a finished round, a dispatch).
-``flodl.core.view_drift`` recomputes all three (the property tests run it after every step).
+Views (why no batch walks every rank): ``wake`` looks only at ``wakeable`` ranks, the
+gate only at the lazy heap ``open_windows``, chunk sizing at cached alive counts; they are
+kept by ``_views`` (its module doc says who puts a rank back, and when).
 
 Sizes are in batches, the pool in samples. The epoch's sub-batch tail (``total % bs``)
 belongs to the last alive rank's span, so it is trained like any other position (a short
@@ -112,6 +102,7 @@ from ._lr_meta import LrEventMeta
 from ._overshoot import OvershootBudget
 from .._phases import ACTIVE, PENDING, TRAINING
 from .._state import CadenceState, CoordinatorState
+from ._views import absorb_released, counts_changed, counts_view, may_block, rearm
 from ._window import WindowLedger
 
 __all__ = [
@@ -129,7 +120,6 @@ __all__ = [
     "chunk_batches",
     "start_window",
     "wake",
-    "rearm",
 ]
 
 def new_state(cfg: CoreConfig, *, barrier_paced: bool = True, overshoot: bool = False) -> CadenceState:
@@ -178,25 +168,7 @@ def _budget(st: CoordinatorState, rank: int) -> int:
 
 def _alive_counts(st: CoordinatorState) -> list[int]:
     """ElChe's counts with every rank that is not ACTIVE zeroed (it gets no work)."""
-    return _counts_view(st)[1]
-
-
-def _counts_view(st: CoordinatorState) -> tuple[int, list[int], int, bool]:
-    """(alive_version, ``_alive_counts``, their sum, ElChe calibrated or speed-hinted),
-    cached until the ACTIVE set changes or ``_counts_changed`` (callers must not change
-    the list)."""
-    cad, version = st.cadence, st.index.alive_version
-    view = cad.alive_counts
-    if view is None or view[0] != version:
-        el = cad.elche
-        counts = [c if rec.phase is ACTIVE else 0 for c, rec in zip(el.batch_counts, st.ranks)]
-        view = cad.alive_counts = (version, counts, sum(counts), el.calibrated or el.has_speed_hint())
-    return view
-
-
-def _counts_changed(st: CoordinatorState) -> None:
-    """ElChe's counts may have moved (feedback, callback slack): drop the cached view."""
-    st.cadence.alive_counts = None
+    return counts_view(st)[1]
 
 
 def _pool_of(st: CoordinatorState, rank: int) -> Optional[ChunkPool]:
@@ -224,12 +196,12 @@ def cadence_gate(st: CoordinatorState) -> tuple[bool, str]:
 def windows_done(st: CoordinatorState) -> tuple[bool, str]:
     """The gate's body: every alive rank ran its window, is throttled or quiesced.
 
-    Looks only at ``open_windows`` (module doc, "Views"): the lowest rank there that still
+    Looks only at ``open_windows`` (``_views``): the lowest rank there that still
     blocks is the one named, as a walk over every alive rank in order would."""
     if not st.alive_count():
         return False, "no active rank"
     cad = st.cadence
-    _absorb_released(st)
+    absorb_released(st)
     counts, heap = cad.elche.batch_counts, cad.open_windows
     while heap:
         r = heap[0]
@@ -276,7 +248,7 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
     if pool is None:
         return 0
     bs, plan = st.config.batch_size, cad.final_plan
-    view = _counts_view(st)
+    view = counts_view(st)
     return compute_chunk_batches(
         rank,
         remaining_samples=_batches(pool.remaining(), bs) * bs,
@@ -311,7 +283,7 @@ def _take(st: CoordinatorState, rank: int, epoch: int, batches: int) -> Optional
         ranges.append((off, n))
     d.rank_epoch[rank] = epoch
     cad.in_flight[rank] = (epoch, off, n)
-    _may_block(cad, rank)  # it is not quiesced any more
+    may_block(cad, rank)  # it is not quiesced any more
     return got
 
 
@@ -383,48 +355,16 @@ def offer_chunk(st: CoordinatorState, rank: int, epoch: int, pool: ChunkPool, ou
 
 def wake(st: CoordinatorState, out: list[Command]) -> None:
     """Give every idle, unheld alive rank whose pool has work its next chunk (rank order;
-    only the ranks in ``wakeable`` can be, module doc "Views")."""
+    only the ranks in ``wakeable`` can be: ``_views``)."""
     if st.run.phase is not TRAINING:
         return
     cad = st.cadence
-    _absorb_released(st)
+    absorb_released(st)
     if not cad.wakeable or not any(pool.remaining() for pool in cad.pools.values()):
         return  # nobody could be given anything: they stay wakeable
     for r in sorted(cad.wakeable):
         cad.wakeable.discard(r)
         _dispatch_next(st, r, out)
-
-
-# -- the views (module doc, "Views") ---------------------------------------------------------
-
-
-def _may_block(cad: CadenceState, rank: int) -> None:
-    if rank not in cad.in_open:
-        heapq.heappush(cad.open_windows, rank)
-        cad.in_open.add(rank)
-
-
-def _absorb_released(st: CoordinatorState) -> None:
-    """Ranks that became ACTIVE or had their steps folded (the rank index's ``released``)
-    may be served again and may block the gate."""
-    released = st.index.drain_released()
-    if released:
-        cad = st.cadence
-        cad.wakeable |= released
-        for r in released:
-            _may_block(cad, r)
-
-
-def rearm(st: CoordinatorState) -> None:
-    """Something that can release many ranks at once happened (a trigger moved the window
-    marks, a round finished, an epoch was dispatched or opened, a death or a refused
-    window refilled a pool): every ACTIVE rank may be served and may block the gate."""
-    cad = st.cadence
-    st.index.drain_released()
-    alive = st.index.alive()
-    cad.wakeable.update(alive)
-    cad.in_open.update(alive)
-    cad.open_windows = sorted(cad.in_open)  # a sorted list is a heap
 
 
 def _note_barrier(st: CoordinatorState) -> None:
@@ -476,7 +416,7 @@ def release_throttle(st: CoordinatorState, rank: int) -> None:
     cad = st.cadence
     cad.throttled.discard(rank)
     cad.wakeable.add(rank)
-    _may_block(cad, rank)
+    may_block(cad, rank)
 
 
 # -- the dispatcher -----------------------------------------------------------------------
@@ -555,7 +495,7 @@ class CadenceDispatcher:
         for r in alive:
             d.rank_epoch[r] = epoch
         _slack.stage(st, epoch, out)  # a callback holder's first window is shorter
-        _counts_changed(st)
+        counts_changed(st)
         rearm(st)
         for r, got in start_window(st, epoch, alive).items():
             _send_plan(st, r, epoch, got, out)
@@ -647,7 +587,7 @@ class CadenceDispatcher:
         epoch = st.dispatch.last_dispatched if self.streams is None else self.streams.round_epoch(st)
         _feedback.finish_window(st, epoch, out)
         cad.throttled.clear()
-        _counts_changed(st)
+        counts_changed(st)
         rearm(st)
         if epoch is None:
             return {}

@@ -27,11 +27,11 @@ from flodl.core.cadence._dispatcher import (
     _dispatch_next,
     cadence_gate,
     chunk_batches,
-    rearm,
     start_window,
     window_steps,
 )
 from flodl.core.cadence._chunk_pool import ChunkPool
+from flodl.core.cadence._views import rearm
 from flodl.core._coverage import open_epoch
 from flodl.core import ACTIVE, DEAD, IDLE, PENDING, TRAINING
 from .cluster import Cluster, controls
