@@ -256,6 +256,7 @@ def main() -> None:
                 peer_skipped.append(n)
             row = measure(n, policy, args, peer)
             curve.append(row)
+            print(json.dumps({"policy": policy, **row}), file=sys.stderr, flush=True)  # progress
             if row.get("over_budget"):
                 skipped.append(-1)  # every larger size is skipped
             elif peer and not row["peer"].get("us_per_event"):
