@@ -342,6 +342,7 @@ class RoleState:
 class CollectiveState:
     generation: int = 0  # 0: no group yet
     members: tuple[int, ...] = ()  # global ranks of the current generation, in dense order
+    members_version: int = -1  # the rank index's alive_version when members were chosen
     store_host: Optional[int] = None  # members[0]: the lowest member not tried
     tried: tuple[int, ...] = ()  # store hosts that did not answer / whose group did not form
     store_addr: str = ""  # "" until the store host's StoreReady
