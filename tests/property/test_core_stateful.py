@@ -9,9 +9,9 @@ rank machines send their own resync reports). A separate model -- built only
 from the events fed and the commands emitted, never from the core's state -- tracks who
 owns each position and what was committed. Invariants after every step: a position is
 owned by at most one live rank, is never committed twice, the core's counts agree with
-the model, the core's incremental views agree with a recount (``view_drift``), the epoch never goes back, no rank machine drops a control the core sent, and
-(the Cluster checks it on every command) no command reaches a rank the core already
-forgot. At teardown the run is driven to its end: every epoch must have trained every
+the model, the core's incremental views agree with a recount (``view_drift``), the
+epoch never goes back, no rank machine drops a control the core sent, and (the Cluster
+checks it on every command) no command reaches a rank the core already forgot. At teardown the run is driven to its end: every epoch must have trained every
 sample exactly once (unless every rank was lost), and replaying the journal must
 rebuild the same state.
 """
