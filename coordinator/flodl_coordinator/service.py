@@ -671,7 +671,8 @@ class CoordinatorService:
         while self._pending:
             ev = self._pending.popleft()
             self._events_stepped += 1
-            self._journal_write(to_record(ev))
+            if self._journal is not None:  # building the record costs: only when it is kept
+                self._journal_write(to_record(ev))
             try:
                 self.state, commands = step(self.state, ev)
             except RankViolation as e:
