@@ -14,11 +14,12 @@ For each N (16, 64, 256, 1024), in the same invocation:
   default the 1,2,4 pace with 10 ms, 100 ms at 1,024 ranks), direct and through real
   relays (``flodl-worker relay``, ``--hosts`` of them): the ranks' idle share (the part
   of the time between their first and last batch they spent blocked, waiting for a plan
-  or throttled), Batch -> command latency p50/p99 (for each command that unblocked a
-  waiting rank: from the last frame it sent to the command's arrival; it includes any
-  wait for slower ranks that the policy imposes, so it is an upper bound on the
-  coordinator's own delay), and the coordinator's CPU% and peak RSS over the training span
-  (psutil, else /proc).
+  or throttled; split by what they waited for), Batch -> command latency p50/p99 (from
+  the frame that opened an averaging round to each rank's ``RequestParams``:
+  ``decision_latencies``), the unblock wait p50/p99 (from a blocked rank's last frame to
+  the command that let it go on: it includes waiting for slower ranks, which the policy
+  imposes), and the coordinator's CPU% and peak RSS over the training span (psutil, else
+  /proc).
 
 Ranks run ``--gens`` to a generator process, each serving its ranks from one poller.
 Every figure is the median of ``--repeats`` runs (3; ``--quick``: 1 run, N = 16, 64,
@@ -169,13 +170,14 @@ class Sampler(threading.Thread):
         self._halt.set()
         self.join(2)
 
-    def over(self, t0: float, t1: float) -> tuple[float, float]:
-        """(CPU % of one core, peak RSS MiB) between monotonic times t0 and t1."""
+    def over(self, t0: float, t1: float) -> tuple[float, float, float]:
+        """(CPU % of one core, CPU seconds, peak RSS MiB) between monotonic times t0 and t1."""
         inside = [s for s in self.samples if t0 <= s[0] <= t1]
         if len(inside) < 2:
-            return float("nan"), float("nan")
+            return float("nan"), float("nan"), float("nan")
         a, b = inside[0], inside[-1]
-        return 100.0 * (b[1] - a[1]) / max(1e-9, b[0] - a[0]), max(s[2] for s in inside) / 2**20
+        cpu_s = b[1] - a[1]
+        return 100.0 * cpu_s / max(1e-9, b[0] - a[0]), cpu_s, max(s[2] for s in inside) / 2**20
 
 
 def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, batches_per_rank: int,
@@ -230,9 +232,12 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
         summ = json.load(fh)
     t0 = min(o["first_batch"] for o in outs if o["first_batch"] is not None)
     t1 = max(o["last_batch"] for o in outs)
-    cpu, rss = sampler.over(t0, t1)
+    cpu, cpu_s, rss = sampler.over(t0, t1)
+    inside = [s for s in sampler.samples if t0 <= s[0] <= t1]
+    span_sampled = inside[-1][0] - inside[0][0] if len(inside) > 1 else float("nan")
     train, idle, lag = (sum(o[k] for o in outs) for k in ("train_s", "idle_s", "lag_s"))
-    lat = sorted(x for o in outs for x in o["latency_us"])
+    waits = sorted(x for o in outs for x in o["latency_us"])
+    lat = sorted(decision_latencies([r for o in outs for r in o["requests"]]))
     sent = sum(o["sent"] for o in outs)
     return {
         "ok": bool(summ.get("ok")) and rc == 0 and all(o["finished"] == o["ranks"] for o in outs),
@@ -243,13 +248,45 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
         "batches_per_s": sum(o["batches"] for o in outs) / max(1e-9, t1 - t0),
         "span_s": t1 - t0,
         "idle_share": idle / max(1e-9, train + idle),
+        "idle_share_plan": sum(o["idle_plan_s"] for o in outs) / max(1e-9, train + idle),
+        "idle_share_throttle": sum(o["idle_throttle_s"] for o in outs) / max(1e-9, train + idle),
         "gen_lag_share": lag / max(1e-9, train + idle),
         "latency_p50_us": _pct(lat, 0.50),
         "latency_p99_us": _pct(lat, 0.99),
         "latency_samples": len(lat),
+        "unblock_wait_p50_us": _pct(waits, 0.50),
+        "unblock_wait_p99_us": _pct(waits, 0.99),
         "cpu_pct": cpu,
+        # Coordinator CPU per frame it handled (in and out): the cost that machine load
+        # does not change, unlike latency and idle share.
+        "cpu_us_per_frame": 1e6 * cpu_s / max(1.0, (sent + sum(o["received"] for o in outs)) * span_sampled / max(1e-9, t1 - t0)),
         "rss_mib": rss,
     }
+
+
+def decision_latencies(requests: list) -> list[float]:
+    """Frame -> RequestParams, in microseconds, per rank and round.
+
+    A round opens on the frame that completes its condition (under cadence: the Batch,
+    chunk metrics or sync_ack after which every rank has run its window), and every rank
+    of the round then gets ``RequestParams{cycle}`` (with its next window). The trigger
+    is taken as the latest frame (heartbeats aside) any rank sent before the first
+    RequestParams of that cycle arrived anywhere -- one clock: CLOCK_MONOTONIC is
+    system-wide -- and each rank's latency is its arrival minus that send. A frame sent
+    meanwhile by a rank still training can only move the trigger later, so this can
+    understate, never overstate, the decision's latency; the unblock wait bounds it from
+    above."""
+    by_cycle: dict[int, list] = {}
+    for cycle, arrival, last_batch in requests:
+        by_cycle.setdefault(cycle, []).append((arrival, last_batch))
+    out = []
+    for rows in by_cycle.values():
+        first = min(a for a, _ in rows)
+        sent = [b for _, b in rows if 0 < b < first]
+        if sent:
+            trigger = max(sent)
+            out.extend((a - trigger) * 1e6 for a, _ in rows)
+    return out
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -16,9 +16,11 @@ SPEC_JSON``) it prints one JSON object with what its ranks measured:
   (no plan yet, or throttled). Idle share = idle / (train + idle).
 * ``lag_s``: how late this process noticed batch ends (a loaded generator, not the
   coordinator): counted as training, reported so that it can be judged.
-* ``latency_us``: Batch -> command: for each command that unblocked a waiting rank, the
-  time from the last frame that rank sent (the Batch, or the chunk's metrics, that left
-  it waiting) to that command's arrival. See ``control_scale.py`` for what it includes.
+* ``latency_us``: for each command that unblocked a waiting rank, the time from the last
+  frame that rank sent (the Batch, or the chunk's metrics, that left it waiting) to that
+  command's arrival: the wait, whatever it waited on.
+* ``requests``: (cycle, arrival, the rank's last frame sent before it) of every
+  ``RequestParams``: ``control_scale.py`` finds each round's trigger from them.
 * ``sent`` / ``received``: frames to and from the coordinator.
 """
 
@@ -78,10 +80,13 @@ class FakeRank:
         self.busy_until = 0.0
         self.busy_since = 0.0
         self.blocked_since: float | None = None
+        self.blocked_on = ""  # "plan" | "throttle"
+        self.idle_by: dict[str, float] = {"plan": 0.0, "throttle": 0.0}
         self.first_batch: float | None = None
         self.last_batch_end = 0.0
         self.train_s = self.idle_s = self.lag_s = 0.0
         self.last_sent = 0.0
+        self.requests: list[tuple[int, float, float]] = []  # (cycle, arrival, our last frame before it)
         self.latency_us: list[float] = []
         self.sent = self.received = 0
         self.done = False
@@ -119,6 +124,8 @@ class FakeRank:
             self.heartbeat_s = spec.heartbeat_interval_s or 1.0
             self.execute(self.m.handle(Admitted(spec=spec)))
         elif kind == "control":
+            if env.control.WhichOneof("cmd") == "request_params":
+                self.requests.append((env.control.request_params.cycle, now, self.last_sent))
             self.execute(self.m.handle(ControlReceived(control=env.control)))
         elif kind == "round":
             h = env.round
@@ -169,10 +176,11 @@ class FakeRank:
                 continue
             if act is WAIT_PLAN or act is WAIT_THROTTLE:
                 if self.blocked_since is None and self.first_batch is not None:
-                    self.blocked_since = now
+                    self.blocked_since, self.blocked_on = now, "plan" if act is WAIT_PLAN else "throttle"
                 return None
             if self.blocked_since is not None:  # a command unblocked it
                 self.idle_s += now - self.blocked_since
+                self.idle_by[self.blocked_on] += now - self.blocked_since
                 self.latency_us.append((now - self.last_sent) * 1e6)
                 self.blocked_since = None
             if self.first_batch is None:
@@ -249,10 +257,13 @@ def serve_ranks(spec: dict) -> dict:
         "exit_reasons": sorted({rk.exit_reason for rk in ranks}),
         "train_s": sum(rk.train_s for rk in ranks),
         "idle_s": sum(rk.idle_s for rk in ranks),
+        "idle_plan_s": sum(rk.idle_by["plan"] for rk in ranks),
+        "idle_throttle_s": sum(rk.idle_by["throttle"] for rk in ranks),
         "lag_s": sum(rk.lag_s for rk in ranks),
         "first_batch": min((rk.first_batch for rk in ranks if rk.first_batch is not None), default=None),
         "last_batch": max(rk.last_batch_end for rk in ranks),
         "latency_us": [x for rk in ranks for x in rk.latency_us],
+        "requests": [r for rk in ranks for r in rk.requests],
         "batches": sum(rk.m.local_step for rk in ranks),
         "sent": sum(rk.sent for rk in ranks),
         "received": sum(rk.received for rk in ranks),

@@ -91,6 +91,7 @@ from .agents import AgentBook
 from .checkpointing import Checkpointing
 from .curve import CurveServer, load_server_keys
 from .droplog import DropLog
+from .inbound import recv_frames as _recv_frames, recv_message
 from .journal import Journal, JournalError
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings, SettingsError
@@ -379,10 +380,12 @@ class CoordinatorService:
     # -- inbound -----------------------------------------------------------------
 
     def _drain_socket(self) -> None:
+        # CURVE: the ZAP User-Id is read off a received Frame, so every part stays one.
+        recv = _recv_frames if self.curve_keys is not None else recv_message
         with self._pass():  # one fsync for what this batch of frames decided (journal.py)
             for _ in range(DRAIN_BATCH):
                 try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = recv(self.sock)
                 except zmq.Again:
                     return
                 self._on_frames(frames)
@@ -392,7 +395,7 @@ class CoordinatorService:
     def _on_frames(self, frames) -> None:
         now = self.clock()
         try:
-            route, payload = split_routing([f.bytes if len(f) < 256 else f for f in frames])
+            route, payload = split_routing(frames)
         except WireError as e:
             return self._drop((), e)
         if self.held and route:
