@@ -69,6 +69,7 @@ from flodl.core import (
     to_record,
 )
 from flodl.fsutil import describe_write_error
+from flodl.procutil import process_age_s
 from flodl.limits import zmq_maxmsgsize
 from flodl.wire import (
     Endpoint,
@@ -166,6 +167,11 @@ class CoordinatorService:
             "deferred": DropLog(log, level=logging.INFO, first="hello deferred (from %s)",
                                 more="%d more hellos deferred for %r in the last %.0fs (last from %s)"),
         }  # fmt: skip
+        # When the run's first batch came and when it finished, in seconds since this
+        # process started (the launcher's start-up and teardown times, in the summary).
+        self._born = time.monotonic() - process_age_s()
+        self._first_batch_at: float | None = None
+        self._finished_at: float | None = None
         self.status = StatusBoard()
         self._status_stale = True
         self._events_stepped = 0
@@ -360,6 +366,11 @@ class CoordinatorService:
             summary["agent_errors"] = list(self.agent_errors)
         if self.relay_restarts:
             summary["relay_restarts"] = list(self.relay_restarts)
+        summary["timeline_s"] = {
+            k: round(t - self._born, 3)
+            for k, t in (("first_batch", self._first_batch_at), ("run_finished", self._finished_at))
+            if t is not None
+        }
         summary.setdefault("bus", {})
         summary["bus"].update(
             rounds=self.reducer.rounds_completed, bytes_in=self.reducer.bytes_in, bytes_out=self.reducer.bytes_out
@@ -451,6 +462,8 @@ class CoordinatorService:
         if kind in ("timing", "metrics", "round"):
             rank = self._owned_rank(route, env, d)
             if kind == "timing":
+                if self._first_batch_at is None and env.timing.WhichOneof("event") == "batch":
+                    self._first_batch_at = time.monotonic()
                 if env.timing.WhichOneof("event") == "checkpoint_result":
                     self.checkpointing.on_result(rank, env.timing.checkpoint_result)
                 return self._feed(timing_event(now, env.timing))
@@ -733,6 +746,7 @@ class CoordinatorService:
             self._notice(cmd)
         elif isinstance(cmd, RunFinished):
             self.finished = cmd
+            self._finished_at = time.monotonic()
 
     def _log_refusal(self, route: tuple, ack: pb.HelloAck) -> None:
         """Every refused (or deferred) hello is counted and said, with its reason; a peer
