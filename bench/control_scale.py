@@ -3,13 +3,13 @@
 For each N (16, 64, 256, 1024), in the same invocation:
 
 * **raw**: a pyzmq ROUTER echo process and N DEALERs (real sockets, in the generator
-  processes), each keeping ``WINDOW`` timing frames in flight: echoed frames/s. The
+  processes), each keeping ``WINDOW`` timing frames in flight: frames/s in and out. The
   transport's ceiling, with the same fan-in and the same frame sizes.
 * **saturated**: a real ``flodl-coordinator serve`` (cadence, bus plane, no journal) and N
   fake ranks (``scale_ranks.FakeRank``: the real rank machine on a real DEALER) whose
-  batches take no time at all: every rank sends as fast as the coordinator hands out work.
-  Coordinator frames/s = frames the ranks sent / training span (first batch to last);
-  the run completes, so every one of them was handled. Ratio: / raw.
+  batches take no time (they report 1 ms): every rank sends as fast as the coordinator
+  hands out work. Frames/s = frames the ranks sent and received / training span (first
+  batch to last); the run completes, so every one of them was handled.
 * **paced**: the same ranks at a device pace (``--slowdown`` factors x ``--base-ms``,
   default the 1,2,4 pace with 10 ms, 100 ms at 1,024 ranks), direct and through real
   relays (``flodl-worker relay``, ``--hosts`` of them): the ranks' idle share (the part
@@ -20,6 +20,13 @@ For each N (16, 64, 256, 1024), in the same invocation:
   the command that let it go on: it includes waiting for slower ranks, which the policy
   imposes), and the coordinator's CPU% and peak RSS over the training span (psutil, else
   /proc).
+
+Two ratios to the raw echo: ``vs_raw_wall`` (saturated frames/s over raw frames/s, both
+limited by whatever limits them on this machine: the generators too), and
+``vs_raw_per_cpu`` (frames per CPU-second of the coordinator over frames per CPU-second
+of the echo process: the rate each would sustain with a core to itself; robust to a
+loaded machine, and conservative for a coordinator that is not saturated, since its
+per-frame cost falls as it drains more per pass).
 
 Ranks run ``--gens`` to a generator process, each serving its ranks from one poller.
 Every figure is the median of ``--repeats`` runs (3; ``--quick``: 1 run, N = 16, 64,
@@ -86,8 +93,8 @@ for d in socks:
 """
 
 
-def _spawn_ready(cmd, prefix: str, env=None) -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+def _spawn_ready(cmd, prefix: str, stderr=None) -> tuple[subprocess.Popen, str]:
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, stderr=stderr)
     line = p.stdout.readline().split()
     if len(line) < 2 or not line[0].startswith(prefix):
         p.kill()
@@ -109,11 +116,16 @@ def _timing_frame() -> bytes:
 
 def run_raw(n: int, gens: int, seconds: float) -> dict:
     echo, ep = _spawn_ready([sys.executable, "-c", ECHO], "READY")
+    sampler = Sampler(echo.pid)
+    sampler.start()
     frame = _timing_frame().hex()
     parts = _split(n, gens)
     procs = [subprocess.Popen([sys.executable, "-c", RAW_CLIENTS, ep, str(k), str(seconds), str(WINDOW), frame],
                               stdout=subprocess.PIPE, text=True) for k in parts if k]  # fmt: skip
+    t0 = time.monotonic()
     outs = [json.loads(p.communicate(timeout=seconds + 120)[0]) for p in procs]
+    t1 = time.monotonic()
+    sampler.stop()
     import zmq
 
     ctx = zmq.Context.instance()
@@ -122,8 +134,15 @@ def run_raw(n: int, gens: int, seconds: float) -> dict:
     d.send_multipart([b"", b"stop"])
     echo.wait(timeout=10)
     d.close(0)
-    rate = sum(o["echoed"] / o["seconds"] for o in outs)
-    return {"frames_per_s": rate}
+    rate = 2 * sum(o["echoed"] / o["seconds"] for o in outs)  # frames in and out
+    cpu, cpu_s, rss = sampler.over(t0, t1)
+    frames = 2 * sum(o["echoed"] for o in outs)  # in and out, as the coordinator's are counted
+    seconds_run = statistics.mean(o["seconds"] for o in outs)
+    # (the sampled window includes connecting; scale the frames to it)
+    inside = [x for x in sampler.samples if t0 <= x[0] <= t1]
+    sampled = inside[-1][0] - inside[0][0] if len(inside) > 1 else float("nan")
+    return {"frames_per_s": rate, "cpu_pct": cpu, "rss_mib": rss,
+            "cpu_us_per_frame": 1e6 * cpu_s / max(1.0, frames * min(1.0, sampled / seconds_run))}
 
 
 def _split(n: int, parts: int) -> list[int]:
@@ -196,12 +215,14 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
     sampler = Sampler(coord.pid)
     sampler.start()
     relays = []
+    relay_log = open(os.path.join(tmp, "relays.log"), "w")  # their INFO lines: not this bench's output
     connects = [ep]
     try:
         if hosts:
             for h in range(hosts):
                 p, rep = _spawn_ready([sys.executable, "-m", "flodl_worker", "relay", "--coordinator", ep,
-                                       "--bind", "tcp://127.0.0.1:0", "--host", f"h{h}"], "RELAY_READY")  # fmt: skip
+                                       "--bind", "tcp://127.0.0.1:0", "--host", f"h{h}"], "RELAY_READY",
+                                      stderr=relay_log)  # fmt: skip
                 relays.append(p)
                 connects.append(rep)
             connects = connects[1:]
@@ -228,6 +249,7 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
             if p.poll() is None:
                 p.terminate()
                 p.wait(timeout=20)
+        relay_log.close()
     with open(summary) as fh:
         summ = json.load(fh)
     t0 = min(o["first_batch"] for o in outs if o["first_batch"] is not None)
@@ -317,14 +339,15 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=4, help="relays for the relayed runs (0: direct only)")
     ap.add_argument("--gens", type=int, default=0, help="generator processes (0: 1 per 256 ranks, at least 1)")
     ap.add_argument("--paced-s", type=float, default=8.0, help="target training span of a paced run")
-    ap.add_argument("--saturated-batches", type=int, default=40, help="batches per rank in a saturated run")
+    ap.add_argument("--saturated-batches", type=int, default=30000,
+                    help="batches in a saturated run, all ranks together (at least 20 per rank)")
     ap.add_argument("--raw-s", type=float, default=3.0, help="seconds of raw echo")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1 run each, N = 16, 64, shorter")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: raw,saturated,paced,relayed")
     args = ap.parse_args()
     if args.quick:
-        args.ranks, args.repeats, args.paced_s, args.saturated_batches, args.raw_s = "16,64", 1, 3.0, 20, 1.5
+        args.ranks, args.repeats, args.paced_s, args.saturated_batches, args.raw_s = "16,64", 1, 3.0, 6000, 1.5
     skip = set(filter(None, args.skip.split(",")))
     factors = [float(x) for x in args.slowdown.split(",")]
     res: dict = {"bench": "control_scale", "policy": args.policy, "slowdown": factors, "repeats": args.repeats,
@@ -341,16 +364,25 @@ def main() -> None:
             row["raw"] = _median([run_raw(n, gens, args.raw_s) for _ in range(args.repeats)])
         if "saturated" not in skip:
             row["saturated"] = _median([run_flodl(n, [0.0], gens=gens, hosts=0, epochs=1, policy=args.policy,
-                                                  batches_per_rank=args.saturated_batches, timeout_s=timeout)
+                                                  batches_per_rank=max(20, args.saturated_batches // n),
+                                                  timeout_s=timeout)
                                         for _ in range(args.repeats)])  # fmt: skip
-            if "raw" in row:
-                row["saturated_vs_raw"] = round(row["saturated"]["rank_frames_per_s"] / row["raw"]["frames_per_s"], 3)
         for name, hosts in (("paced", 0), ("relayed", args.hosts)):
             if name in skip or (name == "relayed" and not hosts):
                 continue
             row[name] = _median([run_flodl(n, ms, gens=gens, hosts=hosts, epochs=2, policy=args.policy,
                                            batches_per_rank=paced_batches, timeout_s=timeout)
                                  for _ in range(args.repeats)])  # fmt: skip
+        if "raw" in row:
+            raw = row["raw"]
+            for name in ("saturated", "paced", "relayed"):
+                if name in row:
+                    r = row[name]
+                    # Message rate per CPU-second, flodl against the raw echo: what each
+                    # could sustain on one core, whatever else the machine was doing.
+                    r["vs_raw_per_cpu"] = round(raw["cpu_us_per_frame"] / r["cpu_us_per_frame"], 3)
+            if "saturated" in row:
+                row["saturated"]["vs_raw_wall"] = round(row["saturated"]["frames_per_s"] / raw["frames_per_s"], 3)
         res["by_n"][str(n)] = row
         print(json.dumps({str(n): row}), file=sys.stderr, flush=True)
     res["machine"]["loadavg_end"] = os.getloadavg()
