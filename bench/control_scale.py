@@ -211,7 +211,8 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
         "--total-samples", str(total), "--log-level", "WARNING", "--no-final-eval", "--summary", summary,
         "--form-timeout-s", str(timeout_s), "--liveness-timeout-s", "30",
     ]  # fmt: skip
-    coord, ep = _spawn_ready(coord_cmd, "COORDINATOR_READY")
+    coord_log = open(os.path.join(tmp, "coordinator.log"), "w")  # a failed run's story (see "log")
+    coord, ep = _spawn_ready(coord_cmd, "COORDINATOR_READY", stderr=coord_log)
     sampler = Sampler(coord.pid)
     sampler.start()
     relays = []
@@ -250,8 +251,12 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
                 p.terminate()
                 p.wait(timeout=20)
         relay_log.close()
-    with open(summary) as fh:
-        summ = json.load(fh)
+        coord_log.close()
+    try:
+        with open(summary) as fh:
+            summ = json.load(fh)
+    except (OSError, ValueError):
+        summ = {"ok": False, "reason": f"no summary (coordinator exit code {rc})"}
     t0 = min(o["first_batch"] for o in outs if o["first_batch"] is not None)
     t1 = max(o["last_batch"] for o in outs)
     cpu, cpu_s, rss = sampler.over(t0, t1)
@@ -264,6 +269,7 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
     return {
         "ok": bool(summ.get("ok")) and rc == 0 and all(o["finished"] == o["ranks"] for o in outs),
         "reason": summ.get("reason"),
+        "log": coord_log.name,
         "dropped_frames": summ.get("dropped_frames", {}),
         "frames_per_s": (sent + sum(o["received"] for o in outs)) / max(1e-9, t1 - t0),
         "rank_frames_per_s": sent / max(1e-9, t1 - t0),
@@ -320,7 +326,8 @@ def _median(runs: list[dict]) -> dict:
     for k, v in runs[0].items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out[k] = round(statistics.median(r[k] for r in runs), 4)
-    bad = [{"reason": r["reason"], "dropped_frames": r["dropped_frames"]} for r in runs if not r.get("ok", True)]
+    bad = [{"reason": r["reason"], "dropped_frames": r["dropped_frames"], "log": r["log"]}
+           for r in runs if not r.get("ok", True)]
     if bad:
         out["failed_runs"] = bad
     drops = [r["dropped_frames"] for r in runs if r.get("dropped_frames")]
