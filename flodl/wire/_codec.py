@@ -148,7 +148,8 @@ class Endpoint:
     """The sending half of a peer: stamps version, session, sender and sequence.
 
     One per socket owner; not thread-safe (neither is the socket it feeds). The sender
-    is fixed at construction (a new incarnation is a new Endpoint).
+    is fixed at construction (a new incarnation is a new Endpoint); the session may be
+    set later (a relay's folder learns it from the coordinator's FoldOpen).
 
     The envelope is written as protobuf's wire format allows, in pieces: the fields that
     never change (version, session, sender) serialised once, then per message the
@@ -158,11 +159,19 @@ class Endpoint:
     """
 
     def __init__(self, session: str, kind: int, *, rank: int = 0, host: str = "", incarnation: int = 0):
-        self.session = session
         self.sender = pb.Sender(kind=kind, rank=rank, host=host, incarnation=incarnation)
+        self.session = session  # (serialises the fixed fields)
         self._seq = 0
+
+    @property
+    def session(self) -> str:
+        return self._session
+
+    @session.setter
+    def session(self, value: str) -> None:
+        self._session = value
         self._prefix = pb.Envelope(
-            protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR, session=session, sender=self.sender
+            protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR, session=value, sender=self.sender
         ).SerializeToString()
 
     def frames(self, body_field: str, body, blobs: Sequence = (), route: Sequence[bytes] = ()) -> list:

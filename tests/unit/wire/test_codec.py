@@ -154,3 +154,10 @@ def test_endpoint_writes_the_envelope_protobuf_would_serialize():
                 assert frames[2] == ref.SerializeToString(), (name, seq_from)
                 d = decode(frames[2:], session="s")
                 assert d.kind == name and d.envelope == ref
+
+
+def test_endpoint_session_set_later_is_the_one_its_frames_name():
+    ep = Endpoint("", pb.Sender.KIND_RELAY, host="relay-a", incarnation=3)  # a relay's folder, before FoldOpen
+    ep.session = "run-7"
+    frames = ep.frames("round", pb.RoundHeader(cycle=1))
+    assert decode(frames[1:], session="run-7").envelope.sender.host == "relay-a"
