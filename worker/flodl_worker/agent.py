@@ -548,7 +548,8 @@ class Agent:
         self._install_signals()
         try:
             # The ranks take longest to start (torch): when the relay's address is known
-            # before it binds, they start first and dial it while it comes up.
+            # before it binds, they start first and dial it while it comes up (ZeroMQ
+            # connects to an ipc path that does not exist yet, and retries).
             early = None if cfg.no_relay else self._known_relay_bind()
             if early is not None:
                 self._spawn_ranks(early)
@@ -600,16 +601,15 @@ class Agent:
                 shutil.rmtree(self.tmpdir, ignore_errors=True)
 
     def _known_relay_bind(self) -> str | None:
-        """The address the relay will bind, if it is known before it does (ipc, or a fixed
-        TCP port; port 0 is only known once bound)."""
+        """The address the ranks will dial, if it is known before the relay binds: an ipc
+        path (the default's, or a given one). A TCP bind is dialled at the address the
+        relay reports once bound (port 0, a wildcard host)."""
         bind = self.cfg.relay_bind
         if bind is None:
             if self.tmpdir is None:
                 self.tmpdir = tempfile.mkdtemp(prefix="flodl-")  # 0700: only this user can dial it
             return f"ipc://{self.tmpdir}/relay.sock"
-        if bind.startswith("ipc://") or (bind.startswith("tcp://") and not bind.endswith(":0")):
-            return bind
-        return None
+        return bind if bind.startswith("ipc://") else None
 
     def _spawn_ranks(self, connect: str) -> None:
         base = dict(os.environ)
