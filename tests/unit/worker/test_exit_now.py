@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 
-def test_exit_now_runs_atexit_joins_threads_flushes_and_keeps_the_code(tmp_path):
+def test_exit_now_runs_atexit_joins_threads_flushes_files_and_keeps_the_code(tmp_path):
     out = tmp_path / "out.txt"
     script = textwrap.dedent(f"""
         import atexit, logging, sys, threading, time
@@ -17,6 +17,8 @@ def test_exit_now_runs_atexit_joins_threads_flushes_and_keeps_the_code(tmp_path)
             open({str(out)!r}, "a").write("thread\\n")
         threading.Thread(target=late).start()          # not a daemon: joined first
         atexit.register(lambda: open({str(out)!r}, "a").write("atexit\\n"))
+        log_file = open({str(tmp_path / "left-open.txt")!r}, "w")  # never closed by the user
+        log_file.write("kept")
         logging.basicConfig(stream=sys.stderr)
         logging.getLogger("x").warning("logged")
         sys.stdout.write("unflushed")                   # no newline: still buffered
@@ -28,3 +30,4 @@ def test_exit_now_runs_atexit_joins_threads_flushes_and_keeps_the_code(tmp_path)
     assert p.stdout == "unflushed"
     assert "logged" in p.stderr
     assert out.read_text().splitlines() == ["thread", "atexit"]
+    assert (tmp_path / "left-open.txt").read_text() == "kept"
