@@ -393,7 +393,28 @@ def main() -> None:
         res["by_n"][str(n)] = row
         print(json.dumps({str(n): row}), file=sys.stderr, flush=True)
     res["machine"]["loadavg_end"] = os.getloadavg()
+    res["goals"] = goals(res["by_n"])
     print(json.dumps(res, indent=2))
+
+
+def goals(by_n: dict) -> dict:
+    """The issue's goals, against what this run measured (absent: not measured)."""
+    out: dict = {}
+    for n in ("16", "1024"):
+        r = by_n.get(n, {}).get("saturated", {})
+        if "vs_raw_per_cpu" in r:
+            out[f"rate_vs_raw_at_{n}"] = {"goal": ">= 0.6", "per_cpu": r["vs_raw_per_cpu"], "wall": r.get("vs_raw_wall"),
+                                          "met": r["vs_raw_per_cpu"] >= 0.6}  # fmt: skip
+    for n in ("256", "1024"):
+        for name in ("paced", "relayed"):
+            r = by_n.get(n, {}).get(name)
+            if r:
+                share = round(1.0 - r["idle_share"], 4)
+                out[f"{name}_{n}"] = {"goal": "training share >= 0.95 and p99 decision latency <= 10 ms",
+                                      "training_share": share, "latency_p99_ms": round(r["latency_p99_us"] / 1e3, 2),
+                                      "coordinator_cpu_pct": r["cpu_pct"],
+                                      "met": share >= 0.95 and r["latency_p99_us"] <= 10_000}  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":
