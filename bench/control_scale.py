@@ -366,7 +366,7 @@ def main() -> None:
         # Batches a factor-1 rank makes in the paced span: the slowest makes 1/max(f) of it.
         paced_batches = max(6, int(args.paced_s * 1000 / base / statistics.mean(factors)))
         timeout = 120.0 + n * 0.2
-        row: dict = {"generators": gens, "base_ms": base}
+        row: dict = {"generators": gens, "base_ms": base, "loadavg": os.getloadavg()[0]}
         if "raw" not in skip:
             row["raw"] = _median([run_raw(n, gens, args.raw_s) for _ in range(args.repeats)])
         if "saturated" not in skip:
