@@ -60,6 +60,7 @@ from typing import Optional
 
 from . import _async, _slack
 from ._dispatcher import CadenceDispatcher, _batches, _budget, _send_plan, _take, ends_at_a_barrier, window_steps
+from ._views import absorb_released, counts_changed
 from .._commands import Command
 from .._phases import PENDING, TRAINING
 from .._state import CoordinatorState
@@ -74,15 +75,24 @@ class _BoundaryStreams:
         # ``advance`` reaches an epoch nobody streamed into (every rank sat at its reduce
         # barrier when the last one drained): open it and stage the slack behind it.
         _async._open(st, epoch, -1, out)
-        _slack.stage(st, epoch, out)
-        _async.wake(st, out)
+        if _slack.stage(st, epoch, out):
+            counts_changed(st)
+        self.wake(st, out)
 
     def wake(self, st: CoordinatorState, out: list[Command]) -> None:
         if st.run.phase is not TRAINING or st.dispatch.last_dispatched is None:
             return
+        cad = st.cadence
+        assert cad is not None
+        absorb_released(st)
         waiting: Optional[float] = None  # the ms until the gate can fire, worked out once
-        for r in st.alive_ranks():
-            if leaves_the_tail(st, r) or _async._dispatch_next(st, r, out):
+        # Only ``wakeable`` ranks (``_views``); each looked at leaves it, but one that
+        # leaves the tail stays (it could be served: the last rank training may need it).
+        for r in sorted(cad.wakeable):
+            if leaves_the_tail(st, r):
+                continue
+            cad.wakeable.discard(r)
+            if _async._dispatch_next(st, r, out):
                 continue
             if st.config.run_ahead and at_reduce_barrier(st, r):
                 if waiting is None:
