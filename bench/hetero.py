@@ -6,8 +6,8 @@ everywhere). ``--rigs`` runs several in one invocation (default: the 1,2,4 rig a
 6-rank 1,1,2,3,5,8 rig, where ElChe's windows grow to most of an epoch). Measured per rig,
 side by side:
 
-* solo: each rank's throughput training alone (the ceiling is their sum), median of
-  ``--repeats``;
+* solo: each rank's throughput training alone (the ceiling is their sum), measured
+  before each repeat of the modes (interleaved, so a drifting load moves both), median;
 * flodl sync, cadence and async: ``flodl run --local`` (real coordinator, relay, ranks),
   on the bus plane;
 * flodl collective: cadence with ``--plane collective`` (torch.distributed all-reduce,
@@ -133,14 +133,24 @@ def bench_rig(slowdown: str, names: list[str], skipped: dict, args) -> dict:
     args.epochs = args.train_epochs
     res: dict = {"rig": {"slowdown": slowdown, "ranks": len(args.slow), "base_ms": args.base_ms,
                          "batch_size": args.batch_size, "epochs": args.epochs, "task": "synthetic"}}  # fmt: skip
-    solos = [statistics.median(solo(x, args.base_ms, args.batch_size) for _ in range(args.repeats)) for x in args.slow]
+    # Interleaved: each repeat measures the solos, then runs every mode once, so a load
+    # that drifts during the bench moves the ceiling and the runs alike.
+    solo_runs: list[list[float]] = []
+    per_mode: dict[str, list[dict]] = {name: [] for name in names}
+    for _ in range(args.repeats):
+        solo_runs.append([solo(x, args.base_ms, args.batch_size) for x in args.slow])
+        for name in names:
+            policy, extra = MODES[name]
+            per_mode[name].append(flodl_run("synthetic", policy, args, extra, solo_runs[-1]))
+    solos = [statistics.median(run[r] for run in solo_runs) for r in range(len(args.slow))]
     res["solo_samples_per_s"] = [round(x, 1) for x in solos]
+    res["solo_sum_runs"] = [round(sum(run), 1) for run in solo_runs]
     ceiling = sum(solos)
     res["solo_sum"] = round(ceiling, 1)
     modes: dict = {}
     for name in names:
         policy, extra = MODES[name]
-        runs = [flodl_run("synthetic", policy, args, extra, solos) for _ in range(args.repeats)]
+        runs = per_mode[name]
         m = dict(runs[-1])
         m["samples_per_s"] = median_of(runs, "samples_per_s")
         m["runs_samples_per_s"] = [r.get("samples_per_s") for r in runs]
