@@ -59,7 +59,16 @@ from __future__ import annotations
 from typing import Optional
 
 from . import _async, _slack
-from ._dispatcher import CadenceDispatcher, _batches, _budget, _send_plan, _take, ends_at_a_barrier, window_steps
+from ._dispatcher import (
+    CadenceDispatcher,
+    _batches,
+    _budget,
+    _send_plan,
+    _take,
+    ends_at_a_barrier,
+    window_steps,
+    windows_done,
+)
 from ._views import absorb_released, counts_changed
 from .._commands import Command
 from .._phases import PENDING, TRAINING
@@ -154,26 +163,19 @@ def run_ahead_room(st: CoordinatorState, rank: int) -> int:
 
 
 def gate_wait_ms(st: CoordinatorState) -> float:
-    """How long the next trigger is still away, by ElChe's paces: the longest rest of a
-    window some rank still trains (0 when the gate could fire now). A round still open
-    holds the gate too: then at least one batch (the round's length is unknown)."""
-    cad = st.cadence
-    if cad is None:
-        return 0.0
-    ms = cad.elche.ms_per_batch()
-    counts = cad.elche.batch_counts
-    longest = 0.0
-    training = False
-    for r in st.alive_ranks():
-        if r in cad.throttled or r not in cad.in_flight:
-            continue
-        left = counts[r] - window_steps(st, r)
-        if left > 0:
-            training = True
-            longest = max(longest, left * ms[r])
-    if not training and st.rounds.phase is not PENDING:
+    """How long the next trigger is still away: 0 when the gate could fire now, else what
+    is left of the intended window wall (``anchor x slow ms`` since the last trigger), or
+    -1 when that is unknown or already past (uncalibrated, a straggler, an open round):
+    some wait, of unknown length. O(1) amortised: the gate's own heap says whether
+    anyone still holds it, ElChe's anchor wall how long a window is meant to last."""
+    open_round = st.rounds.phase is PENDING
+    if not open_round and windows_done(st)[0]:
         return 0.0  # nobody the gate waits for: the trigger is due now
-    return longest if longest > 0.0 else -1.0  # -1: some wait, unknown length
+    cad = st.cadence
+    assert cad is not None
+    wall = cad.elche.anchor_wall_ms()
+    left = st.rounds.opened_at * 1e3 + wall - st.now * 1e3 if wall > 0.0 else 0.0
+    return left if left > 0.0 else -1.0
 
 
 def run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, out: list[Command]) -> bool:
