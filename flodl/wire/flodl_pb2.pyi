@@ -335,10 +335,12 @@ class Control(_message.Message):
         __slots__ = ()
         def __init__(self) -> None: ...
     class SetGlobalStep(_message.Message):
-        __slots__ = ("global_step",)
+        __slots__ = ("global_step", "samples_committed")
         GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+        SAMPLES_COMMITTED_FIELD_NUMBER: _ClassVar[int]
         global_step: int
-        def __init__(self, global_step: _Optional[int] = ...) -> None: ...
+        samples_committed: int
+        def __init__(self, global_step: _Optional[int] = ..., samples_committed: _Optional[int] = ...) -> None: ...
     class Checkpoint(_message.Message):
         __slots__ = ("version", "target_rank", "path", "cycle")
         VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -677,7 +679,7 @@ class TensorMeta(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., elided: _Optional[bool] = ..., blob_index: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class RoundHeader(_message.Message):
-    __slots__ = ("cycle", "phase", "kind", "weight", "tensors", "contributing_ranks", "deliver_to")
+    __slots__ = ("cycle", "phase", "kind", "weight", "tensors", "contributing_ranks", "deliver_to", "buffer_tensors", "buffer_weight")
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -685,6 +687,8 @@ class RoundHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTING_RANKS_FIELD_NUMBER: _ClassVar[int]
     DELIVER_TO_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     cycle: int
     phase: RoundPhase
     kind: RoundKind
@@ -692,7 +696,9 @@ class RoundHeader(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     contributing_ranks: _containers.RepeatedScalarFieldContainer[int]
     deliver_to: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cycle: _Optional[int] = ..., phase: _Optional[_Union[RoundPhase, str]] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., weight: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., contributing_ranks: _Optional[_Iterable[int]] = ..., deliver_to: _Optional[_Iterable[int]] = ...) -> None: ...
+    buffer_tensors: int
+    buffer_weight: float
+    def __init__(self, cycle: _Optional[int] = ..., phase: _Optional[_Union[RoundPhase, str]] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., weight: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., contributing_ranks: _Optional[_Iterable[int]] = ..., deliver_to: _Optional[_Iterable[int]] = ..., buffer_tensors: _Optional[int] = ..., buffer_weight: _Optional[float] = ...) -> None: ...
 
 class RelayMsg(_message.Message):
     __slots__ = ("hello", "rank_exit", "declare_dead", "fold_open", "fold_drop")

@@ -92,6 +92,7 @@ from flodl.wire import (
 
 from ._env import EnvError, RankEnv
 from .averaging import BusAverager
+from .buffers import averaged_buffers
 from .collective import CollectiveAverager
 from .checkpoint import CheckpointLoadError, load_model_file
 from .checkpoint_duty import CheckpointDuty
@@ -191,6 +192,7 @@ class _Rank(MachineShell):
         self.model: torch.nn.Module | None = None
         self.optimizer = None
         self.params: list[torch.Tensor] = []
+        self.buffers: list[torch.Tensor] = []  # the f32 buffers rounds average (flodl_worker.buffers)
         self.heartbeat_s = DEFAULT_HEARTBEAT_S
         self.liveness_s = DEFAULT_LIVENESS_S
         self.last_heard = time.monotonic()
@@ -384,6 +386,7 @@ class _Rank(MachineShell):
             global_step = int(info.get("global_step", 0))
             log.info("resumed model and optimizer from %s (checkpoint v%s)", self.spec.resume_from, info.get("version"))
         self.params = list(self.model.parameters())
+        self.buffers = averaged_buffers(self.model)
         self.model.train()
         # Identical weights everywhere, distinct random streams (dropout...) per rank.
         torch.manual_seed((self.spec.seed + 1 + self.cfg.rank) % (1 << 63))
@@ -511,7 +514,8 @@ class _Rank(MachineShell):
                 self._train(act)
 
     def say_exiting(self) -> None:
-        self._timing(exiting=pb.Timing.Exiting(param_digest=param_digest(self.params), steps=self.m.local_step))
+        digest = param_digest(self.params + self.buffers)  # the f32 buffers are averaged too
+        self._timing(exiting=pb.Timing.Exiting(param_digest=digest, steps=self.m.local_step))
 
     def close(self) -> None:
         if self.trace is not None:
