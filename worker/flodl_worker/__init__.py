@@ -11,6 +11,6 @@
 Importing this package does not import torch (the agent and relay do not need it).
 """
 
-from .progress import Progress, progress
+from .run_progress import Progress, progress
 
 __all__: list[str] = ["Progress", "progress"]

@@ -100,7 +100,7 @@ from .checkpoint_duty import CheckpointDuty
 from .device import DeviceError, choose_device, to_device
 from .loader import BatchLoader
 from .params import gamma_mass, model_signature, param_digest
-from .progress import Progress, ProgressClock
+from .run_progress import Progress, ProgressClock
 from .shell import MachineShell
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""flodl_worker.progress: the run's progress on a rank, and LR schedules that follow it.
+"""flodl_worker.run_progress: the run's progress on a rank, and LR schedules that follow it.
 
 A rank's own step counter is the wrong clock for a scheduler: under Cadence or Async a
 fast rank takes three times the steps of a slow one, so a per-step cosine counted
