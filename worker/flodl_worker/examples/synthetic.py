@@ -12,8 +12,8 @@ from the same teacher. ``eval_fn`` = held-out accuracy.
 ``--batchnorm`` puts a BatchNorm1d after the hidden layer (its running stats are
 averaged with the parameters). ``--lr-schedule`` follows the run's progress, not the
 rank's steps (``flodl_worker.progress``): every rank ends at the same LR. ``--sample-ms``
-makes the training set a map-style dataset whose ``__getitem__`` costs that long (an
-emulated per-sample decode); ``--num-workers`` loads it in worker processes.
+makes the training set a map-style dataset whose ``__getitem__`` takes that long (an
+emulated per-sample read); ``--num-workers`` loads it in worker processes.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def generate(samples: int, test_samples: int, features: int, classes: int, seed:
 
 
 class SlowSamples(Dataset):
-    """A map-style view of a TensorDataset whose ``__getitem__`` costs ``sample_ms``
-    (busy, like a decode) plus a per-sample transform (a little noise on x)."""
+    """A map-style view of a TensorDataset whose ``__getitem__`` waits ``sample_ms`` (an
+    emulated per-sample read: it sleeps, so it needs no spare core to overlap) plus a
+    per-sample transform (a little noise on x)."""
 
     def __init__(self, base: TensorDataset, sample_ms: float) -> None:
         self.x, self.y = base.tensors
@@ -54,9 +55,7 @@ class SlowSamples(Dataset):
         return len(self.y)
 
     def __getitem__(self, i: int):
-        end = time.perf_counter() + self.sample_ms / 1e3
-        while time.perf_counter() < end:
-            pass
+        time.sleep(self.sample_ms / 1e3)
         return self.x[i] + 0.01 * torch.randn_like(self.x[i]), self.y[i]
 
 
