@@ -44,6 +44,11 @@ one the simulator drives: this module decodes frames into its events (``Incarnat
    journal): ``timing.resync`` first, with what the new process may have lost
    (``flodl_worker.resync``); training goes on.
 
+Around each step: the batch of the machine's ``TrainBatch`` comes from
+``flodl_worker.loader`` (inline, or worker processes prefetching along the plans), is
+moved to the rank's device (``flodl_worker.device``: the model is built there), and the
+LR schedule, if any, is set from the run's progress (``flodl_worker.run_progress``).
+
 Exit codes: 0 clean shutdown; 1 failure (the coordinator went silent or unreachable,
 the user's code raised); 2 configuration error or refused at hello.
 
