@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .params import f32
+
 __all__ = ["FlatStaging"]
 
 
@@ -32,12 +34,15 @@ class FlatStaging:
 
     def gather(self) -> np.ndarray:
         """A new flat f32 host copy of every tensor (one allocation, one transfer pass)."""
-        flat = torch.empty(self.total, dtype=torch.float32, pin_memory=self.cuda)
+        if not self.cuda:  # host tensors: one numpy pass over f32 views (no temporaries)
+            flat = np.empty(self.total, dtype=np.float32)
+            np.concatenate([f32(t).reshape(-1) for t in self.tensors], out=flat)
+            return flat
+        flat = torch.empty(self.total, dtype=torch.float32, pin_memory=True)
         with torch.no_grad():
             for t, off, n in zip(self.tensors, self.offsets, self.sizes):
-                flat[off : off + n].copy_(t.detach().reshape(-1), non_blocking=self.cuda)
-        if self.cuda:
-            torch.cuda.synchronize()
+                flat[off : off + n].copy_(t.detach().reshape(-1), non_blocking=True)
+        torch.cuda.synchronize()  # once, for every transfer
         return flat.numpy()
 
     def views(self, flat: np.ndarray) -> list[np.ndarray]:
