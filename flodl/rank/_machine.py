@@ -231,7 +231,8 @@ class RankMachine:
 
     def _admitted(self, ev: Admitted, out: list[Command]) -> None:
         self.spec = ev.spec
-        self.global_step = ev.global_step
+        self.global_step = max(ev.global_step, ev.spec.global_step)  # the run's progress at admission
+        self.samples_committed = ev.spec.samples_committed
         if ev.hello_resent and self.incarnation is not None:
             # The first answer may have been lost with a coordinator that restarted: this
             # one then comes from the new process, which already counts the rank as a

@@ -222,3 +222,10 @@ def test_set_global_step_carries_the_runs_committed_samples():
     m = machine()
     m.handle(ctl(set_global_step=pb.Control.SetGlobalStep(global_step=12, samples_committed=96)))
     assert (m.global_step, m.samples_committed) == (12, 96)
+
+
+def test_admission_starts_the_runs_progress_where_the_coordinator_is():
+    m = RankMachine(0)
+    spec = pb.RunSpec(total_samples=100, batch_size=8, gamma=1.0, global_step=40, samples_committed=320)
+    m.handle(Admitted(spec=spec, global_step=35))  # a resume's checkpoint said 35; the run is at 40
+    assert (m.global_step, m.samples_committed) == (40, 320)
