@@ -23,12 +23,14 @@ coverage the coordinator audits is exactly what was planned, whatever the worker
   workers that keep up it is ~0; it feeds ElChe's delivered cost on the coordinator.
 
 A ``__getitem__`` that raises in a worker fails the rank with the worker's traceback (as
-inline); a worker that dies (killed, out of memory) is named with its exit code.
+inline); a worker that dies (killed, out of memory) is named with its exit code; a
+worker whose rank died (kill -9) notices within ``POLL_S`` and exits.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 import traceback
@@ -59,13 +61,20 @@ def _collate(items: list) -> Any:
     return default_collate(items)
 
 
-def _worker(dataset, collate, tasks, results, index: int, seed: int) -> None:
-    """One loader process: ``(key, ids)`` in, ``(key, batch, error)`` out, until None."""
+def _worker(dataset, collate, tasks, results, index: int, seed: int, parent: int) -> None:
+    """One loader process: ``(key, ids)`` in, ``(key, batch, error)`` out, until None --
+    or until the rank is gone (killed -9: nobody would ever send the None)."""
     torch.set_num_threads(1)  # the rank's own process trains; workers must not oversubscribe
     torch.manual_seed(seed + index)  # random per-sample transforms differ per worker
     np.random.seed((seed + index) % (1 << 32))
+    results.cancel_join_thread()  # at exit, never wait for the rank to read what is left
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
         if task is None:
             return
         key, ids = task
@@ -119,7 +128,7 @@ class BatchLoader:
         self._results = ctx.Queue()
         for i in range(self.num_workers):
             p = ctx.Process(
-                target=_worker, args=(self.dataset, self.collate, self._tasks, self._results, i, self.seed),
+                target=_worker, args=(self.dataset, self.collate, self._tasks, self._results, i, self.seed, os.getpid()),
                 name=f"flodl-loader-{i}", daemon=True,
             )  # fmt: skip
             p.start()

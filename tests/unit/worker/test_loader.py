@@ -107,3 +107,38 @@ def test_bad_arguments_are_refused():
         BatchLoader(MapStyle(), ids, lambda n: [], num_workers=-1)
     with pytest.raises(ValueError, match="prefetch=0"):
         BatchLoader(MapStyle(), ids, lambda n: [], num_workers=1, prefetch=0)
+
+
+def test_workers_of_a_rank_killed_with_sigkill_exit_on_their_own(tmp_path):
+    """No orphans: the rank (here a child process) is killed -9 with its workers idle."""
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import sys, time, numpy as np\n"
+        "sys.path[:0] = %r\n"
+        "from test_loader import MapStyle, ids\n"
+        "from flodl_worker.loader import BatchLoader\n"
+        "l = BatchLoader(MapStyle(), ids, lambda n: [], num_workers=2); l.start()\n"
+        "print(' '.join(str(p.pid) for p in l._procs), flush=True); time.sleep(60)\n"
+    ) % ([os.path.dirname(__file__)] + sys.path,)
+    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in rank.stdout.readline().split()]
+    assert len(pids) == 2
+    rank.kill()
+    rank.wait(10)
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        time.sleep(0.1)  # polling other processes' exit: nothing to wait on
+    assert not alive, f"loader workers {alive} outlived their rank"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited (its reaper is init)
+    except FileNotFoundError:
+        return False
