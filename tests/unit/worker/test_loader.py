@@ -109,25 +109,27 @@ def test_bad_arguments_are_refused():
         BatchLoader(MapStyle(), ids, lambda n: [], num_workers=1, prefetch=0)
 
 
-def test_workers_of_a_rank_killed_with_sigkill_exit_on_their_own(tmp_path):
-    """No orphans: the rank (here a child process) is killed -9 with its workers idle."""
-    import subprocess
-    import sys
+def _a_rank_with_loader_workers(conn) -> None:
+    loader = BatchLoader(MapStyle(), ids, lambda n: [], num_workers=2)
+    loader.start()
+    conn.send([p.pid for p in loader._procs])
+    signal.pause()  # until killed
+
+
+def test_workers_of_a_rank_killed_with_sigkill_exit_on_their_own():
+    """No orphans: the rank (here a forked child) is killed -9 with its workers idle."""
+    import multiprocessing as mp
     import time
 
-    code = (
-        "import sys, time, numpy as np\n"
-        "sys.path[:0] = %r\n"
-        "from test_loader import MapStyle, ids\n"
-        "from flodl_worker.loader import BatchLoader\n"
-        "l = BatchLoader(MapStyle(), ids, lambda n: [], num_workers=2); l.start()\n"
-        "print(' '.join(str(p.pid) for p in l._procs), flush=True); time.sleep(60)\n"
-    ) % ([os.path.dirname(__file__)] + sys.path,)
-    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    pids = [int(p) for p in rank.stdout.readline().split()]
+    ctx = mp.get_context("fork")
+    mine, theirs = ctx.Pipe()
+    rank = ctx.Process(target=_a_rank_with_loader_workers, args=(theirs,))
+    rank.start()
+    assert mine.poll(30), "the rank never started its workers"
+    pids = mine.recv()
     assert len(pids) == 2
-    rank.kill()
-    rank.wait(10)
+    os.kill(rank.pid, signal.SIGKILL)
+    rank.join(10)
     deadline = time.monotonic() + 20
     alive = pids
     while alive and time.monotonic() < deadline:
