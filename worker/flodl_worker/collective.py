@@ -28,8 +28,7 @@ launches an *asynchronous* all-reduce (SUM) of one flat f32 buffer
 ``[w*theta..., m*buffers..., w, m]`` (``m`` = the mover mass, 1 if the rank stepped:
 the f32 buffers are an equal-weight mean over the ranks that moved,
 ``flodl_worker.buffers``) and goes back to training. With NCCL and a model on the GPU
-the buffer is built on the device from the live tensors (no host round trip before the
-reduce). ``wait`` (called by the rank's pump instead of a plain socket
+the buffer is copied to the device once (one flat transfer) and reduced there. ``wait`` (called by the rank's pump instead of a plain socket
 poll) watches the socket and a wake-up fd that the all-reduce's completion callback
 writes, so a finished reduce is handled at once even while the rank is blocked waiting
 for a plan or an ``Update``. On completion: W = the summed weights; consensus = sum / W;
@@ -304,11 +303,12 @@ class CollectiveAverager(BusAverager):
 
     def _launch(self, cycle: int, gen: _Generation) -> None:
         snap = self.snapshots[cycle]
+        buf = _flatten(snap.flat, self.staging.offsets[len(snap.pre)], snap.weight)
         live = self.staging.tensors
         if gen.backend == "nccl" and live and live[0].is_cuda:
-            buf = _flatten_on_device(live, len(snap.pre), snap.weight)  # the snapshot's values, on the GPU
-        else:
-            buf = _flatten(snap.flat, self.staging.offsets[len(snap.pre)], snap.weight)
+            # The snapshot's values (the launch may come steps after it, once the group
+            # formed), reduced on the GPU: one flat host-to-device copy.
+            buf = buf.to(live[0].device)
         work = gen.group.allreduce([buf])
         future = work.get_future()
         self.ops.append(_Op(cycle, gen.number, work, future, buf, gen.group, time.perf_counter()))
@@ -497,18 +497,6 @@ def _flatten(flat: np.ndarray, nparams: int, weight: float) -> torch.Tensor:
         buf[:n] = 0.0
     buf[n], buf[n + 1] = weight, mover
     return torch.from_numpy(buf)
-
-
-def _flatten_on_device(tensors: list, nparams: int, weight: float) -> torch.Tensor:
-    """``_flatten`` built on the tensors' device from the live tensors (NCCL): the
-    snapshot was taken this very moment on this thread, so the values are the same."""
-    mover = mover_mass(weight)
-    with torch.no_grad():
-        parts = [t.detach().reshape(-1).float() * weight for t in tensors[:nparams]]
-        parts += [t.detach().reshape(-1).float() * mover for t in tensors[nparams:]]
-        dev = tensors[0].device
-        parts.append(torch.tensor([weight, mover], dtype=torch.float32, device=dev))
-        return torch.cat(parts)
 
 
 def _unflatten(buf: np.ndarray, staging, nparams: int) -> list:
