@@ -221,7 +221,8 @@ class _Rank(MachineShell):
         self.averager = BusAverager(self)
         self.collective: CollectiveAverager | None = None  # the averager too, on the collective plane
         self.checkpoints = CheckpointDuty(self)
-        self.perm: tuple[int, np.ndarray] | None = None  # (epoch, permutation) cache
+        # epoch -> permutation, the last two (a prefetch reaches into the next epoch).
+        self.perms: dict[int, np.ndarray] = {}
         self.trace = None
         self.lr_trace = None  # every LR the schedule set (tests audit that ranks end alike)
         if cfg.trace_dir:
@@ -488,9 +489,12 @@ class _Rank(MachineShell):
     # -- training -----------------------------------------------------------------------
 
     def _samples(self, epoch: int, offset: int, count: int) -> np.ndarray:
-        if self.perm is None or self.perm[0] != epoch:
-            self.perm = (epoch, epoch_permutation(self.spec.seed, epoch, self.spec.total_samples))
-        return self.perm[1][offset : offset + count]
+        perm = self.perms.get(epoch)
+        if perm is None:
+            perm = self.perms[epoch] = epoch_permutation(self.spec.seed, epoch, self.spec.total_samples)
+            for old in sorted(self.perms)[:-2]:
+                del self.perms[old]
+        return perm[offset : offset + count]
 
     def _lr(self) -> float:
         groups = getattr(self.optimizer, "param_groups", None)
