@@ -666,8 +666,9 @@ def run_rank(
       data to ``next(model.parameters()).device``).
     - ``num_workers`` (default 0: inline) worker processes load batches: they run
       ``train_dataset[i]`` and collate, ``prefetch`` batches ahead (default 2 per
-      worker) along the plans the coordinator gave (``flodl_worker.loader``). The time
-      a step waits for its batch is reported as ``data_ms``.
+      worker) along the plans the coordinator gave (``flodl_worker.loader``); for a
+      map-style dataset with costly items (a TensorDataset indexes fastest inline). The
+      time a step waits for its batch is reported as ``data_ms``.
 
     Identity and emulation come from ``env`` (see ``flodl_worker._env``). Exit codes:
     0 clean shutdown, 1 failure, 2 configuration error or refused admission.
