@@ -69,7 +69,7 @@ from ._dispatcher import (
     window_steps,
     windows_done,
 )
-from ._views import absorb_released, counts_changed
+from ._views import absorb_released, counts_changed, counts_view
 from .._commands import Command
 from .._phases import PENDING, TRAINING
 from .._state import CoordinatorState
@@ -196,7 +196,7 @@ def run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, out: list[Comm
     if epoch not in cad.pools:
         _async._open(st, epoch, rank, out)
     left = _batches(cad.pools[epoch].remaining(), st.config.batch_size)
-    if ends_at_a_barrier(st, epoch) and left < sum(cad.elche.batch_counts) + len(st.ranks):
+    if ends_at_a_barrier(st, epoch) and left < counts_view(st)[2] + len(st.ranks):  # the final-window regime
         return False  # the run's last window is next: its final-window plan splits what is left
     ms = cad.elche.smoothed_ms_per_batch(rank)
     n = int(waiting_ms // ms) if (ms and waiting_ms > 0.0) else 1
