@@ -14,6 +14,7 @@ from __future__ import annotations
 from ._phases import ACTIVE, TRAINING
 from ._state import CoordinatorState
 from .cadence._async import source_epoch
+from .cadence._boundary import leaves_the_tail
 from .cadence._dispatcher import _held, _pool_of, quiesced, window_steps
 
 __all__ = ["view_drift"]
@@ -37,7 +38,7 @@ def _cadence_drift(st: CoordinatorState) -> list[str]:
         streams = cad.streams_epochs  # Async, and Cadence at its boundary: an idle rank draws from the source epoch
         source = source_epoch(st) if streams else None
         for r in alive:
-            if _held(st, r) is not None or r in cad.wakeable or r in released:
+            if _held(st, r) is not None or r in cad.wakeable or r in released or leaves_the_tail(st, r):
                 continue
             pool = _pool_of(st, r)
             if source is not None if streams else pool is not None and pool.remaining() > 0:

@@ -69,10 +69,10 @@ from ._dispatcher import (
     window_steps,
     windows_done,
 )
-from ._views import absorb_released, counts_changed, counts_view
+from ._views import absorb_released, counts_changed, counts_view, rearm
 from .._commands import Command
 from .._phases import PENDING, TRAINING
-from .._state import CoordinatorState
+from .._state import CadenceState, CoordinatorState
 
 __all__ = ["CADENCE", "BOUNDARY_STREAMS"]
 
@@ -94,14 +94,14 @@ class _BoundaryStreams:
         cad = st.cadence
         assert cad is not None
         absorb_released(st)
+        if cad.final_plan is not None and training(cad) == 0:
+            rearm(st)  # the tail was left to a rank that trains no more: it is anyone's now
         waiting: Optional[float] = None  # the ms until the gate can fire, worked out once
-        # Only ``wakeable`` ranks (``_views``); each looked at leaves it, but one that
-        # leaves the tail stays (it could be served: the last rank training may need it).
+        # Only ``wakeable`` ranks (``_views``); each looked at leaves it (one that leaves
+        # the tail comes back with the rearm above).
         for r in sorted(cad.wakeable):
-            if leaves_the_tail(st, r):
-                continue
             cad.wakeable.discard(r)
-            if _async._dispatch_next(st, r, out):
+            if leaves_the_tail(st, r) or _async._dispatch_next(st, r, out):
                 continue
             if st.config.run_ahead and at_reduce_barrier(st, r):
                 if waiting is None:
@@ -139,7 +139,12 @@ def leaves_the_tail(st: CoordinatorState, rank: int) -> bool:
         return False
     if window_steps(st, rank) < plan.alloc[rank]:
         return False
-    return any(r in cad.in_flight and r not in cad.throttled for r in st.alive_ranks() if r != rank)
+    return training(cad) > 0  # the rank itself has nothing in flight
+
+
+def training(cad: CadenceState) -> int:
+    """Ranks training: a chunk in flight and not throttled (O(throttled))."""
+    return len(cad.in_flight) - sum(1 for r in cad.throttled if r in cad.in_flight)
 
 
 def at_reduce_barrier(st: CoordinatorState, rank: int) -> bool:
