@@ -2,11 +2,24 @@
 
 - ``flodl_worker.rank``: ``run_rank(model_fn, optimizer_fn, step_fn, train_dataset, ...)``,
   the torch rank runtime a training script hands its model to;
+- ``flodl_worker.load_consensus(path, model)``: load a run's output model
+  (``flodl_worker.output``);
 - ``flodl_worker.relay``: the per-host relay (``flodl-worker relay``);
 - ``flodl_worker.agent``: the per-host agent (``flodl-worker agent ... -- python train.py``);
-- ``flodl_worker.examples``: ``digits`` and ``synthetic`` tasks.
+- ``flodl_worker.examples``: ``digits`` and ``synthetic`` tasks, and models that look
+  like real work: ``cnn`` (BatchNorm + dropout on digits) and ``tinylm`` (a transformer LM).
 
 Importing this package does not import torch (the agent and relay do not need it).
 """
 
-__all__: list[str] = []
+from typing import Any
+
+__all__ = ["load_consensus"]
+
+
+def load_consensus(path: str, model: Any, *, strict: bool = True) -> dict:
+    """Load a run's output model (``model.pt`` or its directory) into ``model``; return
+    its metadata (``model.json``). See ``flodl_worker.output.load_consensus``."""
+    from .output import load_consensus as load  # torch only when asked
+
+    return load(path, model, strict=strict)
