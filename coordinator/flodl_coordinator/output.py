@@ -108,7 +108,8 @@ class ModelOutput:
             seen = sha256_file(self.model_path).hexdigest()
         except FileNotFoundError:
             seen = None
-            block["note"] = f"written on rank {rank}'s host; {self.dir} is not shared with the coordinator's"
+            host = next((r.get("host") for r in summary.get("ranks", []) if r.get("rank") == rank), "") or "?"
+            block["note"] = f"written on rank {rank}'s host ({host}); {self.dir} is not shared with the coordinator's"
         if seen is not None and seen != sha:
             why = f"output model {self.model_path} does not match what rank {rank} wrote (sha256 {seen[:12]} != {sha[:12]})"
             return {"written": False, "reason": why, "rank": rank}, why

@@ -21,6 +21,9 @@ prefix. Every pass then reaps children (``Popen.poll``) and runs the termination
    negative = killed by that signal). Restart nothing. The coordinator believes the
    report only because the rank's own hello named the same token
    (``flodl_coordinator.agents``): nobody else can report this agent's ranks dead.
+   A failed rank's exit is logged with its last stderr lines (``TAIL_LINES``: a
+   traceback's end), and with ``--exit-log`` every exit is appended there as one JSON
+   line, for a launcher to say why its ranks ended (``flodl run``).
 4. When every rank has ended: stop the relay (SIGTERM, bounded wait, then SIGKILL), flush
    the socket with a bounded linger, exit 0 if every rank exited 0, else 1.
 
