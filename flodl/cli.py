@@ -219,7 +219,7 @@ def _run_local(args) -> int:
     workdir = tempfile.mkdtemp(prefix="flodl-run-")
     summary_path = os.path.join(workdir, "summary.json")
     exit_log = os.path.join(workdir, "rank-exits.jsonl")
-    if not args.output:  # the model goes beside the summary the user asked for
+    if not args.output and not os.environ.get("FLODL_OUTPUT"):  # beside the summary the user asked for
         args.output = os.path.dirname(os.path.abspath(args.summary)) if args.summary else workdir
     coord_cmd = [
         py, "-m", "flodl_coordinator", "serve",
@@ -281,8 +281,9 @@ def _run_local(args) -> int:
         print(f"flodl: stopped by {name} before the run completed", file=sys.stderr, flush=True)
         rc = 128 + stop.signum
     wall = time.monotonic() - t0
-    ended = _RanksEnded(_read_exits(exit_log), list(agent_tail), procs[-1].returncode) if ranks_first else None
-    return _report(args, settings, command, summary_path, rc, wall, _read_exits(exit_log), ended)
+    exits = _read_exits(exit_log)
+    ended = _RanksEnded(exits, list(agent_tail), procs[-1].returncode) if ranks_first else None
+    return _report(args, settings, command, summary_path, rc, wall, exits, ended)
 
 
 # After a stop signal: the coordinator asks the ranks to shut down and writes its summary
