@@ -474,7 +474,7 @@ def _report(args, settings, command: RankCommand, summary_path: str, rc: int, wa
     except (OSError, json.JSONDecodeError):
         print(f"flodl: the run produced no summary (coordinator exit code {rc})", file=sys.stderr)
         return rc or 1
-    if any(e.get("code") != 0 for e in exits):  # who ended how, whatever the run made of it
+    if ended is not None or any(e.get("code") != 0 for e in exits):  # who ended how
         summary["rank_exits"] = exits
     if ended is not None:
         summary.update(ok=False, reason=ended.reason())
