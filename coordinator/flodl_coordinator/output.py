@@ -8,7 +8,8 @@ directory: setting ``output``, else the directory of ``summary``, else nowhere (
 summary says so).
 
 *Who writes it*: the rank that runs the final eval. After the final averaging round it
-holds the last consensus (on the bus and on the collective plane alike), it knows the
+holds the last consensus (on the bus and on the collective plane alike; under Async with
+``easgd_alpha`` < 1, its elastic blend with it, which is what it evaluates), it knows the
 parameter and buffer names a ``state_dict`` needs (the coordinator only ever sees flat
 tensors, and on the collective plane none at all), and the file is then exactly the
 model the summary's ``accuracy`` measured. So this shell stamps
