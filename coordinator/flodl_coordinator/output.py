@@ -61,6 +61,7 @@ class ModelOutput:
         self.session = settings.session
         self.final_eval = settings.final_eval
         self.plane = settings.plane
+        self.asked: set[int] = set()  # ranks whose final eval was stamped with the path
         self.answer: Optional[tuple[int, pb.Timing.EvalResult]] = None  # (rank, its final EvalResult)
         if self.dir:  # refused at start, not found at the end of a long run
             try:
@@ -74,17 +75,19 @@ class ModelOutput:
     def model_path(self) -> str:
         return os.path.join(self.dir, MODEL_FILE) if self.dir else ""
 
-    def stamp(self, control: pb.Control) -> pb.Control:
-        """The final eval, with where to write the model it evaluates."""
+    def stamp(self, rank: int, control: pb.Control) -> pb.Control:
+        """The final eval for ``rank``, with where to write the model it evaluates."""
         if not self.dir or control.WhichOneof("cmd") != "execute_eval" or not control.execute_eval.final:
             return control
+        self.asked.add(rank)
         out = pb.Control()
         out.CopyFrom(control)
         out.execute_eval.save_model_path = self.model_path
         return out
 
     def on_eval_result(self, rank: int, res: pb.Timing.EvalResult) -> None:
-        if res.final and (res.model_sha256 or res.HasField("model_error")):
+        """A final eval's answer from a rank that was asked to write the model: the last counts."""
+        if rank in self.asked and res.final and (res.model_sha256 or res.HasField("model_error")):
             self.answer = (rank, res)
 
     def finish(self, summary: dict[str, Any], ok: bool) -> tuple[dict[str, Any], Optional[str]]:

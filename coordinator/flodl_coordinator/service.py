@@ -706,7 +706,7 @@ class CoordinatorService:
             if route is None:
                 self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
                 return
-            control = self.output.stamp(self.checkpointing.stamp(cmd.rank, cmd.control))
+            control = self.output.stamp(cmd.rank, self.checkpointing.stamp(cmd.rank, cmd.control))
             frames = self.endpoint.frames("control", control, route=tuple(route))
             if not self._send_frames(frames, failed=(cmd.rank, cmd.kind)):
                 self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))

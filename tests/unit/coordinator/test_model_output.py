@@ -36,16 +36,19 @@ def test_the_output_goes_beside_the_summary_unless_set(tmp_path):
 
 def test_only_the_final_eval_is_stamped_with_the_model_path(tmp_path):
     out = output(tmp_path, output=str(tmp_path))
-    stamped = out.stamp(final_eval())
+    stamped = out.stamp(1, final_eval())
     assert stamped.execute_eval.save_model_path == str(tmp_path / "model.pt")
-    assert out.stamp(pb.Control(execute_eval=pb.Control.ExecuteEval(schedule_id=3))).execute_eval.save_model_path == ""
-    assert output(tmp_path).stamp(final_eval()).execute_eval.save_model_path == ""
+    assert out.stamp(1, pb.Control(execute_eval=pb.Control.ExecuteEval(schedule_id=3))).execute_eval.save_model_path == ""
+    assert output(tmp_path).stamp(1, final_eval()).execute_eval.save_model_path == ""
 
 
 def test_a_written_model_is_checked_and_gets_its_metadata(tmp_path):
     out = output(tmp_path, output=str(tmp_path), session="run-7")
     (tmp_path / "model.pt").write_bytes(b"weights")
     sha = hashlib.sha256(b"weights").digest()
+    for rank in (2, 1):  # the first target failed its eval; the core retried on rank 1
+        out.stamp(rank, final_eval())
+    out.on_eval_result(3, pb.Timing.EvalResult(final=True, model_sha256=b"y" * 32))  # never asked: ignored
     out.on_eval_result(2, pb.Timing.EvalResult(final=True, error="this rank has no eval_fn", model_sha256=b"x" * 32))
     out.on_eval_result(1, pb.Timing.EvalResult(final=True, metric=0.75, model_sha256=sha))  # the retry: it counts
     block, why = out.finish(SUMMARY, ok=True)
@@ -60,6 +63,7 @@ def test_a_written_model_is_checked_and_gets_its_metadata(tmp_path):
 
 def test_a_model_not_written_makes_a_completed_run_not_ok_and_says_why(tmp_path):
     out = output(tmp_path, output=str(tmp_path))
+    out.stamp(0, final_eval())
     block, why = out.finish(SUMMARY, ok=True)
     assert not block["written"] and why == "output model not written: no rank answered the final eval with it"
     out.on_eval_result(0, pb.Timing.EvalResult(final=True, model_error="no space left on device: /x (output model)"))
@@ -74,6 +78,7 @@ def test_a_model_not_written_makes_a_completed_run_not_ok_and_says_why(tmp_path)
 
 def test_a_model_on_another_hosts_disk_is_named_not_failed(tmp_path):
     out = output(tmp_path, output=str(tmp_path / "not-shared"))
+    out.stamp(4, final_eval())
     out.on_eval_result(4, pb.Timing.EvalResult(final=True, model_sha256=b"\x01" * 32))
     block, why = out.finish(SUMMARY, ok=True)
     assert why is None and block["written"] and "not shared" in block["note"]
