@@ -148,7 +148,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="a bundled example instead of a command after -- (default digits)")
     r.add_argument("--slowdown", default="1", help="per-rank emulated slowdown factors, e.g. 1,2,4")
     r.add_argument("--base-ms", type=float, default=10.0, help="emulated ms per batch per slowdown unit (10)")
-    r.add_argument("--port", type=int, default=0, help="coordinator TCP port on 127.0.0.1 (0 = any free)")
+    r.add_argument("--port", type=int, default=0,
+                   help="coordinator TCP port on 127.0.0.1 (0, the default: a private ipc:// socket in the run's "
+                   "temp dir instead)")
     r.add_argument("--summary", help="write the run summary JSON to this path")
     r.add_argument("--trace-dir", help="ranks write the sample ids they train here (coverage audit)")
     r.add_argument("--no-fold", action="store_true", help="the relay forwards averaging rounds unfolded")
@@ -221,9 +223,12 @@ def _run_local(args) -> int:
     exit_log = os.path.join(workdir, "rank-exits.jsonl")
     if not args.output and not os.environ.get("FLODL_OUTPUT"):  # beside the summary the user asked for
         args.output = os.path.dirname(os.path.abspath(args.summary)) if args.summary else workdir
+    # An address known before the coordinator binds, so that the agent (relay, ranks:
+    # torch takes seconds to import) starts beside it instead of after it.
+    endpoint = f"tcp://127.0.0.1:{args.port}" if args.port else f"ipc://{workdir}/coordinator.sock"
     coord_cmd = [
         py, "-m", "flodl_coordinator", "serve",
-        "--bind", f"tcp://127.0.0.1:{args.port}",
+        "--bind", endpoint,
         "--session", session,
         "--world-size", str(args.ranks),
         "--summary", summary_path,
@@ -239,14 +244,12 @@ def _run_local(args) -> int:
     # in order; PR_SET_PDEATHSIG: a launcher killed outright takes its children along.
     spawn = dict(text=True, bufsize=1, start_new_session=True, preexec_fn=death_signal_hook())
     coord = subprocess.Popen(coord_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **spawn)
+    coord_started = time.monotonic() - t0  # its timeline_s counts from here
     procs = [coord]
     pumps: list[threading.Thread] = []
     agent_tail: collections.deque = collections.deque(maxlen=20)  # for an agent that fails to start ranks
     rc, ranks_first = 1, False
     try:
-        endpoint = _await_ready(coord, "COORDINATOR_READY", deadline=t0 + 60, stop=stop)
-        pumps.append(threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", args.quiet), daemon=True))
-        pumps[-1].start()
         agent_cmd = [
             py, "-m", "flodl_worker", "agent",
             "--coordinator", endpoint,
@@ -263,12 +266,17 @@ def _run_local(args) -> int:
             agent_cmd += ["--no-fold"]
         agent_cmd += agent_curve
         agent_cmd += ["--", *command.argv]
-        if endpoint is not None:
-            agent = subprocess.Popen(agent_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **spawn)
-            procs.append(agent)
-            pump_args = (agent.stdout, "[agent] ", args.quiet, agent_tail)
-            pumps.append(threading.Thread(target=_pump, args=pump_args, daemon=True))
-            pumps[-1].start()
+        # The agent dials the coordinator's address while it comes up (ZeroMQ retries).
+        agent = subprocess.Popen(agent_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **spawn)
+        procs.append(agent)
+        pump_args = (agent.stdout, "[agent] ", args.quiet, agent_tail)
+        pumps.append(threading.Thread(target=_pump, args=pump_args, daemon=True))
+        pumps[-1].start()
+        # Still awaited: a coordinator that cannot start is reported, and the agent stopped.
+        ready = _await_ready(coord, "COORDINATOR_READY", deadline=t0 + 60, stop=stop)
+        pumps.append(threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", args.quiet), daemon=True))
+        pumps[-1].start()
+        if ready is not None:
             rc, ranks_first = _wait_all(procs, t0 + args.timeout, stop)
     finally:
         if stop.signum is not None or any(p.poll() is None for p in procs):
@@ -283,7 +291,7 @@ def _run_local(args) -> int:
     wall = time.monotonic() - t0
     exits = _read_exits(exit_log)
     ended = _RanksEnded(exits, list(agent_tail), procs[-1].returncode) if ranks_first else None
-    return _report(args, settings, command, summary_path, rc, wall, exits, ended)
+    return _report(args, settings, command, summary_path, rc, wall, coord_started, exits, ended)
 
 
 # After a stop signal: the coordinator asks the ranks to shut down and writes its summary
@@ -464,7 +472,7 @@ def _read_exits(path: str) -> list[dict]:
         return []
 
 
-def _report(args, settings, command: RankCommand, summary_path: str, rc: int, wall: float,
+def _report(args, settings, command: RankCommand, summary_path: str, rc: int, wall: float, coord_started: float,
             exits: list[dict], ended: _RanksEnded | None) -> int:  # fmt: skip
     if ended is not None:
         print(ended.details(), file=sys.stderr, flush=True)
@@ -479,6 +487,13 @@ def _report(args, settings, command: RankCommand, summary_path: str, rc: int, wa
     if ended is not None:
         summary.update(ok=False, reason=ended.reason())
     summary["launcher_wall_s"] = round(wall, 3)
+    # From the launcher's start to the first batch, and from the run's end to the
+    # launcher's (the coordinator's timeline counts from its own start).
+    timeline = summary.get("timeline_s") or {}
+    if "first_batch" in timeline:
+        summary["time_to_first_batch_s"] = round(coord_started + timeline["first_batch"], 3)
+    if "run_finished" in timeline:
+        summary["teardown_s"] = round(wall - coord_started - timeline["run_finished"], 3)
     summary.setdefault("task", command.label)
     summary["slowdown"] = args.slowdown
     summary.setdefault("plane", settings.plane)
@@ -499,6 +514,8 @@ def _print_summary(s: dict) -> None:
     acc = s.get("accuracy")
     print(f"task: {s.get('task')}  policy: {s.get('policy')}  plane: {s.get('plane')}  ranks: {s.get('world_size')}  slowdown: {s.get('slowdown')}")
     print(f"wall: {s.get('wall_s')} s   samples/s: {s.get('samples_per_s')}   averages: {s.get('averages')}")
+    print(f"launcher: {s.get('launcher_wall_s')} s   time to first batch: {s.get('time_to_first_batch_s')} s   "
+          f"teardown: {s.get('teardown_s')} s")
     print(f"accuracy: {acc if acc is None else round(acc, 4)}")
     for r in s.get("ranks", []):
         print(f"  rank {r.get('rank')}: samples {r.get('samples')}  batches {r.get('batches')}")
