@@ -12,7 +12,8 @@ by hand on separate hosts (see README).
 The ranks run the command after ``--`` (any script that calls
 ``flodl_worker.run_rank``), with the rank environment the agent gives each one
 (FLODL_RANK, FLODL_CONNECT, ...); ``--task NAME`` is a shortcut for a bundled example,
-and arguments after ``--`` that start with ``-`` go to that example. Ranks that all
+and arguments after ``--`` that start with ``-`` go to that example. A rank that fails
+is said the moment it ends (exit code, last stderr line). Ranks that all
 end before the run did (a script that fails at import, or exits without training) are
 reported at once: each one's exit code and last stderr lines, in the output, the
 summary (``rank_exits``) and the exit code. At the end of a successful run the model
@@ -277,7 +278,7 @@ def _run_local(args) -> int:
         pumps.append(threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", args.quiet), daemon=True))
         pumps[-1].start()
         if ready is not None:
-            rc, ranks_first = _wait_all(procs, t0 + args.timeout, stop)
+            rc, ranks_first = _wait_all(procs, t0 + args.timeout, stop, _ExitWatch(exit_log))
     finally:
         if stop.signum is not None or any(p.poll() is None for p in procs):
             _stop_tree(procs, stop)
@@ -406,12 +407,13 @@ def _await_ready(proc, token: str, deadline: float, stop: _StopSignals) -> str |
 RANKS_GONE_GRACE_S = 5.0
 
 
-def _wait_all(procs, deadline: float, stop: _StopSignals) -> tuple[int, bool]:
+def _wait_all(procs, deadline: float, stop: _StopSignals, exits: "_ExitWatch") -> tuple[int, bool]:
     """(the coordinator's exit code once the run ended, whether the ranks ended first and
     the coordinator had to be stopped); on a stop signal, return at once (the caller
-    stops the tree)."""
+    stops the tree). A rank that fails meanwhile is said at once (``exits``)."""
     coord = procs[0]
     while time.monotonic() < deadline and stop.signum is None:
+        exits.say_failures()
         if coord.poll() is not None:
             # Give the agent a bounded moment to see its ranks leave.
             _wait_until(lambda: all(p.poll() is not None for p in procs[1:]), time.monotonic() + 30, stop)
@@ -458,6 +460,33 @@ class _RanksEnded:
             lines.append("  the agent's last lines:")
             lines += [f"    {t}" for t in self.agent_tail]
         return "\n".join(lines)
+
+
+class _ExitWatch:
+    """The agent's exit log as it grows: each failed rank is said on stderr the moment it
+    ends (``--quiet`` too: the agent's own line is not shown then), with its last line."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.seen = 0
+
+    def say_failures(self) -> None:
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                *complete, _partial = fh.read().split("\n")  # a line being written waits
+        except FileNotFoundError:
+            return  # no rank has ended yet
+        except OSError:
+            return  # the report at the end reads it again, and says why if it cannot
+        for line in complete[self.seen :]:
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue  # (the report at the end names a bad line)
+            if e.get("code") != 0:
+                last = f": {e['last_lines'][-1].strip()}" if e.get("last_lines") else ""
+                print(f"flodl: rank {e.get('rank')} exited with code {e.get('code')}{last}", file=sys.stderr, flush=True)
+        self.seen = len(complete)
 
 
 def _read_exits(path: str) -> list[dict]:

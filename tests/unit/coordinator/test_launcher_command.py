@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl.cli import LaunchError, RankCommand, _parser, _RanksEnded, rank_command
+from flodl.cli import LaunchError, RankCommand, _ExitWatch, _parser, _RanksEnded, rank_command
 
 PY = "/venv/bin/python"
 
@@ -44,3 +44,17 @@ def test_ranks_that_ended_first_are_reported_with_codes_and_last_lines():
     agent = _RanksEnded([], ["flodl agent: [Errno 2] No such file or directory: 'pyhton'"], 1)
     assert agent.reason() == "the agent exited with code 1 before the run did, without starting a rank"
     assert "'pyhton'" in agent.details()
+
+
+def test_a_failed_rank_is_said_once_as_the_exit_log_grows(tmp_path, capsys):
+    log = tmp_path / "rank-exits.jsonl"
+    watch = _ExitWatch(str(log))
+    watch.say_failures()  # nothing yet
+    log.write_text('{"rank": 0, "code": 0, "last_lines": []}\n{"rank": 2, "code": 1, "last_lines": ["OSError: no data"]}\n'
+                   '{"rank": 1, "co')  # the agent is still writing the third line
+    watch.say_failures()
+    watch.say_failures()
+    assert capsys.readouterr().err == "flodl: rank 2 exited with code 1: OSError: no data\n"
+    log.write_text(log.read_text() + 'de": -9, "last_lines": []}\n')
+    watch.say_failures()
+    assert capsys.readouterr().err == "flodl: rank 1 exited with code -9\n"
