@@ -2,6 +2,8 @@
 
 - ``flodl_worker.rank``: ``run_rank(model_fn, optimizer_fn, step_fn, train_dataset, ...)``,
   the torch rank runtime a training script hands its model to;
+- ``flodl_worker.progress()``: the run's global step / samples committed / epoch
+  fraction, inside a rank (``flodl_worker.progress``; ``run_rank(lr_schedule=...)``);
 - ``flodl_worker.load_consensus(path, model)``: load a run's output model
   (``flodl_worker.output``);
 - ``flodl_worker.relay``: the per-host relay (``flodl-worker relay``);
@@ -14,7 +16,9 @@ Importing this package does not import torch (the agent and relay do not need it
 
 from typing import Any
 
-__all__ = ["load_consensus"]
+from .run_progress import Progress, progress
+
+__all__: list[str] = ["Progress", "progress", "load_consensus"]
 
 
 def load_consensus(path: str, model: Any, *, strict: bool = True) -> dict:

@@ -96,6 +96,8 @@ def lm_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> torch.
 
 def heldout_metrics(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     """Held-out next-token loss (nats), perplexity and accuracy (call under no_grad, eval())."""
+    dev = next(model.parameters()).device  # the rank's device (run_rank(device=...))
+    x, y = x.to(dev), y.to(dev)
     logits = model(x)
     loss = float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
     acc = float((logits.argmax(dim=-1) == y).float().mean())
