@@ -553,6 +553,7 @@ class CadenceDispatcher:
         wake(st, out)
         _note_barrier(st)
         if self.streams is not None:  # then survivors are woken from the oldest epoch with work
+            rearm(st)  # Cadence's wake dropped those its pools could not serve: the stream may
             self.streams.wake(st, out)
 
     def give_back(
@@ -576,6 +577,7 @@ class CadenceDispatcher:
         wake(st, out)
         _note_barrier(st)
         if self.streams is not None:  # then idle ranks are woken from the oldest epoch with work
+            rearm(st)  # as after a death: the stream may serve whom the pools could not
             self.streams.wake(st, out)
 
     def idle(self, st: CoordinatorState, rank: int) -> bool:
