@@ -11,8 +11,8 @@ ratios are the scheduler's alone. Per rig and policy, medians over ``--seeds``:
 * ``boundary_wait_ms``: the longest idle gap between a rank's last batch of an epoch and
   its first of the next (an epoch barrier shows here).
 
-Policies: ``cadence`` (the default: windows run on across epoch ends and ahead of the
-reduce barrier), ``cadence_held`` (``run_ahead`` off: a rank waits at its reduce barrier),
+Policies: ``cadence`` (the default: windows run on across epoch ends, a rank waits at its
+reduce barrier), ``cadence_run_ahead`` (``run_ahead`` on: it trains on past it),
 ``async``, ``sync``. Prints one JSON object.
 """
 
@@ -27,7 +27,7 @@ from flodl.sim import SimConfig, simulate
 
 POLICIES = {
     "cadence": ("cadence", {}),
-    "cadence_held": ("cadence", {"run_ahead": False}),
+    "cadence_run_ahead": ("cadence", {"run_ahead": True}),
     "async": ("async", {}),
     "sync": ("sync", {}),
 }

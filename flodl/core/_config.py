@@ -186,10 +186,13 @@ class CoreConfig:
         1, help="cadence: batches per rank in the first, uncalibrated window; 0 = the anchor",
     )  # fmt: skip
     # Integer windows never end together (and the probe window not at all): a rank that
-    # ran its window idles at the reduce barrier until the slowest ends its own. Ours.
+    # ran its window idles at the reduce barrier until the slowest ends its own. Ours; off
+    # by default: a round then folds up to two windows, so two short epochs can aggregate
+    # in one step and share one checkpoint (checkpoint_every asks one per epoch).
     run_ahead: bool = setting(
-        True, help="cadence: a rank that ran its window while others still train theirs keeps training "
-        "(at most one more window) instead of idling at the reduce barrier (false: it waits for the round)",
+        False, help="cadence: a rank that ran its window while others still train theirs keeps training "
+        "(at most one more window) instead of idling at the reduce barrier; epochs shorter than two "
+        "windows may then aggregate together and share a checkpoint",
     )  # fmt: skip
     # -- checkpoints and failure policy (``_checkpointing``) ----------------------------
     checkpoint_every: int = setting(

@@ -27,7 +27,7 @@ def _commands(res):
 @pytest.mark.parametrize("jitter", [0.05, 0.3])
 def test_async_on_1_2_4_is_exact_and_at_least_as_efficient_as_cadence_held_at_its_barrier(jitter):
     # Async's overshoot is what lets a rank train past the reduce barrier; Cadence does so
-    # only with run_ahead (its default), so the comparison is with the barrier-held form.
+    # only with run_ahead (off by default), so the comparison is with the barrier-held form.
     cfg = dict(RIG, jitter=jitter, total_samples=6000, epochs=3)
     cad = simulate(SimConfig(**cfg, policy="cadence", core_overrides={"run_ahead": False}))
     asy = simulate(SimConfig(**cfg, policy="async"))

@@ -37,7 +37,9 @@ batches) that wait is a large part of every epoch -- 6.5-10 % of the run on a
   epochs also aggregate mid-window). A rank that already ran past the shortened count
   just reaches the gate; its chunk in flight is the start of its next window.
 
-* **No wait at the reduce barrier either** (``run_ahead``, on by default). Integer windows
+* **No wait at the reduce barrier either** (``run_ahead``, off by default: a round then
+  folds up to two windows, so epochs shorter than that can aggregate in one step and
+  share one checkpoint). Integer windows
   never end together -- the probe window not at all -- so a rank that ran its window
   used to idle until the slowest ended its own. Now, while the gate still waits for a
   rank that is training (or for an open round), an idle rank at its barrier is handed

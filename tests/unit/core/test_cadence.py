@@ -767,12 +767,12 @@ def test_a_window_folded_whole_before_its_snapshot_does_not_hold_the_reduce_barr
 
 
 def test_a_rank_runs_ahead_of_the_barrier_while_another_trains_by_at_most_one_window():
-    # run_ahead (the default): rank 0 ran its window while rank 1 still holds its chunk.
+    # run_ahead on: rank 0 ran its window while rank 1 still holds its chunk.
     # It trains on instead of idling -- those steps are this window's, folded by the
     # round like any other -- but at most one more window: a rank that hangs mid-window
     # lets the others run only that far ahead before it is declared dead.
     c = CheckedCluster(world_size=2, total=100, batch_size=1, epochs=1, policy="cadence", anchor=4,
-                       probe_batches=None, guard="none")  # fmt: skip
+                       probe_batches=None, guard="none", run_ahead=True)  # fmt: skip
     c.join_all()
     st = c.state
     _drain(c, 0)
