@@ -61,12 +61,39 @@ def _slowdowns(text: str, ranks: int) -> list[float]:
     return vals
 
 
+class RankSpan:
+    """``--ranks N`` (a fixed world of N) or ``--ranks MIN:MAX`` (torchrun's ``--nnodes
+    MIN:MAX``): the world forms with at least MIN ranks and holds at most MAX. The local
+    agent starts MIN ranks; slots MIN..MAX-1 stay open for agents started by hand."""
+
+    __slots__ = ("lo", "hi")
+
+    def __init__(self, text: str) -> None:
+        head, sep, tail = str(text).partition(":")
+        try:
+            lo = int(head)
+            hi = int(tail) if sep else lo
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX (e.g. 3, or 2:4)") from None
+        if not 1 <= lo <= hi:
+            raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX")
+        self.lo, self.hi = lo, hi
+
+    @property
+    def elastic(self) -> bool:
+        return self.lo < self.hi
+
+    def __repr__(self) -> str:
+        return f"{self.lo}:{self.hi}" if self.elastic else str(self.lo)
+
+
 # Settings the launcher sets itself, from its own flags (key -> how). Every other key of
 # the coordinator's settings schema (flodl_coordinator.settings.SCHEMA) is a `flodl run`
 # flag too, derived from the schema and forwarded to `flodl-coordinator serve` as given:
 # the defaults, checks and --help text are the coordinator's.
 LAUNCHER_KEYS = {
-    "world_size": "--ranks",
+    "world_size": "--ranks (MAX of MIN:MAX)",
+    "min_ranks": "--ranks (MIN of MIN:MAX)",
     "bind": "--port (on 127.0.0.1)",
     "session": "a fresh one per run",
     "summary": "--summary (the launcher's report: the coordinator's summary plus the launcher's fields)",
@@ -97,7 +124,10 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a training job", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     r.add_argument("--local", action="store_true", required=True, help="all processes on this machine")
-    r.add_argument("--ranks", type=int, default=3, help="number of ranks (default 3; the world size)")
+    r.add_argument("--ranks", type=RankSpan, default=RankSpan("3"),
+                   help="N: a world of N ranks (default 3); MIN:MAX: an elastic world (torchrun's --nnodes "
+                   "MIN:MAX) that forms once MIN are in and join_timeout_s passed, holding at most MAX; this "
+                   "machine starts MIN ranks, agents started by hand may take the other slots")  # fmt: skip
     r.add_argument("--task", choices=sorted(TASKS), default="digits", help="example task (default digits)")
     r.add_argument("--slowdown", default="1", help="per-rank emulated slowdown factors, e.g. 1,2,4")
     r.add_argument("--base-ms", type=float, default=10.0, help="emulated ms per batch per slowdown unit (10)")
@@ -139,12 +169,11 @@ def coordinator_flags(args) -> list[str]:
 
 def _check(args):
     """The run's settings, checked with the coordinator's own rules before anything starts."""
-    if args.ranks < 1:
-        raise LaunchError(f"--ranks must be >= 1, got {args.ranks}")
     mod = _settings_module()
     given = {k: getattr(args, k) for k in forwarded_keys()}
+    span = {"world_size": args.ranks.hi, "min_ranks": args.ranks.lo if args.ranks.elastic else None}
     try:
-        settings = mod.load_settings(env=os.environ, flags={**given, "world_size": args.ranks})
+        settings = mod.load_settings(env=os.environ, flags={**given, **span})
     except mod.SettingsError as e:
         raise LaunchError(str(e)) from None
     if settings.plane != "collective" and (args.collective_backend or args.collective_timeout_s is not None):
@@ -163,7 +192,8 @@ def _pump(stream, prefix: str, quiet: bool, sink: list | None = None) -> None:
 
 def _run_local(args) -> int:
     settings = _check(args)
-    slow = _slowdowns(args.slowdown, args.ranks)
+    local = args.ranks.lo  # an elastic world: this machine brings the quorum
+    slow = _slowdowns(args.slowdown, local)
     session = "local-" + secrets.token_hex(6)
     workdir = tempfile.mkdtemp(prefix="flodl-run-")
     summary_path = os.path.join(workdir, "summary.json")
@@ -172,7 +202,8 @@ def _run_local(args) -> int:
         py, "-m", "flodl_coordinator", "serve",
         "--bind", f"tcp://127.0.0.1:{args.port}",
         "--session", session,
-        "--world-size", str(args.ranks),
+        "--world-size", str(args.ranks.hi),
+        *(["--min-ranks", str(args.ranks.lo)] if args.ranks.elastic else []),
         "--summary", summary_path,
         *coordinator_flags(args),
     ]  # fmt: skip
@@ -197,8 +228,8 @@ def _run_local(args) -> int:
         agent_cmd = [
             py, "-m", "flodl_worker", "agent",
             "--coordinator", endpoint,
-            "--ranks", str(args.ranks),
-            "--world-size", str(args.ranks),
+            "--ranks", str(local),
+            "--world-size", str(args.ranks.hi),
             "--session", session,
             "--slowdown", ",".join(f"{s:g}" for s in slow),
             "--base-ms", f"{args.base_ms:g}",
@@ -209,6 +240,10 @@ def _run_local(args) -> int:
             agent_cmd += ["--no-fold"]
         agent_cmd += agent_curve
         agent_cmd += ["--", py, "-m", TASKS[args.task], *extra]
+        if endpoint is not None and args.ranks.elastic:
+            print(f"flodl: elastic world {args.ranks!r}: slots {local}..{args.ranks.hi - 1} are open to "
+                  f"flodl-worker agent --coordinator {endpoint} --session {session} --rank-offset {local} "
+                  f"--world-size {args.ranks.hi} --ranks K -- ...", flush=True)  # fmt: skip
         if endpoint is not None:
             agent = subprocess.Popen(agent_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **spawn)
             procs.append(agent)
@@ -381,10 +416,15 @@ def _print_summary(s: dict) -> None:
     print("\n=== flodl run summary ===")
     print(f"ok: {s.get('ok')}  ({s.get('reason')})")
     acc = s.get("accuracy")
-    print(f"task: {s.get('task')}  policy: {s.get('policy')}  plane: {s.get('plane')}  ranks: {s.get('world_size')}  slowdown: {s.get('slowdown')}")
+    el = s.get("elastic")
+    ranks = s.get("world_size") if not el else f"{len(el['formed_with'])} of {el['max_ranks']} (min {el['min_ranks']})"
+    print(f"task: {s.get('task')}  policy: {s.get('policy')}  plane: {s.get('plane')}  ranks: {ranks}  slowdown: {s.get('slowdown')}")
     print(f"wall: {s.get('wall_s')} s   samples/s: {s.get('samples_per_s')}   averages: {s.get('averages')}")
     print(f"accuracy: {acc if acc is None else round(acc, 4)}")
     for r in s.get("ranks", []):
+        if r.get("phase") == "VACANT":
+            print(f"  rank {r.get('rank')}: never joined (open slot)")
+            continue
         print(f"  rank {r.get('rank')}: samples {r.get('samples')}  batches {r.get('batches')}")
     cov = s.get("coverage", [])
     exact = all(c.get("duplicates") == 0 and c.get("missing") == 0 for c in cov) and bool(cov)

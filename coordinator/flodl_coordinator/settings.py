@@ -171,8 +171,13 @@ class Key:
 
     @property
     def flags(self) -> list[str]:
-        """The flag, and for a key in seconds (``*_s``) the same without ``-s``."""
-        return [self.flag, self.flag[:-2]] if self.name.endswith("_s") else [self.flag]
+        """The flag, and for a key in seconds (``*_s``) the same without ``-s``; then the
+        same for each alias (``--max-ranks`` for ``world_size``)."""
+        out = []
+        for name in (self.name, *self.meta.aliases):
+            flag = "--" + name.replace("_", "-")
+            out += [flag, flag[:-2]] if name.endswith("_s") else [flag]
+        return out
 
     @property
     def required(self) -> bool:
@@ -216,6 +221,8 @@ def _schema() -> dict[str, Key]:
 
 
 SCHEMA: dict[str, Key] = _schema()
+# Another spelling of a key -> the key (``Setting.aliases``: ``max_ranks`` is ``world_size``).
+ALIASES: dict[str, str] = {a: k.name for k in SCHEMA.values() for a in k.meta.aliases}
 # Settings that may differ between a run's first process and a restarted one.
 PER_PROCESS_KEYS = frozenset(k.name for k in SCHEMA.values() if k.meta.per_process)
 
@@ -275,8 +282,13 @@ def _did_you_mean(key: str, prefix: str = "") -> str:
 
 
 def _merge(base: dict, items: Mapping[str, Any], source: str) -> None:
+    seen: dict[str, str] = {}  # key -> the spelling this source used for it
     for key, value in items.items():
         k = key.replace("-", "_")
+        k = ALIASES.get(k, k)
+        if k in seen and seen[k] != key:
+            raise SettingsError(f"config error: {seen[k]!r} and {key!r} in {source} are the same setting; give one")
+        seen[k] = key
         if k not in SCHEMA:
             known = ", ".join(sorted(SCHEMA))
             raise SettingsError(f"config error: unknown key {key!r} in {source}{_did_you_mean(k)} (known: {known})")
@@ -291,7 +303,7 @@ def _env_items(env: Mapping[str, str]) -> dict[str, str]:
         if not name.startswith(ENV_PREFIX):
             continue
         key = name[len(ENV_PREFIX):].lower()
-        if key in SCHEMA:
+        if key in SCHEMA or key in ALIASES:
             items[key] = value
         elif name not in WORKER_ENV:
             raise SettingsError(
@@ -423,7 +435,8 @@ def markdown_table() -> str:
     for k in SCHEMA.values():
         if "|" in k.meta.doc or "\n" in k.meta.doc:
             raise ValueError(f"{k.name}: its doc text must be one table cell (no '|' or newline)")
-        rows.append(f"| `{k.name}` | {shown_default(k, markdown=True)} | {k.meta.doc} |")
+        name = " / ".join(f"`{n}`" for n in (k.name, *k.meta.aliases))
+        rows.append(f"| {name} | {shown_default(k, markdown=True)} | {k.meta.doc} |")
     return "\n".join(rows) + "\n"
 
 

@@ -72,6 +72,7 @@ __all__ = [
     "cohort_conflict",
     "on_slot_reopened",
     "refuse_deferred",
+    "elastic_summary",
 ]
 
 _POLICY = {"sync": pb.POLICY_SYNC, "cadence": pb.POLICY_CADENCE, "async": pb.POLICY_ASYNC}
@@ -93,8 +94,13 @@ def refusal(st: CoordinatorState, ev: RankHello) -> Optional[str]:
         return f"run is not admitting ranks ({st.run.phase!r})"
     if not 0 <= ev.rank < cfg.world_size:
         return f"rank {ev.rank} out of range [0, {cfg.world_size})"
-    if ev.world_size != cfg.world_size:
+    if not cfg.elastic and ev.world_size != cfg.world_size:
         return f"world_size {ev.world_size} differs from the coordinator's {cfg.world_size}"
+    if cfg.elastic and not cfg.quorum <= ev.world_size <= cfg.world_size:
+        return (
+            f"world_size {ev.world_size} is outside the coordinator's elastic range "
+            f"[{cfg.quorum}, {cfg.world_size}] (min_ranks, world_size)"
+        )
     rec = st.ranks[ev.rank]
     if rec.phase is JOINING or rec.phase is ACTIVE:
         if rec.route != ev.route or rec.incarnation != ev.incarnation:
@@ -177,6 +183,12 @@ def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
     out.append(Reply(ev.route, pb.HelloAck(accepted=True, run=run_spec(st, ev.dataset_len))))
 
 
+def _world_mismatch(cfg: Any, ev: RankHello) -> bool:
+    if cfg.elastic:
+        return not cfg.quorum <= ev.world_size <= cfg.world_size
+    return ev.world_size != cfg.world_size
+
+
 def _deferred(st: CoordinatorState, ev: RankHello, reason: str, out: list[Command]) -> bool:
     """Squatting: before the world forms, a hello is not refused for what an earlier
     hello claimed -- a slot another process holds, or the cohort (model, dataset) the
@@ -186,7 +198,7 @@ def _deferred(st: CoordinatorState, ev: RankHello, reason: str, out: list[Comman
     the ranks holding the cohort, the holders are evicted, the cohort is released and
     this hello is admitted. A holder that goes silent loses its slot to liveness. A
     configured ``model_signature`` pins the cohort instead."""
-    if st.run.phase is not FORMING or not 0 <= ev.rank < len(st.ranks) or ev.world_size != len(st.ranks):
+    if st.run.phase is not FORMING or not 0 <= ev.rank < len(st.ranks) or _world_mismatch(st.config, ev):
         return False
     rec = st.ranks[ev.rank]
     slot_taken = rec.phase is JOINING and (rec.route != ev.route or rec.incarnation != ev.incarnation)
@@ -273,3 +285,13 @@ def exit_reason(st: CoordinatorState, rank: int, code: int) -> tuple[str, str]:
     if st.run.phase is SHUTTING_DOWN or st.run.phase is STOPPING:
         return "leave", "exited after Shutdown"
     return "lost", "exited without Shutdown (code 0)"
+
+
+def elastic_summary(st: CoordinatorState) -> dict[str, Any]:
+    """The run summary's ``elastic`` block: the range, who formed the world, who never came."""
+    return {
+        "min_ranks": st.config.quorum,
+        "max_ranks": len(st.ranks),
+        "formed_with": list(st.run.formed_with),
+        "vacant": [rec.rank for rec in st.ranks if rec.phase is VACANT],
+    }

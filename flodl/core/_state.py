@@ -192,6 +192,7 @@ class RunState:
     forming_since: Optional[float] = None
     not_admitted: dict[int, str] = field(default_factory=dict)
     cohort_votes: dict[int, tuple] = field(default_factory=dict)  # rank -> ((sig, len), route) of its deferred hello
+    formed_with: tuple[int, ...] = ()  # the ranks the world formed with (elastic: maybe fewer than the slots)
 
 
 def _plain(x: Any) -> Any:

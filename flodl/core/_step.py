@@ -328,7 +328,8 @@ def _advance(st: CoordinatorState, out: list[Command], policy: Policy) -> None:
     assert move is not None
     if move == "form":
         for rec in st.ranks:
-            _membership.transition(rec, "form")
+            if rec.phase is JOINING:  # a VACANT slot of an elastic world stays open capacity
+                _membership.transition(rec, "form")
         _run.form(st, out)
     elif move == "fail_formation":
         reason = _run.formation_failure(st)

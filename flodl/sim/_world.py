@@ -28,7 +28,8 @@ report. ``Result.restarts`` / ``Result.lost_frames`` count what happened.
 
 Faults are data: ``fail_at={rank: step}`` kills a rank after that many steps (the
 agent reports the exit after ``report_delay_s``); ``hang_at={rank: step}`` silences it
-(only the core's liveness timeout can notice). A run is reproducible from its seed;
+(only the core's liveness timeout can notice). ``hello_at={rank: t}`` starts a rank
+late (``inf``: never), for elastic membership. A run is reproducible from its seed;
 ``Result.events`` is the exact event list, paste-able into a regression test.
 """
 
@@ -74,6 +75,9 @@ class SimConfig:
     heartbeat_s: float = 1.0
     liveness_timeout_s: float = 10.0
     fail_at: dict[int, int] = field(default_factory=dict)
+    # Elastic membership: a rank's first hello at this virtual time (default 0; inf:
+    # never -- a host that never comes). The core's min_ranks goes in core_overrides.
+    hello_at: dict[int, float] = field(default_factory=dict)
     hang_at: dict[int, int] = field(default_factory=dict)
     report_delay_s: float = 0.01
     max_virtual_s: float = 36_000.0
@@ -283,8 +287,11 @@ class _World:
 
     def run(self) -> Result:
         for r in self.ranks:
-            self.at(0.0, r.hello)
-            self.at(self.cfg.heartbeat_s, r.heartbeat)
+            t = self.cfg.hello_at.get(r.rank, 0.0)
+            if t == float("inf"):
+                continue  # never comes
+            self.at(t, r.hello)
+            self.at(t + self.cfg.heartbeat_s, r.heartbeat)
         self.at(self.cfg.tick_s, self._tick)
         while self._q and self.finished is None:
             t, _, fn, args = heapq.heappop(self._q)

@@ -1,0 +1,67 @@
+"""Elastic membership with real processes (issue 12, test e): a world that forms from a
+quorum when a host never comes, and one that fails at the hard cap naming the reason."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from runlocal import ROOT, assert_exact_coverage, free_port, run_local
+
+pytestmark = pytest.mark.integration
+
+DIGITS_TRAIN = 1437
+
+
+def test_a_world_forms_from_a_quorum_of_two_when_the_third_never_comes(tmp_path):
+    proc, summary, trace = run_local(
+        tmp_path, "--ranks", "2:3", "--join-timeout", "2", "--task", "digits", "--base-ms", "1",
+        "--epochs", "2", "--batch-size", "32", "--policy", "cadence",
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert summary["ok"] is True
+    assert summary["elastic"] == {"min_ranks": 2, "max_ranks": 3, "formed_with": [0, 1], "vacant": [2]}
+    assert_exact_coverage(summary, trace, 2, DIGITS_TRAIN)
+    trained = [r for r in summary["ranks"] if r["phase"] != "VACANT"]
+    assert [r["rank"] for r in trained] == [0, 1]
+    digests = {r["param_digest"] for r in trained}
+    assert len(digests) == 1 and "" not in digests, summary["ranks"]
+    assert "slots 2..2 are open to flodl-worker agent" in out  # the launcher says how to fill the slot
+    assert "ranks: 2 of 3 (min 2)" in out
+    alarming = [line for line in out.splitlines() if any(w in line for w in (" WARNING ", " ERROR ", "Traceback"))]
+    assert not alarming, alarming[:10]  # a world formed from its quorum is a healthy run
+
+
+def test_a_quorum_unmet_at_the_hard_cap_fails_the_run_naming_why(tmp_path):
+    port = free_port()
+    summary = tmp_path / "summary.json"
+    coord = subprocess.Popen(
+        [
+            sys.executable, "-m", "flodl_coordinator", "serve", "--bind", f"tcp://127.0.0.1:{port}",
+            "--session", "quorum", "--max-ranks", "3", "--min-ranks", "2", "--join-timeout", "1",
+            "--max-join-timeout", "15", "--summary", str(summary),
+        ],  # fmt: skip
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    env = dict(os.environ, FLODL_RANK="0", FLODL_WORLD_SIZE="3", FLODL_CONNECT=f"tcp://127.0.0.1:{port}",
+               FLODL_SESSION="quorum")  # fmt: skip
+    rank = subprocess.Popen([sys.executable, "-m", "flodl_worker.examples.digits"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        out, _ = coord.communicate(timeout=90)
+        rank_out, _ = rank.communicate(timeout=60)
+    finally:
+        for p in (coord, rank):
+            if p.poll() is None:
+                p.kill()
+    assert coord.returncode == 1, out[-3000:]
+    data = json.loads(summary.read_text())
+    reason = data["reason"]
+    assert data["ok"] is False
+    assert reason.startswith("the world did not form within 15s (max_join_timeout_s): quorum unmet, 1 of min_ranks 2"), reason
+    assert "rank 1: never said hello" in reason and "rank 2: never said hello" in reason, reason
+    assert "quorum unmet" in out  # the service said so too
+    assert rank.returncode == 0, rank_out[-2000:]  # the admitted rank was told to leave, and left cleanly
