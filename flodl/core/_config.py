@@ -213,9 +213,10 @@ class CoreConfig:
     # service: whether it has a checkpoint_dir). Not a setting.
     checkpoint_on_failure: bool = False
     max_failure: str = setting(
-        "", help="end the run (ShutdownWithSave) once this many ranks died: N, or P% of world_size; "
-        "empty = never",
-        doc="end the run (ShutdownWithSave) once this many ranks died: `N` or `P%` of world_size",
+        "", help="end the run (ShutdownWithSave) once this many ranks are dead at once: N, or P% of "
+        "world_size; empty = never",
+        doc="end the run (ShutdownWithSave) once this many ranks are dead at once: `N` or `P%` of world_size. "
+        "It counts ranks down now: a slot a restarted rank took again no longer counts",
     )  # fmt: skip
     # -- callback roles (``_roles``) ----------------------------------------------------
     epoch_callback_policy: str = setting(

@@ -41,6 +41,7 @@ __all__ = [
     "ContributionRefused",
     "CoordinatorRestarted",
     "RankResynced",
+    "JoinerSeeded",
     "EVENT_TYPES",
     "to_record",
     "from_record",
@@ -190,6 +191,15 @@ class StopRequested(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class JoinerSeeded(Event):
+    """A rank admitted into a running world holds the seed consensus of ``cycle``
+    (``Timing.seeded``): it becomes a member and gets work (``_membership.on_seeded``)."""
+
+    rank: int
+    cycle: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StoreReady(Event):
     """Collective plane: the store host of ``generation`` serves its TCPStore at ``addr``."""
 
@@ -283,6 +293,7 @@ EVENT_TYPES = {
         ContributionRefused,
         CoordinatorRestarted,
         RankResynced,
+        JoinerSeeded,
     )
 }
 

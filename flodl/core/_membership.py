@@ -10,9 +10,19 @@ refuses any move not in it with a ``LocalViolation`` naming the phase and trigge
     ACTIVE  --lost-->   DEAD                (silence, crash, unroutable)
     ACTIVE  --leave-->  LEFT                (clean exit)
 
-DEAD and LEFT are terminal: the slot is never addressed again (``CoordinatorState.send``
-refuses), and the shell is told once with ``ForgetRank``. Rejoining a running world is
-not supported; such a hello is refused with a reason.
+A DEAD or LEFT slot is never addressed again (``CoordinatorState.send`` refuses), and
+the shell is told once with ``ForgetRank``.
+
+Elastic membership (issue 12). While TRAINING (bus plane), a hello for a VACANT slot
+(capacity the world formed without) or a DEAD / LEFT one (a restarted rank, or another
+host taking the slot) is admitted: JOINING, ``joined_at`` set, and its ``RunSpec`` says
+``join_running``. A joiner gets no work and is in no round. At the next averaging
+boundary (no round open, a consensus exists: ``seed_due``) the step asks the shell to
+send it the latest consensus (``SeedJoiner``); the rank overwrites its parameters (its
+optimizer state is fresh: it was just built) and confirms (``JoinerSeeded``), and only
+then is it ACTIVE (``on_seeded``): the dispatcher's ``on_join`` hands it work, and the
+next round counts it. A live rank id (JOINING or ACTIVE under another route or
+incarnation) is still refused, and so is the very process that left.
 
 Admission (``refusal``) checks, in this order, each refusal naming its cause:
 rank range, world size, rank already admitted (another route or incarnation while the
@@ -43,12 +53,13 @@ from typing import Any, Optional
 
 from flodl.wire import pb
 
-from ._commands import Command, ForgetRank, Notice, Reply
+from ._commands import Command, ForgetRank, Notice, Reply, SeedJoiner
 from ._events import RankHello
 from ._phases import (
     ACTIVE,
     DEAD,
     FORMING,
+    IDLE,
     JOINING,
     LEFT,
     MEMBERSHIP,
@@ -73,6 +84,10 @@ __all__ = [
     "on_slot_reopened",
     "refuse_deferred",
     "elastic_summary",
+    "seed_due",
+    "ask_seeds",
+    "on_seeded",
+    "reseed_after_restart",
 ]
 
 _POLICY = {"sync": pb.POLICY_SYNC, "cadence": pb.POLICY_CADENCE, "async": pb.POLICY_ASYNC}
@@ -109,8 +124,15 @@ def refusal(st: CoordinatorState, ev: RankHello) -> Optional[str]:
                 f" (incarnation {rec.incarnation}, host {rec.host or '?'})"
             )
         return None  # a retransmit of the admitted hello
-    if rec.phase is DEAD or rec.phase is LEFT:
-        return f"rank {ev.rank} already left the run ({rec.phase!r}: {rec.reason}); rejoin is not supported"
+    if (rec.phase is DEAD or rec.phase is LEFT) and st.run.phase is not TRAINING:
+        return f"rank {ev.rank} already left the run ({rec.phase!r}: {rec.reason}); a slot is refilled only while training"
+    if st.run.phase is TRAINING and cfg.plane != "bus":
+        return (
+            f"rank {ev.rank}: joining a running world needs plane = bus (the collective plane does not "
+            f"re-form its group with newcomers yet)"
+        )
+    if (rec.phase is DEAD or rec.phase is LEFT) and rec.incarnation == ev.incarnation and rec.route == ev.route:
+        return f"rank {ev.rank}: this process already left the run ({rec.phase!r}: {rec.reason}); a new process may rejoin"
     if cfg.model_signature and ev.model_sig != cfg.model_signature:
         return (
             f"model signature {_sig(ev.model_sig)} differs from the configured model_signature "
@@ -168,7 +190,8 @@ def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
         out.append(Reply(ev.route, pb.HelloAck(accepted=False, reason=reason)))
         return
     rec = st.ranks[ev.rank]
-    if rec.phase is VACANT:
+    if rec.phase is VACANT or rec.phase is DEAD or rec.phase is LEFT:
+        refill = rec.phase is not VACANT
         transition(rec, "admit")
         rec.route, rec.incarnation = ev.route, ev.incarnation
         rec.host, rec.pid, rec.reason = ev.host, ev.pid, ""
@@ -177,10 +200,64 @@ def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
             st.cohort_sig, st.cohort_len = ev.model_sig, ev.dataset_len
         st.run.not_admitted.pop(ev.rank, None)
         st.run.cohort_votes.pop(ev.rank, None)
+        if st.run.phase is TRAINING:
+            rec.joined_at, rec.seeding, rec.refill = ev.now, False, refill
+            out.append(Notice("rank_admitted_running", {"rank": ev.rank, "host": ev.host, "refill": refill}))
     else:
         st.count_ignored("hello retransmit")
         touch(st, ev.rank, ev.now)
-    out.append(Reply(ev.route, pb.HelloAck(accepted=True, run=run_spec(st, ev.dataset_len))))
+    spec = run_spec(st, ev.dataset_len)
+    spec.join_running = rec.joined_at is not None and rec.phase is JOINING
+    out.append(Reply(ev.route, pb.HelloAck(accepted=True, run=spec)))
+
+
+# -- joining a running world ---------------------------------------------------------------
+
+
+def seed_due(st: CoordinatorState) -> tuple[bool, str]:
+    """A rank admitted into the running world waits for its seed: asked at an averaging
+    boundary (no round open) once a consensus exists (a round finished), so it starts
+    from the latest consensus, never from the initial parameters the others left."""
+    waiting = [rec.rank for rec in st.ranks if rec.phase is JOINING and rec.joined_at is not None and not rec.seeding]
+    if not waiting or st.run.phase is not TRAINING:
+        return False, ""
+    if st.rounds.phase is not IDLE:
+        return False, f"joiner(s) {waiting}: seeded at the next averaging boundary (round {st.rounds.cycle} open)"
+    if st.rounds.version == 0:
+        return False, f"joiner(s) {waiting}: seeded once the first consensus exists"
+    return True, f"seed joiner(s) {waiting} with the consensus of round {st.rounds.cycle}"
+
+
+def ask_seeds(st: CoordinatorState, out: list[Command]) -> None:
+    """``SeedJoiner`` for every joiner not asked yet (the shell sends the consensus)."""
+    for rec in st.ranks:
+        if rec.phase is JOINING and rec.joined_at is not None and not rec.seeding:
+            rec.seeding = True
+            out.append(SeedJoiner(rec.rank))
+
+
+def on_seeded(st: CoordinatorState, rank: int, cycle: int) -> bool:
+    """The joiner holds the seed (``JoinerSeeded``): it is a member now. False (counted)
+    when this rank is not a seeded joiner. Its step counters restart with the process."""
+    rec = st.ranks[rank]
+    if rec.phase is not JOINING or not rec.seeding:
+        st.count_ignored("JoinerSeeded from a rank that was not asked")
+        return False
+    transition(rec, "join")
+    st.run.joins.append(
+        {"rank": rank, "host": rec.host, "admitted_at": rec.joined_at, "joined_at": st.now, "cycle": cycle,
+         "refill": rec.refill}  # fmt: skip
+    )
+    rec.seeding, rec.joined_at = False, None
+    rec.last_step = rec.folded_step = 0  # a new process counts its steps from 0
+    return True
+
+
+def reseed_after_restart(st: CoordinatorState) -> None:
+    """The coordinator restarted: a seed in flight may have died with it; ask again."""
+    for rec in st.ranks:
+        if rec.phase is JOINING and rec.joined_at is not None:
+            rec.seeding = False
 
 
 def _world_mismatch(cfg: Any, ev: RankHello) -> bool:
@@ -294,4 +371,5 @@ def elastic_summary(st: CoordinatorState) -> dict[str, Any]:
         "max_ranks": len(st.ranks),
         "formed_with": list(st.run.formed_with),
         "vacant": [rec.rank for rec in st.ranks if rec.phase is VACANT],
+        "joins": [dict(j) for j in st.run.joins],
     }

@@ -157,7 +157,7 @@ def fail_formation(st: CoordinatorState, out: list[Command], reason: str) -> Non
 
 def _begin_shutdown(st: CoordinatorState, out: list[Command]) -> None:
     _transition(st, "shutdown")
-    for r in st.alive_ranks():
+    for r in st.addressable_ranks():  # a joiner not seeded yet leaves too
         st.send(out, r, shutdown=pb.Control.Shutdown(reason="completed"))
     out.append(Notice("shutdown", {"epochs_completed": len(st.metrics.history), "global_step": st.rounds.global_step}))
 

@@ -66,7 +66,7 @@ def summary(st: CoordinatorState, summarise: Callable[[CoordinatorState, dict[st
         "epochs": [dict(row) for row in st.metrics.history],
         "evals": [dict(row) for row in st.roles.evals],
     }
-    if st.config.elastic:  # the quorum it formed from, and the slots nobody took
+    if st.config.elastic or st.run.joins:  # the quorum it formed from, who joined, the slots nobody took
         out["elastic"] = _membership.elastic_summary(st)
     if st.resync.restarts:  # coordinator restarts survived
         out["coordinator_restarts"] = _resync.summary(st)

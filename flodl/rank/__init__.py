@@ -32,6 +32,7 @@ from ._events import (
     RunEpochFn,
     RunEval,
     SaveCheckpoint,
+    SeedApplied,
     SendMetrics,
     SendTiming,
     Sentinel,
@@ -55,6 +56,7 @@ __all__ = [
     "ControlReceived",
     "ConsensusReady",
     "BatchTrained",
+    "SeedApplied",
     # commands
     "Command",
     "SendTiming",

@@ -79,6 +79,7 @@ from ._events import (
     RunEpochFn,
     RunEval,
     SaveCheckpoint,
+    SeedApplied,
     SendMetrics,
     SendTiming,
     Sentinel,
@@ -146,6 +147,8 @@ class RankMachine:
         self.unfolded: list[pb.Timing.Batch] = []  # reported, not yet folded (step order)
         self.finished: list[pb.Metrics] = []  # chunks of epochs not seen aggregated
         self.restarts = 0
+        # Elastic membership: admitted into a running world, no seed consensus loaded yet.
+        self.awaiting_seed = False
 
     # -- queries ------------------------------------------------------------------------
 
@@ -191,7 +194,10 @@ class RankMachine:
 
     def next_action(self, now: float) -> Union[TrainBatch, SendMetrics, Sentinel]:
         """What to do between steps: a batch to train, a finished chunk's metrics to
-        send, or ``WAIT_PLAN`` / ``WAIT_THROTTLE`` (block, servicing frames)."""
+        send, or ``WAIT_PLAN`` / ``WAIT_THROTTLE`` (block, servicing frames). A joiner
+        trains nothing before it holds the seed consensus."""
+        if self.awaiting_seed:
+            return WAIT_PLAN
         if self.current is None:
             if not self.plans:
                 return WAIT_PLAN
@@ -213,6 +219,7 @@ class RankMachine:
     def _admitted(self, ev: Admitted, out: list[Command]) -> None:
         self.spec = ev.spec
         self.global_step = ev.global_step
+        self.awaiting_seed = bool(ev.spec.join_running)
         if ev.hello_resent and self.incarnation is not None:
             # The first answer may have been lost with a coordinator that restarted: this
             # one then comes from the new process, which already counts the rank as a
@@ -220,6 +227,15 @@ class RankMachine:
             # The rank cannot tell, so it reports (a coordinator that did not restart
             # ignores a report it is not awaiting).
             self._report(self.incarnation, out)
+
+    def _seed(self, ev: SeedApplied, out: list[Command]) -> None:
+        """The seed is loaded: say so (the coordinator then makes this rank a member).
+        A repeat (the coordinator restarted and asked again) is confirmed again."""
+        if self.spec is None or not (self.awaiting_seed or self.spec.join_running):
+            out.append(Drop(reason="unexpected_seed", detail=f"seed of cycle {ev.cycle} for a rank that is not joining"))
+            return
+        self.awaiting_seed = False
+        out.append(SendTiming(kind="seeded", body=pb.Timing.Seeded(cycle=ev.cycle)))
 
     def _batch(self, ev: BatchTrained, out: list[Command]) -> None:
         self.in_hand = None
@@ -451,6 +467,7 @@ _HANDLERS: dict[type, Callable[[RankMachine, Any, list], None]] = {
     ControlReceived: RankMachine._control,
     ConsensusReady: RankMachine._consensus,
     BatchTrained: RankMachine._batch,
+    SeedApplied: RankMachine._seed,
 }
 
 # Control command -> handler (informational kinds: INFORMATIONAL; anything else is dropped).

@@ -155,7 +155,7 @@ class RankHello(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_sig: _Optional[bytes] = ..., dataset_len: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., bf16_wire: _Optional[bool] = ..., task: _Optional[str] = ..., agent_token: _Optional[bytes] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from")
+    __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from", "join_running")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class RunSpec(_message.Message):
     LIVENESS_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     START_EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
+    JOIN_RUNNING_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     total_samples: int
     batch_size: int
@@ -184,7 +185,8 @@ class RunSpec(_message.Message):
     liveness_timeout_s: float
     start_epoch: int
     resume_from: str
-    def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ...) -> None: ...
+    join_running: bool
+    def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ..., join_running: _Optional[bool] = ...) -> None: ...
 
 class HelloAck(_message.Message):
     __slots__ = ("accepted", "reason", "run", "deferred")
@@ -461,7 +463,12 @@ class Control(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., request_params: _Optional[_Union[Control.RequestParams, _Mapping]] = ..., update: _Optional[_Union[Control.Update, _Mapping]] = ..., sync_now: _Optional[_Union[Control.SyncNow, _Mapping]] = ..., start_epoch: _Optional[_Union[Control.StartEpoch, _Mapping]] = ..., extend_partition: _Optional[_Union[Control.ExtendPartition, _Mapping]] = ..., declare_dead: _Optional[_Union[Control.DeclareDead, _Mapping]] = ..., rendezvous: _Optional[_Union[Control.Rendezvous, _Mapping]] = ..., throttle: _Optional[_Union[Control.Throttle, _Mapping]] = ..., set_global_step: _Optional[_Union[Control.SetGlobalStep, _Mapping]] = ..., checkpoint: _Optional[_Union[Control.Checkpoint, _Mapping]] = ..., execute_eval: _Optional[_Union[Control.ExecuteEval, _Mapping]] = ..., set_epoch_callback_role: _Optional[_Union[Control.SetEpochCallbackRole, _Mapping]] = ..., shutdown: _Optional[_Union[Control.Shutdown, _Mapping]] = ..., shutdown_with_save: _Optional[_Union[Control.ShutdownWithSave, _Mapping]] = ..., epoch_aggregated: _Optional[_Union[Control.EpochAggregated, _Mapping]] = ..., eval_broadcast: _Optional[_Union[Control.EvalBroadcast, _Mapping]] = ..., save_consensus_model: _Optional[_Union[Control.SaveConsensusModel, _Mapping]] = ..., coord_heartbeat: _Optional[_Union[Control.CoordHeartbeat, _Mapping]] = ..., stage_advisory: _Optional[_Union[Control.StageAdvisory, _Mapping]] = ..., arm_consensus_eval: _Optional[_Union[Control.ArmConsensusEval, _Mapping]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("rank", "batch", "sync_ack", "exiting", "lr_update", "intent", "heartbeat", "snapshot_ready", "eval_result", "checkpoint_result", "epoch_fn_elapsed", "resync", "store_ready", "collective_failed")
+    __slots__ = ("rank", "batch", "sync_ack", "exiting", "lr_update", "intent", "heartbeat", "snapshot_ready", "eval_result", "checkpoint_result", "epoch_fn_elapsed", "resync", "store_ready", "collective_failed", "seeded")
+    class Seeded(_message.Message):
+        __slots__ = ("cycle",)
+        CYCLE_FIELD_NUMBER: _ClassVar[int]
+        cycle: int
+        def __init__(self, cycle: _Optional[int] = ...) -> None: ...
     class Batch(_message.Message):
         __slots__ = ("batch_ms", "data_ms", "step_count", "batch_loss", "param_norm", "sync_divergence", "lr", "samples", "epoch", "offset")
         BATCH_MS_FIELD_NUMBER: _ClassVar[int]
@@ -595,6 +602,7 @@ class Timing(_message.Message):
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     STORE_READY_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FAILED_FIELD_NUMBER: _ClassVar[int]
+    SEEDED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     batch: Timing.Batch
     sync_ack: Timing.SyncAck
@@ -609,7 +617,8 @@ class Timing(_message.Message):
     resync: Timing.Resync
     store_ready: StoreReady
     collective_failed: CollectiveFailed
-    def __init__(self, rank: _Optional[int] = ..., batch: _Optional[_Union[Timing.Batch, _Mapping]] = ..., sync_ack: _Optional[_Union[Timing.SyncAck, _Mapping]] = ..., exiting: _Optional[_Union[Timing.Exiting, _Mapping]] = ..., lr_update: _Optional[_Union[Timing.LrUpdate, _Mapping]] = ..., intent: _Optional[_Union[Timing.Intent, _Mapping]] = ..., heartbeat: _Optional[_Union[Timing.Heartbeat, _Mapping]] = ..., snapshot_ready: _Optional[_Union[Timing.SnapshotReady, _Mapping]] = ..., eval_result: _Optional[_Union[Timing.EvalResult, _Mapping]] = ..., checkpoint_result: _Optional[_Union[Timing.CheckpointResult, _Mapping]] = ..., epoch_fn_elapsed: _Optional[_Union[Timing.EpochFnElapsed, _Mapping]] = ..., resync: _Optional[_Union[Timing.Resync, _Mapping]] = ..., store_ready: _Optional[_Union[StoreReady, _Mapping]] = ..., collective_failed: _Optional[_Union[CollectiveFailed, _Mapping]] = ...) -> None: ...
+    seeded: Timing.Seeded
+    def __init__(self, rank: _Optional[int] = ..., batch: _Optional[_Union[Timing.Batch, _Mapping]] = ..., sync_ack: _Optional[_Union[Timing.SyncAck, _Mapping]] = ..., exiting: _Optional[_Union[Timing.Exiting, _Mapping]] = ..., lr_update: _Optional[_Union[Timing.LrUpdate, _Mapping]] = ..., intent: _Optional[_Union[Timing.Intent, _Mapping]] = ..., heartbeat: _Optional[_Union[Timing.Heartbeat, _Mapping]] = ..., snapshot_ready: _Optional[_Union[Timing.SnapshotReady, _Mapping]] = ..., eval_result: _Optional[_Union[Timing.EvalResult, _Mapping]] = ..., checkpoint_result: _Optional[_Union[Timing.CheckpointResult, _Mapping]] = ..., epoch_fn_elapsed: _Optional[_Union[Timing.EpochFnElapsed, _Mapping]] = ..., resync: _Optional[_Union[Timing.Resync, _Mapping]] = ..., store_ready: _Optional[_Union[StoreReady, _Mapping]] = ..., collective_failed: _Optional[_Union[CollectiveFailed, _Mapping]] = ..., seeded: _Optional[_Union[Timing.Seeded, _Mapping]] = ...) -> None: ...
 
 class StoreReady(_message.Message):
     __slots__ = ("generation", "addr")
@@ -677,7 +686,7 @@ class TensorMeta(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., elided: _Optional[bool] = ..., blob_index: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class RoundHeader(_message.Message):
-    __slots__ = ("cycle", "phase", "kind", "weight", "tensors", "contributing_ranks", "deliver_to")
+    __slots__ = ("cycle", "phase", "kind", "weight", "tensors", "contributing_ranks", "deliver_to", "seed")
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -685,6 +694,7 @@ class RoundHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTING_RANKS_FIELD_NUMBER: _ClassVar[int]
     DELIVER_TO_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     cycle: int
     phase: RoundPhase
     kind: RoundKind
@@ -692,7 +702,8 @@ class RoundHeader(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     contributing_ranks: _containers.RepeatedScalarFieldContainer[int]
     deliver_to: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cycle: _Optional[int] = ..., phase: _Optional[_Union[RoundPhase, str]] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., weight: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., contributing_ranks: _Optional[_Iterable[int]] = ..., deliver_to: _Optional[_Iterable[int]] = ...) -> None: ...
+    seed: bool
+    def __init__(self, cycle: _Optional[int] = ..., phase: _Optional[_Union[RoundPhase, str]] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., weight: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., contributing_ranks: _Optional[_Iterable[int]] = ..., deliver_to: _Optional[_Iterable[int]] = ..., seed: _Optional[bool] = ...) -> None: ...
 
 class RelayMsg(_message.Message):
     __slots__ = ("hello", "rank_exit", "declare_dead", "fold_open", "fold_drop")

@@ -563,5 +563,27 @@ class CadenceDispatcher:
     def after_round(self, st: CoordinatorState, out: list[Command]) -> None:
         self._wake(st, out)
 
+    def on_join(self, st: CoordinatorState, rank: int, out: list[Command]) -> None:
+        """A joiner holds the consensus: it draws chunks from the current epoch's pool
+        (stealing from the largest residue: its slot had no span), starting with a probe
+        window -- the smallest count among the members, at most ``probe_batches`` -- that
+        ElChe then calibrates like any window."""
+        cad, d = st.cadence, st.dispatch
+        cad.in_flight.pop(rank, None)
+        cad.throttled.discard(rank)
+        cad.window_mark[rank] = 0
+        el = cad.elche
+        others = [c for c, rec in zip(el.batch_counts, st.ranks) if rec.phase is ACTIVE and rec.rank != rank]
+        probe = st.config.probe_batches or st.config.anchor
+        el.batch_counts[rank] = max(1, min([probe, *others]))
+        epoch = d.last_dispatched
+        if epoch is not None and epoch in cad.pools:
+            d.rank_epoch[rank] = epoch
+            _pin(st, epoch)
+        wake(st, out)
+        _note_barrier(st)
+        if self.streams is not None:
+            self.streams.wake(st, out)
+
 
 CADENCE = CadenceDispatcher()

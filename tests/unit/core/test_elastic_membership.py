@@ -51,7 +51,7 @@ def test_a_quorum_world_trains_every_sample_exactly_once_and_says_who_never_came
         assert fin.ok, (policy, fin.reason)
         for cov in fin.summary["coverage"]:
             assert cov["trained"] == cov["expected"] and cov["duplicates"] == 0 and cov["missing"] == 0, policy
-        assert fin.summary["elastic"] == {"min_ranks": 2, "max_ranks": 3, "formed_with": [0, 2], "vacant": [1]}
+        assert fin.summary["elastic"] == {"min_ranks": 2, "max_ranks": 3, "formed_with": [0, 2], "vacant": [1], "joins": []}
         assert replay(c.config, c.journal) == c.state  # the journal reproduces the quorum formation
 
 
