@@ -135,6 +135,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--summary", help="write the run summary JSON to this path")
     r.add_argument("--trace-dir", help="ranks write the sample ids they train here (coverage audit)")
     r.add_argument("--no-fold", action="store_true", help="the relay forwards averaging rounds unfolded")
+    r.add_argument("--max-restarts", type=int, default=0,
+                   help="the agent starts a failed rank again, up to N times (it rejoins the running world)")
     r.add_argument("--curve", action="store_true",
                    help="CURVE on the coordinator's socket with throwaway keys made in the run's temp dir "
                    "(the agent and its relay get a client key; loopback needs none, this exercises it)")
@@ -238,6 +240,8 @@ def _run_local(args) -> int:
             agent_cmd += ["--trace-dir", args.trace_dir]
         if args.no_fold:
             agent_cmd += ["--no-fold"]
+        if args.max_restarts:
+            agent_cmd += ["--max-restarts", str(args.max_restarts)]
         agent_cmd += agent_curve
         agent_cmd += ["--", py, "-m", TASKS[args.task], *extra]
         if endpoint is not None and args.ranks.elastic:

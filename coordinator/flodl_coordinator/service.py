@@ -60,6 +60,7 @@ from flodl.core import (
     RankViolation,
     Reply,
     RunFinished,
+    SeedJoiner,
     Send,
     SendFailed,
     StopRequested,
@@ -160,6 +161,7 @@ class CoordinatorService:
             self.agents.restore(record)
         self._peer_key = ""  # the CURVE client key (ZAP User-Id) of the frame being handled
         self.finished: RunFinished | None = None
+        self._pending_seeds: list[int] = []  # joiners waiting for a consensus this process has not seen yet
         self._hello_logs = {  # refused / deferred hellos, rate-limited per kind of reason
             "refused": DropLog(log, first="hello refused (from %s)", more="%d more hellos refused for %r in the last %.0fs (last from %s)"),
             "deferred": DropLog(log, level=logging.INFO, first="hello deferred (from %s)",
@@ -363,6 +365,8 @@ class CoordinatorService:
         summary["bus"].update(
             rounds=self.reducer.rounds_completed, bytes_in=self.reducer.bytes_in, bytes_out=self.reducer.bytes_out
         )
+        if self.reducer.seeds_sent:  # joiners seeded with the latest consensus
+            summary["bus"].update(seeds_sent=self.reducer.seeds_sent, seed_bytes=self.reducer.seed_bytes)
         if self.settings.summary:
             tmp = self.settings.summary + ".tmp"
             try:
@@ -723,12 +727,36 @@ class CoordinatorService:
             if fold_drop is not None:  # its relay stops waiting for it; the rest flush
                 self._send_frames(self.endpoint.frames("relay", fold_drop[1], route=fold_drop[0]))
             self._send_round(self.reducer.drop(cmd.rank))
+        elif isinstance(cmd, SeedJoiner):
+            self._seed_joiner(cmd.rank)
         elif isinstance(cmd, StageCheckpoint):  # an order to stage a meta, before the notices
             self.checkpointing.stage(cmd)
         elif isinstance(cmd, Notice):
             self._notice(cmd)
         elif isinstance(cmd, RunFinished):
             self.finished = cmd
+
+    def _seed_joiner(self, rank: int) -> None:
+        """A rank admitted into the running world gets the latest consensus (the seed); a
+        service that has sent none yet (it restarted since) seeds it with the next one."""
+        frame = self.reducer.seed_frame()
+        route = self.state.route_of(rank)
+        if route is None:
+            return  # gone meanwhile (the core heard)
+        if frame is None:
+            log.info("rank %d joins at the next consensus (this coordinator has not sent one yet)", rank)
+            if rank not in self._pending_seeds:
+                self._pending_seeds.append(rank)
+            return
+        header, blobs = frame
+        log.info("rank %d seeded with the consensus of cycle %d (%d bytes)", rank, header.cycle,
+                 sum(len(b) for b in blobs))  # fmt: skip
+        self._send_frames(self.endpoint.frames("round", header, blobs, route=tuple(route)))
+
+    def _flush_seeds(self) -> None:
+        pending, self._pending_seeds = self._pending_seeds, []
+        for rank in pending:
+            self._seed_joiner(rank)
 
     def _log_refusal(self, route: tuple, ack: pb.HelloAck) -> None:
         """Every refused (or deferred) hello is counted and said, with its reason; a peer
@@ -764,6 +792,8 @@ class CoordinatorService:
                 continue
             frames = self.endpoint.frames("round", result.header_for(rank), result.blobs, route=tuple(route))
             self._send_frames(frames)
+        if self._pending_seeds and self.reducer.seed is not None:
+            self._flush_seeds()
 
     def _send_frames(self, frames, failed: tuple | None = None) -> bool:
         """Send ``frames`` once the journal that decided them is durable (write-ahead,

@@ -70,6 +70,7 @@ class RankHello(Event):
     host: str = ""
     pid: int = 0
     incarnation: int = 0
+    restart_count: int = 0  # FLODL_RESTART_COUNT: the agent started this rank again this many times
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

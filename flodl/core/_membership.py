@@ -195,6 +195,7 @@ def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
         transition(rec, "admit")
         rec.route, rec.incarnation = ev.route, ev.incarnation
         rec.host, rec.pid, rec.reason = ev.host, ev.pid, ""
+        rec.restart_count = ev.restart_count
         rec.last_seen = ev.now
         if st.cohort_sig is None:
             st.cohort_sig, st.cohort_len = ev.model_sig, ev.dataset_len
@@ -246,7 +247,7 @@ def on_seeded(st: CoordinatorState, rank: int, cycle: int) -> bool:
     transition(rec, "join")
     st.run.joins.append(
         {"rank": rank, "host": rec.host, "admitted_at": rec.joined_at, "joined_at": st.now, "cycle": cycle,
-         "refill": rec.refill}  # fmt: skip
+         "refill": rec.refill, "restart_count": rec.restart_count}  # fmt: skip
     )
     rec.seeding, rec.joined_at = False, None
     rec.last_step = rec.folded_step = 0  # a new process counts its steps from 0

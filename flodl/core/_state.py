@@ -104,6 +104,7 @@ class RankRecord:
     seeding: bool = False
     joined_at: Optional[float] = None  # admitted mid-run (JOINING while TRAINING): when
     refill: bool = False  # ... into a slot a DEAD or LEFT rank held (a restart)
+    restart_count: int = 0  # the admitted process's FLODL_RESTART_COUNT (its hello)
     # Training counters (monotone; never reset).
     last_step: int = 0  # highest step_count reported by a BatchDone
     folded_step: int = 0  # highest step_count folded into a consensus (SyncAcked)
@@ -197,7 +198,7 @@ class RunState:
     forming_since: Optional[float] = None
     not_admitted: dict[int, str] = field(default_factory=dict)
     cohort_votes: dict[int, tuple] = field(default_factory=dict)  # rank -> ((sig, len), route) of its deferred hello
-    joins: list[dict[str, Any]] = field(default_factory=list)  # mid-run joins: {rank, host, admitted_at, joined_at, cycle, refill}
+    joins: list[dict[str, Any]] = field(default_factory=list)  # mid-run joins: {rank, host, admitted_at, joined_at, cycle, refill, restart_count}
     formed_with: tuple[int, ...] = ()  # the ranks the world formed with (elastic: maybe fewer than the slots)
 
 

@@ -38,15 +38,15 @@ Theory of operation
                                                                    its rank
    stall         the open round waited > ``reduce_stall_s``:       only while some
                  the run fails (REDUCE_STALL)                       participant still owes
+   seed_joiners  a rank admitted mid-run waits, no round is open,   the boundary between
+                 a consensus exists: ``SeedJoiner``                 two rounds: before
+                                                                   the next one opens
    open_round    ``policy.gate``, or the final tail (the last        a tail must fold
                  epoch aggregated, some rank has unfolded steps)     before its epoch's
                                                                    coverage completes
    aggregate     the next epoch is complete: ``EpochAggregated``,  the checkpoint comes
                  its checkpoint, an eval intent served              before the next
                                                                    epoch's dispatch (FIFO)
-   seed_joiners  a rank admitted mid-run waits, no round is open,   at a boundary: the
-                 a consensus exists: ``SeedJoiner``                 reducer holds the
-                                                                   latest consensus
    advance       ``_run.next_move``: form, dispatch the next       last
                  epoch, final eval, shutdown, finish
    ============  ================================================  =====================
@@ -355,9 +355,9 @@ RULES: tuple[Rule, ...] = (
     Rule("reform_group", lambda st, p: _collective.due(st), lambda st, out, p: _collective.announce(st, out)),
     Rule("finish_round", lambda st, p: _averaging.finish_due(st), _finish_round),
     Rule("stall", lambda st, p: _averaging.stall_due(st), _stall),
+    Rule("seed_joiners", lambda st, p: _membership.seed_due(st), lambda st, out, p: _membership.ask_seeds(st, out)),
     Rule("open_round", _open_due, _open_round),
     Rule("aggregate", lambda st, p: _metrics.next_ready(st), _aggregate),
-    Rule("seed_joiners", lambda st, p: _membership.seed_due(st), lambda st, out, p: _membership.ask_seeds(st, out)),
     Rule("advance", _advance_due, _advance),
 )
 

@@ -61,6 +61,7 @@ def hello_event(now: float, route: tuple[bytes, ...], env: pb.Envelope) -> RankH
         host=h.host,
         pid=h.pid,
         incarnation=env.sender.incarnation,
+        restart_count=h.restart_count,
     )
 
 

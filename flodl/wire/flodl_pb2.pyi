@@ -133,7 +133,7 @@ class Envelope(_message.Message):
     def __init__(self, protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., session: _Optional[str] = ..., sender: _Optional[_Union[Sender, _Mapping]] = ..., seq: _Optional[int] = ..., blob_count: _Optional[int] = ..., control: _Optional[_Union[Control, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., metrics: _Optional[_Union[Metrics, _Mapping]] = ..., hello: _Optional[_Union[RankHello, _Mapping]] = ..., hello_ack: _Optional[_Union[HelloAck, _Mapping]] = ..., round: _Optional[_Union[RoundHeader, _Mapping]] = ..., relay: _Optional[_Union[RelayMsg, _Mapping]] = ..., agent: _Optional[_Union[AgentMsg, _Mapping]] = ...) -> None: ...
 
 class RankHello(_message.Message):
-    __slots__ = ("rank", "world_size", "model_sig", "dataset_len", "host", "pid", "bf16_wire", "task", "agent_token")
+    __slots__ = ("rank", "world_size", "model_sig", "dataset_len", "host", "pid", "bf16_wire", "task", "agent_token", "restart_count")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIG_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class RankHello(_message.Message):
     BF16_WIRE_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     AGENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     model_sig: bytes
@@ -152,7 +153,8 @@ class RankHello(_message.Message):
     bf16_wire: bool
     task: str
     agent_token: bytes
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_sig: _Optional[bytes] = ..., dataset_len: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., bf16_wire: _Optional[bool] = ..., task: _Optional[str] = ..., agent_token: _Optional[bytes] = ...) -> None: ...
+    restart_count: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_sig: _Optional[bytes] = ..., dataset_len: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., bf16_wire: _Optional[bool] = ..., task: _Optional[str] = ..., agent_token: _Optional[bytes] = ..., restart_count: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
     __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from", "join_running")

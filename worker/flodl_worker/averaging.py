@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flodl.rank import ApplyConsensus, TakeSnapshot
+from flodl.rank import ApplyConsensus, SeedApplied, TakeSnapshot
 from flodl.wire import WireError, pack_round, pb, unpack_round
 
 from .params import as_tensor, f32, l2_norm
@@ -121,6 +121,27 @@ class BusAverager:
         if not included and header.weight > 0:
             log.info("cycle %d: this rank's contribution is not in the consensus; keeping local parameters", header.cycle)
         r.consensus_ready(header.cycle, arrays if included else None)
+
+    def on_seed(self, header: pb.RoundHeader, blobs: list) -> None:
+        """Joining a running world: overwrite the parameters with the seed consensus and
+        tell the machine (``SeedApplied``). The optimizer's state stays the fresh one the
+        rank just built (momentum starts from zero): copying a peer's would cost another
+        transfer as large as the model, from a peer the bus plane does not reach. Its
+        effect on accuracy is not measured yet."""
+        r = self.rank
+        try:
+            arrays = unpack_round(header, blobs)
+        except WireError as e:
+            r._drop(e.reason, e.detail)
+            return
+        if len(arrays) != len(r.params) or any(tuple(a.shape) != tuple(p.shape) for a, p in zip(arrays, r.params)):
+            r._drop("bad_tensor", f"seed of cycle {header.cycle} does not match the model's schema")
+            return
+        with torch.no_grad():
+            for p, a in zip(r.params, arrays):
+                p.copy_(as_tensor(a).to(device=p.device, dtype=p.dtype))
+        log.info("joined the running world: parameters set from the consensus of cycle %d", header.cycle)
+        r.feed(SeedApplied(cycle=int(header.cycle)))
 
     def apply(self, cmd: ApplyConsensus) -> None:
         """``ApplyConsensus``: apply ``cmd.arrays`` against the snapshot and ack the cycle.

@@ -132,7 +132,7 @@ def _parser() -> _Parser:
     a.add_argument("--max-restarts", metavar="N", type=_count(0), default=0,
                    help="start a rank process that failed (a signal, or an exit code other than 0 and 2) "
                    "again, up to N times, after 1 s doubling (FLODL_RESTART_COUNT in its environment); "
-                   "before the world forms it rejoins, after that the coordinator refuses it (default 0)")
+                   "the restarted rank rejoins the run (mid-run on the bus plane: seeded with the latest consensus; a collective run refuses it) (default 0)")
     _curve_flags(a, "the agent's and the relay's connections to the coordinator (with --no-relay: "
                  "the ranks' too, as FLODL_CURVE_SERVER_KEY / FLODL_CURVE_SECRET_KEY)")
     _max_message_flag(a, "the relay and the ranks (as FLODL_MAX_MESSAGE_BYTES)")

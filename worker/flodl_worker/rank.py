@@ -305,6 +305,7 @@ class _Rank(MachineShell):
             pid=os.getpid(),
             task=self.task,
             agent_token=self.cfg.agent_token,  # vouches for the agent that launched us (agents)
+            restart_count=self.cfg.restart_count,  # the coordinator's join record names the restart
         )
         self._send("hello", hello)
         self._hello_deadline = time.monotonic() + self.cfg.hello_timeout_s
@@ -399,6 +400,11 @@ class _Rank(MachineShell):
             self._drop("before_admission", f"{kind} before hello_ack")
         elif kind == "control":
             self.feed(ControlReceived(control=env.control))
+        elif kind == "round" and env.round.seed:
+            if self.collective is None:
+                self.averager.on_seed(env.round, blobs)  # joining a running world: start from the consensus
+            else:
+                self._drop("unexpected_seed", "a seed consensus on the collective plane")
         elif kind == "round":
             # Acked first (the round finishes without waiting for the disk); an armed
             # checkpoint is saved before the next step: the file holds exactly this consensus.
