@@ -9,7 +9,7 @@ from flodl.core import JoinerSeeded, replay
 from flodl.sim import SimConfig, simulate
 from flodl.sim._churn import churn_case
 
-SEEDS_PER_POLICY = 25  # x 3 policies in CI
+SEEDS_PER_POLICY = 15  # x 3 policies in CI (bench/elastic.py --sim runs more)
 
 
 @pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
@@ -20,8 +20,8 @@ def test_churn_keeps_every_epoch_exactly_once_and_no_joiner_trains_unseeded(poli
     # Not vacuous: ranks joined the running world, restarted ranks took their slots back,
     # and the coordinator restarted with the membership in its journal.
     assert sum(c.joins for c in cases) >= SEEDS_PER_POLICY
-    assert sum(c.result.respawns for c in cases) >= 3
-    assert sum(c.result.restarts for c in cases) >= 3
+    assert sum(c.result.respawns for c in cases) >= 2
+    assert sum(c.result.restarts for c in cases) >= 2
 
 
 def test_a_joiner_pending_when_the_coordinator_restarts_is_seeded_by_the_next_consensus():
