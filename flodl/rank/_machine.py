@@ -159,6 +159,12 @@ class RankMachine:
     def has_plan(self) -> bool:
         return self.current is not None or bool(self.plans)
 
+    def accepts_seed(self) -> bool:
+        """Would a seed consensus be loaded now? Only by a joiner that has not trained yet
+        (a repeat after a coordinator restart is confirmed again; a seed for a rank that
+        trains would throw its steps away)."""
+        return self.spec is not None and bool(self.spec.join_running) and self.local_step == 0
+
     def has_snapshot(self, cycle: int) -> bool:
         return cycle in self.snapshots
 
@@ -231,7 +237,7 @@ class RankMachine:
     def _seed(self, ev: SeedApplied, out: list[Command]) -> None:
         """The seed is loaded: say so (the coordinator then makes this rank a member).
         A repeat (the coordinator restarted and asked again) is confirmed again."""
-        if self.spec is None or not (self.awaiting_seed or self.spec.join_running):
+        if not self.accepts_seed():
             out.append(Drop(reason="unexpected_seed", detail=f"seed of cycle {ev.cycle} for a rank that is not joining"))
             return
         self.awaiting_seed = False

@@ -129,6 +129,9 @@ class BusAverager:
         transfer as large as the model, from a peer the bus plane does not reach. Its
         effect on accuracy is not measured yet."""
         r = self.rank
+        if not r.m.accepts_seed():
+            r._drop("unexpected_seed", f"seed of cycle {header.cycle} for a rank that is not joining (or trained)")
+            return
         try:
             arrays = unpack_round(header, blobs)
         except WireError as e:
