@@ -494,7 +494,7 @@ class CoordinatorService:
             why = self.agents.report_refusal(route, r.rank, r.token, self._peer_key)
             if why:  # a forged (or misrouted) report: the rank lives on, its own frames decide
                 raise RouteMismatch(why)
-            self._feed(RankExitReported(now=now, rank=r.rank, code=r.code))
+            self._feed(RankExitReported(now=now, rank=r.rank, code=r.code, restart_count=r.restart_count))
         elif which == "relay_restarting":
             self._on_relay_restarting(now, route, msg.relay_restarting)
         elif which == "abort":  # the agent gives its host up (its relay died), before its ranks' exits

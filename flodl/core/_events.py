@@ -170,10 +170,12 @@ class IntentRaised(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankExitReported(Event):
-    """The host agent saw the rank's process end (``code`` < 0: killed by that signal)."""
+    """The host agent saw the rank's process end (``code`` < 0: killed by that signal).
+    ``restart_count``: which process of the rank (its ``FLODL_RESTART_COUNT``)."""
 
     rank: int
     code: int
+    restart_count: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -88,6 +88,7 @@ __all__ = [
     "ask_seeds",
     "on_seeded",
     "reseed_after_restart",
+    "stale_exit_report",
 ]
 
 _POLICY = {"sync": pb.POLICY_SYNC, "cadence": pb.POLICY_CADENCE, "async": pb.POLICY_ASYNC}
@@ -352,6 +353,15 @@ def beacon(st: CoordinatorState, now: float, out: list[Command]) -> None:
     st.last_beacon = now
     for r in targets:
         st.send(out, r, coord_heartbeat=pb.Control.CoordHeartbeat(beat=st.beats))
+
+
+def stale_exit_report(st: CoordinatorState, rank: int, restart_count: int) -> bool:
+    """An agent's exit report of an earlier process of the rank than the one admitted now
+    (the report and the new process's hello travel on different sockets): ignored, counted."""
+    if restart_count < st.ranks[rank].restart_count:
+        st.count_ignored("exit report of an earlier process of the rank")
+        return True
+    return False
 
 
 def exit_reason(st: CoordinatorState, rank: int, code: int) -> tuple[str, str]:

@@ -440,6 +440,8 @@ def _on_exiting(st: CoordinatorState, ev: RankExiting, out: list[Command]) -> No
 
 
 def _on_exit_report(st: CoordinatorState, ev: RankExitReported, out: list[Command]) -> None:
+    if _membership.stale_exit_report(st, ev.rank, ev.restart_count):
+        return
     trigger, reason = _membership.exit_reason(st, ev.rank, ev.code)
     forget_rank(st, ev.rank, trigger, reason, out)
 

@@ -784,14 +784,16 @@ class AgentMsg(_message.Message):
         token: bytes
         def __init__(self, host: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., token: _Optional[bytes] = ...) -> None: ...
     class RankExited(_message.Message):
-        __slots__ = ("rank", "code", "token")
+        __slots__ = ("rank", "code", "token", "restart_count")
         RANK_FIELD_NUMBER: _ClassVar[int]
         CODE_FIELD_NUMBER: _ClassVar[int]
         TOKEN_FIELD_NUMBER: _ClassVar[int]
+        RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
         rank: int
         code: int
         token: bytes
-        def __init__(self, rank: _Optional[int] = ..., code: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+        restart_count: int
+        def __init__(self, rank: _Optional[int] = ..., code: _Optional[int] = ..., token: _Optional[bytes] = ..., restart_count: _Optional[int] = ...) -> None: ...
     class Abort(_message.Message):
         __slots__ = ("reason",)
         REASON_FIELD_NUMBER: _ClassVar[int]

@@ -437,7 +437,8 @@ class Agent:
             code = child.proc.poll()
             if code is not None and not child.reported:
                 child.reported = True
-                self._send_agent(rank_exited=pb.AgentMsg.RankExited(rank=child.rank, code=code, token=self.token))
+                self._send_agent(rank_exited=pb.AgentMsg.RankExited(rank=child.rank, code=code, token=self.token,
+                                                                    restart_count=child.restarts))  # fmt: skip
                 (log.info if code == 0 else log.warning)("%s exited with code %d", child.name, code)
                 self._maybe_restart(child, code)
         now = time.monotonic()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flodl.core import ACTIVE, JOINING, VACANT, CoreConfig, Reply, Tick, replay
+from flodl.core import ACTIVE, JOINING, VACANT, CoreConfig, RankExitReported, Reply, Tick, replay
 
 from .cluster import Cluster
 
@@ -197,3 +197,19 @@ def test_a_joiner_lost_before_its_seed_reopens_the_slot_and_the_run_goes_on():
     assert fin.ok, fin.reason
     _exact(fin)
     assert fin.summary["elastic"]["joins"] == []
+
+
+def test_an_exit_report_of_the_earlier_process_does_not_kill_its_restart():
+    c = Cluster(policy="cadence", world_size=3, total=300, batch_size=8, epochs=2, agent_reports_exit=True)
+    c.join_all()
+    c.run_until(lambda: c.state.rounds.version >= 1)
+    c.silence(1)  # died; silence declares it dead before its agent's report arrives
+    while c.state.ranks[1].phase is ACTIVE:
+        c.advance(1.0)  # the others keep beating
+    assert c.state.ranks[1].phase.__name__ == "DEAD"
+    c.respawn(1, restart_count=1)  # the restart's hello overtakes the old process's exit report
+    c.feed(RankExitReported(now=c.now, rank=1, code=1, restart_count=0))
+    assert c.state.ranks[1].phase is JOINING and c.state.ignored["exit report of an earlier process of the rank"] == 1
+    fin = c.run()
+    assert fin.ok, fin.reason
+    _exact(fin)
