@@ -105,7 +105,8 @@ class RankRecord:
     joined_at: Optional[float] = None  # admitted mid-run (JOINING while TRAINING): when
     refill: bool = False  # ... into a slot a DEAD or LEFT rank held (a restart)
     restart_count: int = 0  # the admitted process's FLODL_RESTART_COUNT (its hello)
-    # Training counters (monotone; never reset).
+    # Training counters (monotone; last_step and folded_step restart at 0 with a process that
+    # takes the slot again mid-run, ``_membership.on_seeded``; the totals never reset).
     last_step: int = 0  # highest step_count reported by a BatchDone
     folded_step: int = 0  # highest step_count folded into a consensus (SyncAcked)
     batches: int = 0
