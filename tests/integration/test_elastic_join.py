@@ -98,8 +98,10 @@ def test_a_killed_rank_restarted_by_its_agent_rejoins_and_trains(tmp_path):
     summary, trace = tmp_path / "summary.json", tmp_path / "trace"
     trace.mkdir()
     cmd = [
-        sys.executable, "-m", "flodl", "run", "--local", "--ranks", "3", "--task", "digits", "--slowdown", "40",
-        "--base-ms", "1", "--epochs", "20", "--batch-size", str(BATCH), "--policy", "cadence", "--max-restarts", "2",
+        # The victim is fast, the others slow: while it is away the run crawls (it outlasts
+        # the restart), and once it is back it trains most of the rest.
+        sys.executable, "-m", "flodl", "run", "--local", "--ranks", "3", "--task", "digits", "--slowdown", "40,1,40",
+        "--base-ms", "1", "--epochs", "30", "--batch-size", str(BATCH), "--policy", "cadence", "--max-restarts", "2",
         "--max-failure", "2", "--summary", str(summary), "--trace-dir", str(trace),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
