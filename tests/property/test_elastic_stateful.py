@@ -3,7 +3,8 @@ ranks joining the running world (a vacant slot, or a dead rank's slot taken by i
 restarted process) and ranks dying, over the real core and the real rank machines
 (tests/unit/core/cluster.py). After every step: a rank that is joining is in no round and
 was sent no work, the core's coverage never counts a sample twice, and (the cluster
-checks it on every batch) no joiner trains before it holds the seed consensus. At
+checks it on every batch) no joiner trains before it holds the seed consensus, and the
+core's incremental views agree with a recount (``view_drift``). At
 teardown the run is driven to its end: every epoch trained exactly once, and replaying
 the journal rebuilds the same state."""
 
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from flodl.core import ACTIVE, DEAD, JOINING, TRAINING, VACANT, Send, replay
+from flodl.core import ACTIVE, DEAD, JOINING, TRAINING, VACANT, Send, replay, view_drift
 
 
 def _load_cluster():
@@ -82,6 +83,7 @@ class ElasticWorld(RuleBasedStateMachine):
                 assert s.ranks[c.rank].phase is ACTIVE or c.rank not in joining, (c.rank, c.kind)
         self.seen = len(self.c.commands)
         assert all(ec.duplicates == 0 for ec in s.coverage.epochs.values())
+        assert view_drift(s) == []  # the incremental views (rank index, Cadence's) stay exact across joins
 
     def teardown(self):
         if not hasattr(self, "c"):
