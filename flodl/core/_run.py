@@ -213,7 +213,7 @@ def _forming_move(st: CoordinatorState) -> tuple[Optional[str], str]:
     the world forms once ``join_timeout_s`` passed; the hard cap ``form_timeout_s``
     (``max_join_timeout_s``) passing with the quorum unmet fails the run."""
     cfg = st.config
-    admitted = sum(1 for rec in st.ranks if rec.phase is JOINING)
+    admitted = st.index.count(JOINING)  # O(1): this runs on every event while forming
     if admitted == len(st.ranks):
         return "form", "every slot joined"
     if st.run.forming_since is None:
