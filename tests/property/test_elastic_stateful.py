@@ -77,7 +77,14 @@ class ElasticWorld(RuleBasedStateMachine):
             return
         s = self.c.state
         joining = {r.rank for r in s.ranks if r.phase is JOINING}
-        assert not joining & set(s.rounds.ranks if s.rounds.phase.__name__ == "PENDING" else ())
+        # A joiner whose seed was asked is in no open round (once seeded it is ACTIVE, and a
+        # round listing it would wait for a process that never got its RequestParams).
+        # (A slot refilled while a round its dead process was in is still open: the round
+        # does not wait for it, and its seed is asked only after that round.)
+        seeding = {r.rank for r in s.ranks if r.phase is JOINING and r.seeding}
+        pending = s.rounds.phase.__name__ == "PENDING"
+        assert not (seeding & set(s.rounds.ranks if pending else ())), (seeding, s.rounds.ranks)
+        assert not joining & s.index.waiting
         for c in self.c.commands[self.seen:]:
             if isinstance(c, Send) and c.kind in WORK:
                 assert s.ranks[c.rank].phase is ACTIVE or c.rank not in joining, (c.rank, c.kind)
