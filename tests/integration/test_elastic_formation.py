@@ -2,10 +2,8 @@
 quorum when a host never comes, and one that fails at the hard cap naming the reason."""
 
 import json
-import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -37,39 +35,27 @@ def test_a_world_forms_from_a_quorum_of_two_when_the_third_never_comes(tmp_path)
 
 
 def test_a_quorum_unmet_at_the_hard_cap_fails_the_run_naming_why(tmp_path):
+    # No rank at all (a rank's start-up is what is slow; a fixed world's deadline with an
+    # admitted rank told to leave is tests/integration/test_formation.py's).
     port = free_port()
-    summary, rank_log = tmp_path / "summary.json", tmp_path / "rank.log"
-    env = dict(os.environ, FLODL_RANK="0", FLODL_WORLD_SIZE="3", FLODL_CONNECT=f"tcp://127.0.0.1:{port}",
-               FLODL_SESSION="quorum")  # fmt: skip
-    # The rank first (its start-up is the slow part on a loaded machine): the hard cap
-    # then measures the coordinator's wait for the quorum, not the rank's torch import.
-    rank = subprocess.Popen([sys.executable, "-m", "flodl_worker.examples.digits"], env=env, cwd=ROOT,
-                            stdout=open(rank_log, "w"), stderr=subprocess.STDOUT)  # fmt: skip
-    coord = None
+    summary = tmp_path / "summary.json"
+    coord = subprocess.Popen(
+        [
+            sys.executable, "-m", "flodl_coordinator", "serve", "--bind", f"tcp://127.0.0.1:{port}",
+            "--session", "quorum", "--max-ranks", "3", "--min-ranks", "2", "--join-timeout", "1",
+            "--max-join-timeout", "3", "--summary", str(summary),
+        ],  # fmt: skip
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
     try:
-        t_end = time.monotonic() + 120
-        while "no answer yet" not in rank_log.read_text():  # it is saying hello, and nobody answers yet
-            assert time.monotonic() < t_end and rank.poll() is None, rank_log.read_text()[-2000:]
-            time.sleep(0.1)  # polling another process's log
-        coord = subprocess.Popen(
-            [
-                sys.executable, "-m", "flodl_coordinator", "serve", "--bind", f"tcp://127.0.0.1:{port}",
-                "--session", "quorum", "--max-ranks", "3", "--min-ranks", "2", "--join-timeout", "1",
-                "--max-join-timeout", "6", "--summary", str(summary),
-            ],  # fmt: skip
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
         out, _ = coord.communicate(timeout=90)
-        rank.wait(timeout=60)
     finally:
-        for p in (coord, rank):
-            if p is not None and p.poll() is None:
-                p.kill()
+        if coord.poll() is None:
+            coord.kill()
     assert coord.returncode == 1, out[-3000:]
     data = json.loads(summary.read_text())
     reason = data["reason"]
     assert data["ok"] is False
-    assert reason.startswith("the world did not form within 6s (max_join_timeout_s): quorum unmet, 1 of min_ranks 2"), reason
-    assert "rank 1: never said hello" in reason and "rank 2: never said hello" in reason, reason
+    assert reason.startswith("the world did not form within 3s (max_join_timeout_s): quorum unmet, 0 of min_ranks 2"), reason
+    assert all(f"rank {r}: never said hello" in reason for r in range(3)), reason
     assert "quorum unmet" in out  # the service said so too
-    assert rank.returncode == 0, rank_log.read_text()[-2000:]  # the admitted rank was told to leave, and left cleanly
