@@ -41,7 +41,7 @@ def test_a_partitioned_hosts_ranks_rejoin_when_the_link_returns(tmp_path):
         endpoint = f"tcp://{head_ip}:5555"
         coord = subprocess.Popen(
             _in(ns["head"], py, "-m", "flodl_coordinator", "serve", "--bind", endpoint, "--session", "part",
-                "--world-size", "3", "--epochs", "30", "--batch-size", "16", "--policy", "cadence",
+                "--world-size", "3", "--epochs", "40", "--batch-size", "16", "--policy", "cadence",
                 "--liveness-timeout", "3", "--summary", str(summary)),
             stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
@@ -56,7 +56,7 @@ def test_a_partitioned_hosts_ranks_rejoin_when_the_link_returns(tmp_path):
                 stdout=open(tmp_path / f"agent-{key}.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT,
             ))  # fmt: skip
         try:
-            _wait_for(log, "epoch 2/30")  # training, host b included
+            _wait_for(log, "epoch 2/40")  # training, host b included
             subprocess.run(["ip", "-n", ns["b"], "link", "set", link, "down"], check=True)
             _wait_for(log, "rank 2 forgotten: heartbeat stale")  # the coordinator gave it up
             _wait_for(tmp_path / "agent-b.log", "restarting it in")  # and its agent restarts it
