@@ -92,6 +92,7 @@ from .checkpointing import Checkpointing
 from .curve import CurveServer, load_server_keys
 from .droplog import DropLog
 from .journal import Journal, JournalError
+from .metrics import RunBook, journal_stats
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings, SettingsError
 from .status import StatusBoard
@@ -165,7 +166,9 @@ class CoordinatorService:
             "deferred": DropLog(log, level=logging.INFO, first="hello deferred (from %s)",
                                 more="%d more hellos deferred for %r in the last %.0fs (last from %s)"),
         }  # fmt: skip
-        self.status = StatusBoard()
+        # /metrics' own book (flodl_coordinator.metrics); this process is restart N+1 of a recovered run.
+        restarts = self.recovered.restarts + 1 if self.recovered else 0
+        self.status = StatusBoard(RunBook(settings.session, settings.metrics_rank_labels, coordinator_restarts=restarts))
         self._status_stale = True
         self._events_stepped = 0
         self._journal = _open_journal(settings.journal) if settings.journal else None
@@ -444,10 +447,14 @@ class CoordinatorService:
             # A relay's folded round: the relay is a route of one hop (its own DEALER).
             if len(route) != 1:
                 raise RouteMismatch("a folded round must come from a relay's own route")
+            if env.round.HasField("relay_stats"):  # the relay's fold / fan-out counters (/metrics)
+                self.status.book.relay_stats(env.sender.host, env.sender.incarnation, env.round.relay_stats)
             return self._on_round(None, env.round, d.blobs, relay=route)
         if kind in ("timing", "metrics", "round"):
             rank = self._owned_rank(route, env, d)
             if kind == "timing":
+                if env.timing.HasField("time_account"):  # goodput / badput by cause (/metrics)
+                    self.status.book.time_account(rank, env.sender.incarnation, env.timing.time_account)
                 if env.timing.WhichOneof("event") == "checkpoint_result":
                     self.checkpointing.on_result(rank, env.timing.checkpoint_result)
                 return self._feed(timing_event(now, env.timing))
@@ -674,6 +681,7 @@ class CoordinatorService:
             self._journal_write(to_record(ev))
             try:
                 self.state, commands = step(self.state, ev)
+                self.status.book.stepped(self.state)  # times a round that just finished
             except RankViolation as e:
                 # A peer's illegal frame: the core validated before changing anything, so
                 # the state is intact (replay skips the same record). Drop it and go on.
@@ -690,7 +698,7 @@ class CoordinatorService:
         if self._status_stale:
             self._status_stale = False
             self.status.update(self.state, self.dropped, self.reducer, checkpoints=self.checkpointing.status(self.state),
-                               events=self._events_stepped)
+                               events=self._events_stepped, journal=journal_stats(self._journal, time.monotonic))
 
     def _execute(self, cmd) -> None:
         if isinstance(cmd, Send):

@@ -72,6 +72,12 @@ class ServiceKeys:
                            doc="write the run summary JSON here")  # fmt: skip
     http: str = setting("", per_process=True, help="serve /status and /metrics on host:port",
                         doc="`host:port` for `/status` (JSON) and `/metrics` (Prometheus)")  # fmt: skip
+    metrics_rank_labels: int = setting(
+        64, per_process=True,
+        help="/metrics: per-rank series (rank label) for ranks below this; the rest are summed as rank=other",
+        doc="`/metrics`: ranks below this get their own `rank` label; counters and rates of the others are "
+        "summed under `rank=\"other\"` (bounded cardinality on a large world; 0 = all under `other`)",
+    )  # fmt: skip
     tick_interval_s: float = setting(
         0.05, per_process=True,
         help="the service's poll period: a Tick (the core's clock) at least this often, traffic or not",
@@ -332,6 +338,8 @@ def load_settings(
         raise SettingsError("config error: tick_interval_s must be > 0")
     if max_message_bytes_problem(s.max_message_bytes):
         raise SettingsError(f"config error: max_message_bytes {max_message_bytes_problem(s.max_message_bytes)}")
+    if s.metrics_rank_labels < 0:
+        raise SettingsError("config error: metrics_rank_labels must be >= 0 (flag --metrics-rank-labels)")
     if s.checkpoint_every < 0 or s.checkpoint_keep < 0:
         raise SettingsError("config error: checkpoint_every and checkpoint_keep must be >= 0")
     if s.checkpoint_every > 0 and not s.checkpoint_dir:

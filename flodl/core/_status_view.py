@@ -6,7 +6,8 @@ string keys only), so the service's HTTP thread can serve the latest view while 
 steps the state on. Phases are written by name (``"TRAINING"``, ``"ACTIVE"``, ...).
 
 ``reasons`` says why the next round or epoch has not happened yet: the averaging gate's
-last answer (``rounds.gate_reason``) under ``"round"``, then whatever the core records
+last answer (``rounds.gate_reason``) under ``"round"``, while training why the next
+epoch is not aggregated yet under ``"epoch"``, then whatever the core records
 in a ``reasons`` mapping on the state (read if present), each as ``name -> sentence``.
 """
 
@@ -16,6 +17,8 @@ import math
 from typing import Any, Optional
 
 from ._averaging import waiting_for
+from ._metrics import next_ready
+from ._phases import TRAINING
 from ._state import PENDING, CoordinatorState
 
 __all__ = ["status_view"]
@@ -39,6 +42,10 @@ def _reasons(st: CoordinatorState) -> dict[str, str]:
     gate = st.rounds.gate_reason
     if gate:
         out["round"] = str(gate)
+    if st.run.phase is TRAINING:
+        ready, why = next_ready(st)
+        if not ready:
+            out["epoch"] = why
     extra = getattr(st, "reasons", None)
     if isinstance(extra, dict):
         for k, v in extra.items():
@@ -56,9 +63,12 @@ def status_view(st: CoordinatorState) -> dict[str, Any]:
     per_epoch = st.total_samples
     total = per_epoch * cfg.num_epochs
     committed = sum(ec.unique for ec in st.coverage.epochs.values())
+    windows = list(st.cadence.elche.batch_counts) if st.cadence is not None else []
     return {
         "now": _num(st.now),
         "world_size": cfg.world_size,
+        "policy": cfg.policy,
+        "plane": cfg.plane,
         "run": {
             "phase": _name(run.phase),
             "formed_at": _num(run.formed_at),
@@ -84,6 +94,7 @@ def status_view(st: CoordinatorState) -> dict[str, Any]:
                 "batches": rec.batches,
                 "last_step": rec.last_step,
                 "folded_step": rec.folded_step,
+                "window": windows[rec.rank] if rec.rank < len(windows) else None,  # cadence: batches planned
                 "last_seen": _num(rec.last_seen),
                 "reason": rec.reason,
             }
