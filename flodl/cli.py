@@ -28,8 +28,10 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 
-from flodl import strictjson
+from flodl import statustable, strictjson
 
 from .procutil import death_signal_hook
 
@@ -43,6 +45,33 @@ TASKS = {
 
 class LaunchError(Exception):
     pass
+
+
+DEFAULT_STATUS_HTTP = "127.0.0.1:8080"
+
+
+def fetch_status(hostport: str, timeout: float = 5.0) -> dict:
+    """GET http://HOSTPORT/status; a coordinator that cannot be reached is a LaunchError saying why."""
+    host = hostport.removeprefix("http://").rstrip("/")
+    url = f"http://{host}/status"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read().decode())
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        why = getattr(e, "reason", e)
+        raise LaunchError(f"cannot read {url}: {why} (is the coordinator running with --http {host}?)") from None
+
+
+def _status(args) -> int:
+    doc = fetch_status(args.http, args.timeout)
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return 0
+    try:
+        print(statustable.render(doc))
+    except statustable.StatusSchemaError as e:
+        raise LaunchError(str(e)) from None
+    return 0
 
 
 def _slowdowns(text: str, ranks: int) -> list[float]:
@@ -116,12 +145,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     _settings_module().add_flags(g, forwarded_keys(), choices=True)
     r.add_argument("task_args", nargs=argparse.REMAINDER, help="-- extra arguments for the task script")
+    st = sub.add_parser("status", help="show a running coordinator's /status as a table",
+                        description="Read a coordinator's /status (docs/status.md) and print it as a table.")
+    st.add_argument("--http", default=os.environ.get("FLODL_HTTP") or DEFAULT_STATUS_HTTP,
+                    help=f"the coordinator's http host:port (its --http setting; default FLODL_HTTP or "
+                    f"{DEFAULT_STATUS_HTTP})")
+    st.add_argument("--json", action="store_true", help="print the raw /status document")
+    st.add_argument("--timeout", type=float, default=5.0, help="HTTP timeout in seconds (5)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
+        if args.cmd == "status":
+            return _status(args)
         return _run_local(args)
     except LaunchError as e:
         print(f"flodl: {e}", file=sys.stderr)

@@ -154,6 +154,7 @@ class RunBook:
         self.leaves = 0
         self._death_of: dict[int, str] = {}  # rank -> class of its last death (a restart's reason)
         self._incarnation: dict[int, int] = {}  # rank -> the incarnation last seen admitted
+        self._formed_before = False  # the world had formed at the previous publish
         self._accounts: dict[tuple[int, int], dict[str, float]] = {}  # (rank, incarnation) -> latest
         self._relays: dict[tuple[str, int], dict[str, int]] = {}  # (relay, incarnation) -> latest
         self._rates: dict[int, _Rate] = {}
@@ -272,7 +273,10 @@ class RunBook:
     def _admissions(self, st) -> None:
         """A slot admitted with a new incarnation: a join (its first) or a restart (by
         the class of the death it replaces)."""
-        formed = st.run.formed_at is not None
+        # Formed *before* the previous publish: a rank admitted since then may be the very
+        # one whose hello formed the world (a formation join, not a late one).
+        late = self._formed_before
+        self._formed_before = st.run.formed_at is not None
         for rec in st.ranks:
             inc = rec.incarnation
             if not inc or self._incarnation.get(rec.rank) == inc:
@@ -280,7 +284,7 @@ class RunBook:
             if rec.rank in self._incarnation:
                 self.restarts[self._death_of.get(rec.rank, "other")] += 1
             else:
-                self.joins["late" if formed else "formation"] += 1
+                self.joins["late" if late else "formation"] += 1
             self._incarnation[rec.rank] = inc
 
 
