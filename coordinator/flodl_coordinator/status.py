@@ -142,8 +142,9 @@ def status_document(core: dict, book: RunBook, *, session: str, events: int, dro
             "open_s": (now - rnd["opened_at"]) if rnd["open"] and rnd["opened_at"] is not None else None,
             "refused": rnd["refused"],
         },
-        "waiting": {"round": core["reasons"].get("round"), "epoch": core["reasons"].get("epoch"),
-                    **{k: v for k, v in core["reasons"].items() if k not in ("round", "epoch")}},
+        # The gate's answer, the epoch rule's ("aggregate"), then every other rule's why-not.
+        "waiting": {"round": core["reasons"].get("round"), "epoch": core["reasons"].get("aggregate"),
+                    **{k: v for k, v in core["reasons"].items() if k not in ("round", "aggregate")}},
         "alerts": alerts(core, dropped, checkpoints, journal, heartbeat_s),
         "bus": {"rounds": reducer.rounds_completed, "bytes_in": reducer.bytes_in, "bytes_out": reducer.bytes_out},
         "dropped_frames": dropped,

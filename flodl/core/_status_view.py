@@ -6,8 +6,7 @@ string keys only), so the service's HTTP thread can serve the latest view while 
 steps the state on. Phases are written by name (``"TRAINING"``, ``"ACTIVE"``, ...).
 
 ``reasons`` says why the next round or epoch has not happened yet: the averaging gate's
-last answer (``rounds.gate_reason``) under ``"round"``, while training why the next
-epoch is not aggregated yet under ``"epoch"``, then whatever the core records
+last answer (``rounds.gate_reason``) under ``"round"``, then whatever the core records
 in a ``reasons`` mapping on the state (read if present), each as ``name -> sentence``.
 """
 
@@ -17,8 +16,6 @@ import math
 from typing import Any, Optional
 
 from ._averaging import waiting_for
-from ._metrics import next_ready
-from ._phases import TRAINING
 from ._state import PENDING, CoordinatorState
 
 __all__ = ["status_view"]
@@ -42,10 +39,6 @@ def _reasons(st: CoordinatorState) -> dict[str, str]:
     gate = st.rounds.gate_reason
     if gate:
         out["round"] = str(gate)
-    if st.run.phase is TRAINING:
-        ready, why = next_ready(st)
-        if not ready:
-            out["epoch"] = why
     extra = getattr(st, "reasons", None)
     if isinstance(extra, dict):
         for k, v in extra.items():
