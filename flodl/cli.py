@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import select
 import shutil
@@ -33,6 +34,7 @@ import urllib.request
 
 from flodl import statustable, strictjson
 
+from .liveview import LiveView
 from .procutil import death_signal_hook
 
 __all__ = ["main"]
@@ -48,6 +50,18 @@ class LaunchError(Exception):
 
 
 DEFAULT_STATUS_HTTP = "127.0.0.1:8080"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_LEVEL_RX = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+
+
+def shown(line: str, level: str) -> bool:
+    """Whether a child's log line is at or above ``level`` (a line naming no level -- a
+    traceback, a print -- always is)."""
+    m = _LEVEL_RX.search(line)
+    if m is None:
+        return True
+    order = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    return order.index(m.group(1)) >= order.index(level)
 
 
 def fetch_status(hostport: str, timeout: float = 5.0) -> dict:
@@ -139,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
                    "(the agent and its relay get a client key; loopback needs none, this exercises it)")
     r.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     r.add_argument("--quiet", action="store_true", help="only print the summary")
+    r.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                   help="show the processes' log lines at or above this level (default WARNING: a healthy "
+                   "run shows its progress, one line per epoch and the summary; INFO: every decision)")
     g = r.add_argument_group(
         "coordinator settings",
         "forwarded to flodl-coordinator serve (README, Configuration); also read from FLODL_<KEY>",
@@ -190,12 +207,14 @@ def _check(args):
     return settings
 
 
-def _pump(stream, prefix: str, quiet: bool, sink: list | None = None) -> None:
+def _pump(stream, prefix: str, quiet: bool, level: str = "DEBUG", view: LiveView | None = None) -> None:
     for raw in iter(stream.readline, ""):
         line = raw.rstrip("\n")
-        if sink is not None:
-            sink.append(line)
-        if not quiet:
+        if quiet or not shown(line, level):
+            continue
+        if view is not None:
+            view.emit(f"{prefix}{line}")
+        else:
             print(f"{prefix}{line}", flush=True)
 
 
@@ -212,8 +231,11 @@ def _run_local(args) -> int:
         "--session", session,
         "--world-size", str(args.ranks),
         "--summary", summary_path,
+        "--log-level", args.log_level,
         *coordinator_flags(args),
     ]  # fmt: skip
+    if not settings.http:  # the live view reads /status; port 0: the coordinator says which one
+        coord_cmd += ["--http", "127.0.0.1:0"]
     agent_curve: list[str] = []
     if args.curve:
         coord_curve, agent_curve = _throwaway_keys(workdir)
@@ -227,13 +249,17 @@ def _run_local(args) -> int:
     procs = [coord]
     pumps: list[threading.Thread] = []
     rc = 1
+    view: LiveView | None = None
     try:
-        endpoint = _await_ready(coord, "COORDINATOR_READY", deadline=t0 + 60, stop=stop)
-        pumps.append(threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", args.quiet), daemon=True))
+        endpoint, http = _await_ready(coord, "COORDINATOR_READY", deadline=t0 + 60, stop=stop)
+        if http and not args.quiet:
+            view = LiveView(http).start()
+        pumps.append(threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", args.quiet, args.log_level,
+                                                          view), daemon=True))  # fmt: skip
         pumps[-1].start()
         extra = [a for a in args.task_args if a != "--"]
         agent_cmd = [
-            py, "-m", "flodl_worker", "agent",
+            py, "-m", "flodl_worker", "--log-level", args.log_level, "agent",
             "--coordinator", endpoint,
             "--ranks", str(args.ranks),
             "--world-size", str(args.ranks),
@@ -250,7 +276,8 @@ def _run_local(args) -> int:
         if endpoint is not None:
             agent = subprocess.Popen(agent_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **spawn)
             procs.append(agent)
-            pumps.append(threading.Thread(target=_pump, args=(agent.stdout, "[agent] ", args.quiet), daemon=True))
+            pumps.append(threading.Thread(target=_pump, args=(agent.stdout, "[agent] ", args.quiet, args.log_level,
+                                                              view), daemon=True))  # fmt: skip
             pumps[-1].start()
             rc = _wait_all(procs, t0 + args.timeout, stop)
     finally:
@@ -264,7 +291,7 @@ def _run_local(args) -> int:
         print(f"flodl: stopped by {name} before the run completed", file=sys.stderr, flush=True)
         rc = 128 + stop.signum
     wall = time.monotonic() - t0
-    return _report(args, settings, summary_path, rc, wall)
+    return _report(args, settings, summary_path, rc, wall, view)
 
 
 # After a stop signal: the coordinator asks the ranks to shut down and writes its summary
@@ -355,11 +382,12 @@ def _throwaway_keys(workdir: str) -> tuple[list[str], list[str]]:
     return coord, agent
 
 
-def _await_ready(proc, token: str, deadline: float, stop: _StopSignals) -> str | None:
-    """The endpoint the coordinator prints once bound; None if a stop signal came first."""
+def _await_ready(proc, token: str, deadline: float, stop: _StopSignals) -> tuple[str | None, str | None]:
+    """(endpoint, http host:port or None) the coordinator prints once bound; (None, None)
+    if a stop signal came first."""
     while time.monotonic() < deadline:
         if stop.signum is not None:
-            return None
+            return None, None
         ready, _, _ = select.select([proc.stdout], [], [], 0.2)
         if not ready:
             continue
@@ -368,7 +396,9 @@ def _await_ready(proc, token: str, deadline: float, stop: _StopSignals) -> str |
             err = proc.stderr.read() if proc.poll() is not None else ""
             raise LaunchError(f"coordinator exited before it was ready: {err.strip()[-2000:]}")
         if line.startswith(token):
-            return line.split()[1]
+            words = line.split()
+            http = next((w.removeprefix("http=") for w in words[2:] if w.startswith("http=")), None)
+            return words[1], http
     raise LaunchError("coordinator did not become ready within 60 s")
 
 
@@ -393,13 +423,17 @@ def _wait_all(procs, deadline: float, stop: _StopSignals) -> int:
     return 124
 
 
-def _report(args, settings, summary_path: str, rc: int, wall: float) -> int:
+def _report(args, settings, summary_path: str, rc: int, wall: float, view: LiveView | None = None) -> int:
     try:
         with open(summary_path, encoding="utf-8") as fh:
             summary = json.load(fh)
     except (OSError, json.JSONDecodeError):
+        if view is not None:
+            view.finish(None)
         print(f"flodl: the run produced no summary (coordinator exit code {rc})", file=sys.stderr)
         return rc or 1
+    if view is not None:  # the epochs the live view had not shown yet
+        view.finish(summary, settings.epochs)
     summary["launcher_wall_s"] = round(wall, 3)
     summary.setdefault("task", args.task)
     summary["slowdown"] = args.slowdown

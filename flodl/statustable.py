@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["render", "progress_line", "bar", "fmt_duration", "SCHEMA_VERSION", "StatusSchemaError"]
+__all__ = ["render", "progress_line", "epoch_line", "bar", "fmt_duration", "SCHEMA_VERSION", "StatusSchemaError"]
 
 SCHEMA_VERSION = 1
 BAR_WIDTH = 24
@@ -65,6 +65,28 @@ def progress_line(doc: dict) -> str:
         f"{run['phase']:<9} {bar(p['fraction'])} {_pct(p['fraction']):>6}  epoch {epoch}  "
         f"{_num(p['samples_per_s'])} samples/s  eta {fmt_duration(p['eta_s'])}  {rates}"
     ).rstrip()
+
+
+def epoch_line(e: dict, num_epochs: int, doc: Optional[dict] = None) -> str:
+    """One line for an aggregated epoch (a ``recent_epochs`` row, or a summary ``epochs`` row),
+    with the run's progress and ETA when ``doc`` (the /status it came with) is given."""
+    loss = e.get("avg_loss")
+    wall = e.get("wall_s")
+    if wall is None and e.get("epoch_ms") is not None:
+        wall = e["epoch_ms"] / 1e3
+    rates = e.get("samples_per_s") or e.get("per_rank_throughput") or []
+    cov = e.get("coverage") or {}
+    parts = [f"epoch {e['epoch'] + 1}/{num_epochs}", f"loss {'-' if loss is None else format(loss, '.4f')}",
+             f"wall {fmt_duration(wall)}"]  # fmt: skip
+    if doc is not None:
+        p = doc["progress"]
+        parts.append(f"{bar(p['fraction'])} {_pct(p['fraction'])} eta {fmt_duration(p['eta_s'])}")
+    if rates:
+        parts.append(" ".join(f"r{i} {_num(x)}/s" for i, x in enumerate(rates)))
+    if cov:
+        parts.append(f"coverage {cov.get('trained')}/{cov.get('expected')} dup {cov.get('duplicates')} "
+                     f"missing {cov.get('missing')}")  # fmt: skip
+    return "  ".join(parts)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -223,7 +223,8 @@ class RunBook:
         now = st.now
         self._admissions(st)
         prog = view["progress"]
-        self._committed_rate.add(now, prog["samples_committed"])
+        if prog["samples_committed"]:  # from the first commit: the world forming is not a slow rate
+            self._committed_rate.add(now, prog["samples_committed"])
         ranks = []
         for r in view["ranks"]:
             rate = self._rates.setdefault(r["rank"], _Rate())

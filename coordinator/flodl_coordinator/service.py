@@ -130,7 +130,7 @@ class CoordinatorService:
         settings = self.checkpointing.pinned(settings)
         self.settings = settings
         self.clock = clock
-        self._ready = ready or (lambda ep: print(f"COORDINATOR_READY {ep}", flush=True))
+        self._ready = ready or self._announce
         self.config = settings.core_config()
         self.curve_keys = load_server_keys(settings)  # None: no CURVE; a bad key file: SettingsError
         # An unfinished run in the journal is rebuilt by replay (``recovery``); else a fresh one.
@@ -181,6 +181,11 @@ class CoordinatorService:
         self._wake_w.setblocking(False)
 
     # -- lifecycle ---------------------------------------------------------------
+
+    def _announce(self, ep: str) -> None:
+        """The ready line on stdout; with ``http``, the bound status address as a third token."""
+        h = self.status.http_address
+        print(f"COORDINATOR_READY {ep}" + (f" http={h[0]}:{h[1]}" if h else ""), flush=True)
 
     def request_stop(self) -> None:
         """Ask the loop to stop gracefully (safe from a signal handler or another thread)."""

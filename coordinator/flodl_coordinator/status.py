@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
@@ -32,6 +33,8 @@ SCHEMA_VERSION = 1
 SILENT_HEARTBEATS = 3
 # A journal not durable for this long is an alert (fsyncs normally happen every pass).
 JOURNAL_LAG_ALERT_S = 5.0
+# Epochs kept in ``recent_epochs``: a reader polling every few seconds misses none.
+RECENT_EPOCHS = 32
 
 
 class StatusBoard:
@@ -40,12 +43,14 @@ class StatusBoard:
         self.registry = new_registry(self.book)
         self._snap: dict = {"schema_version": SCHEMA_VERSION, "run": {"phase": "starting"}}
         self._last_epoch: dict = {}
+        self._recent: deque[dict] = deque(maxlen=RECENT_EPOCHS)
         self._events = 0
         self.http_address: tuple | None = None
 
     def notice(self, cmd) -> None:
         if cmd.kind == "epoch":
             self._last_epoch = dict(cmd.data)
+            self._recent.append(_last_epoch(self._last_epoch))
         self.book.noticed(cmd.kind, cmd.data)
 
     def update(self, state, dropped, reducer, checkpoints: dict | None = None, events: int | None = None,
@@ -58,7 +63,7 @@ class StatusBoard:
         self._snap = status_document(
             core, self.book, session=self.book.run, events=self._events, dropped=dict(dropped), reducer=reducer,
             checkpoints=checkpoints or {}, last_epoch=self._last_epoch, journal=journal or {},
-            heartbeat_s=state.config.heartbeat_interval_s,
+            heartbeat_s=state.config.heartbeat_interval_s, recent_epochs=list(self._recent),
         )  # fmt: skip
 
     def snapshot(self) -> dict:
@@ -96,7 +101,8 @@ class StatusBoard:
 
 
 def status_document(core: dict, book: RunBook, *, session: str, events: int, dropped: dict, reducer,
-                    checkpoints: dict, last_epoch: dict, journal: dict, heartbeat_s: float) -> dict:  # fmt: skip
+                    checkpoints: dict, last_epoch: dict, journal: dict, heartbeat_s: float,
+                    recent_epochs: list | None = None) -> dict:  # fmt: skip
     """The ``/status`` document (docs/status.md) from the core's view and the service's books."""
     run, ep, prog = core["run"], core["epoch"], core["progress"]
     now = core["now"] or 0.0
@@ -136,6 +142,7 @@ def status_document(core: dict, book: RunBook, *, session: str, events: int, dro
         },
         "membership": membership,
         "last_epoch": _last_epoch(last_epoch),
+        "recent_epochs": list(recent_epochs or []),
         "round": {
             "open": rnd["open"], "cycle": rnd["cycle"], "phase": rnd["phase"], "version": rnd["version"],
             "ranks": rnd["ranks"], "waiting_for": rnd["waiting_for"],

@@ -171,10 +171,16 @@ def test_flodl_status_prints_the_live_run_as_a_table(live):
     assert raw["schema_version"] == 1 and len(raw["membership"]) == RANKS
 
 
-def test_the_run_ends_cleanly_with_nothing_at_warning_level(live):
+def test_the_launcher_shows_one_line_per_epoch_and_nothing_at_warning_level(live):
     assert live["rc"] == 0, live["out"][-4000:]
-    alarming = [ln for ln in live["out"].splitlines() if any(w in ln for w in (" WARNING ", " ERROR ", "Traceback"))]
+    lines = live["out"].splitlines()
+    alarming = [ln for ln in lines if any(w in ln for w in ("WARNING", "ERROR", "Traceback"))]
     assert not alarming, alarming[:10]
+    epochs = [ln.split()[1] for ln in lines if ln.startswith("epoch ")]
+    assert epochs == [f"{e}/{EPOCHS}" for e in range(1, EPOCHS + 1)], lines[:40]
+    # Below WARNING nothing of the children's logs shows (--log-level INFO brings it back).
+    assert not [ln for ln in lines if " INFO " in ln or ln.startswith("[")], lines[:40]
+    assert "=== flodl run summary ===" in lines
 
 
 def test_flodl_status_without_a_coordinator_says_why():
