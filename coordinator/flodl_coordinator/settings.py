@@ -49,7 +49,8 @@ class ServiceKeys:
     bind: str = setting(
         "tcp://127.0.0.1:5555", per_process=True,
         help="ZeroMQ endpoint to bind (port 0 = any)",
-        doc="ZeroMQ endpoint (port 0 = any; the chosen one is printed as `COORDINATOR_READY <endpoint>`)",
+        doc="ZeroMQ endpoint (port 0 = any; the chosen one is printed as `COORDINATOR_READY <endpoint>`, "
+        "followed by `http=HOST:PORT` when `http` is set)",
     )  # fmt: skip
     session: str = setting(
         "flodl", help="run id every peer must name; frames of another session are refused",
@@ -70,8 +71,9 @@ class ServiceKeys:
     )  # fmt: skip
     summary: str = setting("", per_process=True, help="write the run summary JSON here at the end",
                            doc="write the run summary JSON here")  # fmt: skip
-    http: str = setting("", per_process=True, help="serve /status and /metrics on host:port",
-                        doc="`host:port` for `/status` (JSON) and `/metrics` (Prometheus)")  # fmt: skip
+    http: str = setting("", per_process=True, help="serve /status and /metrics on host:port (port 0 = any)",
+                        doc="`host:port` for `/status` (JSON) and `/metrics` (Prometheus), docs/status.md; "
+                        "port 0 = any (named on the ready line)")  # fmt: skip
     metrics_rank_labels: int = setting(
         64, per_process=True,
         help="/metrics: per-rank series (rank label) for ranks below this; the rest are summed as rank=other",

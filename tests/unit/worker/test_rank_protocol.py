@@ -11,6 +11,7 @@ import hashlib
 import numpy as np
 import pytest
 
+from flodl.rank import CAUSES
 from flodl.shuffle import epoch_permutation
 from flodl.wire import pack_round, pb, unpack_round
 from flodl_worker.rank import EXIT_CONFIG, gamma_mass, rank_main
@@ -123,6 +124,14 @@ def test_rank_full_cycle_against_fake_coordinator(coordinator, procs, py, tmp_pa
     ex = d.envelope.timing.exiting
     digest = hashlib.sha256(b"".join(c.astype("<f4").tobytes() for c in consensus)).digest()
     assert (ex.param_digest, ex.steps) == (digest, 4)
+    # Where its time went, by cause (flodl.rank.TimeAccount): every cause it went through
+    # is charged, and they add up to its wall time.
+    acct = d.envelope.timing.time_account
+    causes = {c: getattr(acct, f"{c}_s") for c in CAUSES}
+    for cause in ("startup", "training", "averaging", "eval", "barrier"):  # (sync: no calibration window)
+        assert causes[cause] > 0, (cause, causes)
+    assert causes["calibration"] == causes["recovery"] == causes["checkpoint"] == 0
+    assert sum(causes.values()) == pytest.approx(acct.wall_s, rel=1e-9)
     code, err = wait_exit(proc)
     assert code == 0, err
     assert err.count("dropped a frame from the coordinator (malformed)") == 1
