@@ -62,6 +62,9 @@ _DEATH_CLASSES = (
 )
 
 
+_ZERO_TIME = dict.fromkeys((*CAUSES, "wall"), 0.0)
+
+
 def death_class(reason: str) -> str:
     for name, rx in _DEATH_CLASSES:
         if rx.search(reason):
@@ -158,6 +161,7 @@ class RunBook:
         self._accounts: dict[tuple[int, int], dict[str, float]] = {}  # (rank, incarnation) -> latest
         self._relays: dict[tuple[str, int], dict[str, int]] = {}  # (relay, incarnation) -> latest
         self._rates: dict[int, _Rate] = {}
+        self._time_by_rank: dict[int, dict[str, float]] = {}  # summed over incarnations at publish
         self._committed_rate = _Rate()
         self.sample = Sample(run=run, rank_labels=rank_labels)
 
@@ -209,11 +213,15 @@ class RunBook:
         return self._committed_rate.per_s()
 
     def time_of(self, rank: int) -> dict[str, float]:
-        out = dict.fromkeys((*CAUSES, "wall"), 0.0)
-        for (r, _inc), row in self._accounts.items():
-            if r == rank:
-                for k, v in row.items():
-                    out[k] += v
+        """Seconds by cause (and ``wall``) of every life of ``rank``, as of the last publish."""
+        return dict(self._time_by_rank.get(rank) or _ZERO_TIME)
+
+    def _sum_accounts(self) -> dict[int, dict[str, float]]:
+        out: dict[int, dict[str, float]] = {}
+        for (r, _inc), row in self._accounts.items():  # one pass: a world of thousands stays cheap
+            acc = out.setdefault(r, dict(_ZERO_TIME))
+            for k, v in row.items():
+                acc[k] += v
         return out
 
     # -- once per tick ---------------------------------------------------------------
@@ -222,6 +230,7 @@ class RunBook:
         """Build the sample a scrape reads from the core state and its status view."""
         now = st.now
         self._admissions(st)
+        self._time_by_rank = self._sum_accounts()
         prog = view["progress"]
         if prog["samples_committed"]:  # from the first commit: the world forming is not a slow rate
             self._committed_rate.add(now, prog["samples_committed"])
@@ -266,7 +275,7 @@ class RunBook:
             dropped=dict(dropped),
             coordinator_restarts=self.coordinator_restarts,
             journal=dict(journal),
-            time={r["rank"]: self.time_of(r["rank"]) for r in view["ranks"]},
+            time={r["rank"]: self._time_by_rank.get(r["rank"]) or dict(_ZERO_TIME) for r in view["ranks"]},
             events=events,
         )
         return self.sample

@@ -113,6 +113,10 @@ LINGER_MS = 2_000
 # its agent says it is restarting it (then until it says "ready"): long enough for the
 # agent's notice, short enough that a host that is gone costs little more than before.
 RELAY_GRACE_S = 3.0
+# /status and /metrics are rebuilt at most this often, and at most 1/PUBLISH_COST_SHARE of
+# the loop's time goes to them (_publish_status).
+PUBLISH_MIN_S = 0.25
+PUBLISH_COST_SHARE = 20
 # How many frames one pass drains before it runs timers again (fairness bound).
 DRAIN_BATCH = 256
 
@@ -170,6 +174,7 @@ class CoordinatorService:
         restarts = self.recovered.restarts + 1 if self.recovered else 0
         self.status = StatusBoard(RunBook(settings.session, settings.metrics_rank_labels, coordinator_restarts=restarts))
         self._status_stale = True
+        self._next_publish = 0.0  # time.monotonic() before which /status is not rebuilt (_publish_status)
         self._events_stepped = 0
         self._journal = _open_journal(settings.journal) if settings.journal else None
         self._journal_error: str | None = None  # set once the journal cannot be written: the run stops
@@ -348,7 +353,7 @@ class CoordinatorService:
             )
 
     def _finish(self) -> int:
-        self._publish_status()  # the end of the run is visible too
+        self._publish_status(force=True)  # the end of the run is visible too
         f = self.finished
         if f is None:
             return 1
@@ -697,13 +702,18 @@ class CoordinatorService:
                 self._execute(cmd)
         self._status_stale = True  # republished once per tick (_publish_status), not per event
 
-    def _publish_status(self) -> None:
-        """The status view walks every rank: build it once per tick when something
-        changed (an operator polls in seconds), not after every event on the hot path."""
-        if self._status_stale:
+    def _publish_status(self, *, force: bool = False) -> None:
+        """The status view walks every rank: build it at most once per tick when something
+        changed (an operator polls in seconds), not after every event on the hot path, and
+        no more often than keeps its cost under 1/PUBLISH_COST_SHARE of the loop's time (a
+        world of thousands of ranks costs tens of ms per build)."""
+        now = time.monotonic()
+        if self._status_stale and (force or now >= self._next_publish):
             self._status_stale = False
             self.status.update(self.state, self.dropped, self.reducer, checkpoints=self.checkpointing.status(self.state),
                                events=self._events_stepped, journal=journal_stats(self._journal, time.monotonic))
+            cost = time.monotonic() - now
+            self._next_publish = now + max(PUBLISH_MIN_S, cost * PUBLISH_COST_SHARE)
 
     def _execute(self, cmd) -> None:
         if isinstance(cmd, Send):
