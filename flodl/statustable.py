@@ -118,7 +118,8 @@ def render(doc: dict) -> str:
     rnd = doc["round"]
     if rnd["open"]:
         lines.append(f"round {rnd['cycle']} open {fmt_duration(rnd['open_s'])}, waiting for ranks {rnd['waiting_for']}")
-    waits = [f"{k}: {v}" for k, v in doc["waiting"].items() if v]
+    # The two an operator asks about (--json has every rule's why-not).
+    waits = [f"{k}: {doc['waiting'][k]}" for k in ("round", "epoch") if doc["waiting"].get(k)]
     if waits:
         lines.append("waiting   " + "; ".join(waits))
     header = ["rank", "phase", "host", "epoch", "samples", "rate/s", "share", "window", "seen", "goodput", "badput"]
