@@ -42,6 +42,12 @@ one the simulator drives: this module decodes frames into its events (``Incarnat
 8. A frame of another coordinator incarnation (the coordinator restarted on its
    journal): ``timing.resync`` first, with what the new process may have lost
    (``flodl_worker.resync``); training goes on.
+9. Time accounting (``flodl.rank.TimeAccount``): from the runtime's import on, every
+   second goes to one cause -- start-up until the first step; training (calibration
+   for the first window of cadence/async, before any consensus); the machine's
+   averaging, checkpoint and eval commands while they run; waits are barrier, or
+   recovery after a DeclareDead, a re-formed group or a restart, until the next
+   consensus. The totals ride on every heartbeat and on Exiting (``time_account``).
 
 Exit codes: 0 clean shutdown; 1 failure (the coordinator went silent or unreachable,
 the user's code raised); 2 configuration error or refused at hello.
