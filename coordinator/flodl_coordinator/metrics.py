@@ -167,6 +167,14 @@ class RunBook:
 
     # -- fed by the service ----------------------------------------------------------
 
+    def members_known(self, st) -> None:
+        """A coordinator recovered from its journal: the ranks already admitted are not
+        joins of this process (its counters start again at 0, as after any restart)."""
+        for rec in st.ranks:
+            if rec.incarnation:
+                self._incarnation[rec.rank] = rec.incarnation
+        self._formed_before = st.run.formed_at is not None
+
     def stepped(self, st) -> None:
         """After every core step: a round that just finished is timed (``rounds.version``)."""
         rs = st.rounds

@@ -115,3 +115,19 @@ def test_relay_counters_are_summed_over_relays_latest_per_relay_process():
     assert fams["flodl_relay_ranks_folded"].samples[0].value == 10
     assert fams["flodl_relay_fanout_copies"].samples[0].value == 6
     assert fams["flodl_relays_reporting"].samples[0].value == 2
+
+
+def test_a_recovered_coordinator_does_not_count_the_members_it_rebuilt_as_joins():
+    st = initial_state(CoreConfig(world_size=2))
+    for r in range(2):
+        st.ranks[r].incarnation = 10 + r
+    st.run.formed_at = 1.0
+    book = RunBook("r", rank_labels=8, coordinator_restarts=1)
+    book.members_known(st)
+    _publish(book, st)
+    st.ranks[1].incarnation = 20  # rank 1 restarted after the coordinator did
+    _publish(book, st)
+    fams = _scrape(book)
+    assert sum(s.value for s in fams["flodl_rank_joins"].samples) == 0
+    assert _values(fams, "flodl_rank_restarts", reason="other") == {(): 1.0}  # (its death predates this process)
+    assert fams["flodl_coordinator_restarts"].samples[0].value == 1
