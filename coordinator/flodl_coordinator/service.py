@@ -172,9 +172,10 @@ class CoordinatorService:
         }  # fmt: skip
         # /metrics' own book (flodl_coordinator.metrics); this process is restart N+1 of a recovered run.
         restarts = self.recovered.restarts + 1 if self.recovered else 0
-        self.status = StatusBoard(RunBook(settings.session, settings.metrics_rank_labels, coordinator_restarts=restarts))
+        book = RunBook(settings.session, settings.metrics_rank_labels, coordinator_restarts=restarts)
+        self.status = StatusBoard(book)
         if self.recovered:
-            self.status.book.members_known(self.state)
+            book.members_known(self.state)
         self._status_stale = True
         self._next_publish = 0.0  # time.monotonic() before which /status is not rebuilt (_publish_status)
         self._events_stepped = 0

@@ -59,7 +59,8 @@ class StatusBoard:
         one more per call); ``journal``: ``metrics.journal_stats`` (empty: no journal)."""
         self._events = self._events + 1 if events is None else events
         core = status_view(state)
-        self.book.publish(state, core, reducer=reducer, dropped=dict(dropped), journal=journal or {}, events=self._events)
+        self.book.publish(state, core, reducer=reducer, dropped=dict(dropped), journal=journal or {},
+                          events=self._events)
         self._snap = status_document(
             core, self.book, session=self.book.run, events=self._events, dropped=dict(dropped), reducer=reducer,
             checkpoints=checkpoints or {}, last_epoch=self._last_epoch, journal=journal or {},

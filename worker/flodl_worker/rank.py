@@ -459,7 +459,8 @@ class _Rank(MachineShell):
             self._drop("before_admission", f"{kind} before hello_ack")
         elif kind == "control":
             which = env.control.WhichOneof("cmd")
-            if self._trained and (which == "declare_dead" or (which == "rendezvous" and env.control.rendezvous.generation > 1)):
+            regrouped = which == "rendezvous" and env.control.rendezvous.generation > 1
+            if self._trained and (which == "declare_dead" or regrouped):
                 self._recovering = True  # a rank died: what the survivors wait from now is its cost
             self.feed(ControlReceived(control=env.control))
         elif kind == "round":
