@@ -196,7 +196,10 @@ def alerts(core: dict, dropped: dict, checkpoints: dict, journal: dict, heartbea
     lag = journal.get("lag_s") or 0.0
     if lag > JOURNAL_LAG_ALERT_S:
         out.append(_alert("warning", "journal_lag", f"journal not durable for {lag:.1f}s"))
-    return out
+    return sorted(out, key=lambda a: _LEVELS.index(a["level"]))  # stable: worst first, then as found
+
+
+_LEVELS = ("error", "warning", "info")
 
 
 def _alert(level: str, kind: str, message: str) -> dict:

@@ -159,3 +159,23 @@ def test_board_update_fills_the_core_block():
     assert snap["core"]["run"]["phase"] == "FORMING"
     assert [r["phase"] for r in snap["core"]["ranks"]] == ["VACANT", "VACANT"]
     json.dumps(snap, allow_nan=False)  # JSON-safe as it stands
+
+
+def test_alerts_say_what_an_operator_should_look_at_worst_first():
+    from flodl.core import DEAD, FINISHED
+
+    st = initial_state(CoreConfig(world_size=2))
+    st.ranks[1].phase, st.ranks[1].reason = DEAD, "killed by signal 9"
+    st.run.phase, st.run.ok, st.run.reason = FINISHED, False, "all ranks lost"
+    board = StatusBoard()
+    board.update(st, {"route_mismatch": 2, "hello_deferred": 1}, BusReducer(), checkpoints={"missing": [3]},
+                 journal={"lag_s": 9.0})  # fmt: skip
+    alerts = [(a["level"], a["kind"], a["message"]) for a in board.snapshot()["alerts"]]
+    assert alerts == [
+        ("error", "run_failed", "the run failed: all ranks lost"),
+        ("error", "checkpoint_missing", "checkpoints asked and not made: [3]"),
+        ("warning", "rank_lost", "rank 1 lost: killed by signal 9"),
+        ("warning", "dropped_frames", "2 frame(s) dropped: route_mismatch"),
+        ("warning", "journal_lag", "journal not durable for 9.0s"),
+        ("info", "dropped_frames", "1 frame(s) dropped: hello_deferred"),
+    ]
