@@ -113,7 +113,8 @@ def test_status_core_block_follows_admission_forming_and_training(service):
     # The operator's view of the same facts: membership, and why the epoch is not done.
     assert [(m["rank"], m["phase"], m["host"]) for m in doc["membership"]] == [(0, "ACTIVE", "host-a"), (1, "ACTIVE", "host-b")]
     assert doc["waiting"]["epoch"] == "epoch 0 not complete"
-    assert doc["alerts"] == []
+    # (these peers never heartbeat: on a slow machine they may already count as silent)
+    assert all(a["kind"] == "rank_silent" for a in doc["alerts"]), doc["alerts"]
 
     # One trained batch shows in rank 0's counters (trained, not yet committed).
     r0.send("timing", pb.Timing(rank=0, batch=pb.Timing.Batch(
