@@ -28,9 +28,9 @@ from .metrics import CAUSES, GOODPUT_CAUSES, RunBook, new_registry
 __all__ = ["StatusBoard", "SCHEMA_VERSION", "status_document"]
 
 SCHEMA_VERSION = 1
-# An ACTIVE rank not heard from for this many heartbeats is shown as an alert (the core
-# declares it dead only at liveness_timeout_s).
-SILENT_HEARTBEATS = 3
+# An ACTIVE rank not heard from for this share of liveness_timeout_s is shown as an alert:
+# halfway to the core declaring it dead.
+SILENT_SHARE = 0.5
 # A journal not durable for this long is an alert (fsyncs normally happen every pass).
 JOURNAL_LAG_ALERT_S = 5.0
 # Epochs kept in ``recent_epochs``: a reader polling every few seconds misses none.
@@ -64,7 +64,7 @@ class StatusBoard:
         self._snap = status_document(
             core, self.book, session=self.book.run, events=self._events, dropped=dict(dropped), reducer=reducer,
             checkpoints=checkpoints or {}, last_epoch=self._last_epoch, journal=journal or {},
-            heartbeat_s=state.config.heartbeat_interval_s, recent_epochs=list(self._recent),
+            silent_s=SILENT_SHARE * state.config.liveness_timeout_s, recent_epochs=list(self._recent),
         )  # fmt: skip
 
     def snapshot(self) -> dict:
@@ -102,7 +102,7 @@ class StatusBoard:
 
 
 def status_document(core: dict, book: RunBook, *, session: str, events: int, dropped: dict, reducer,
-                    checkpoints: dict, last_epoch: dict, journal: dict, heartbeat_s: float,
+                    checkpoints: dict, last_epoch: dict, journal: dict, silent_s: float,
                     recent_epochs: list | None = None) -> dict:  # fmt: skip
     """The ``/status`` document (docs/status.md) from the core's view and the service's books."""
     run, ep, prog = core["run"], core["epoch"], core["progress"]
@@ -153,7 +153,7 @@ def status_document(core: dict, book: RunBook, *, session: str, events: int, dro
         # The gate's answer, the epoch rule's ("aggregate"), then every other rule's why-not.
         "waiting": {"round": core["reasons"].get("round"), "epoch": core["reasons"].get("aggregate"),
                     **{k: v for k, v in core["reasons"].items() if k not in ("round", "aggregate")}},
-        "alerts": alerts(core, dropped, checkpoints, journal, heartbeat_s),
+        "alerts": alerts(core, dropped, checkpoints, journal, silent_s),
         "bus": {"rounds": reducer.rounds_completed, "bytes_in": reducer.bytes_in, "bytes_out": reducer.bytes_out},
         "dropped_frames": dropped,
         "checkpoints": checkpoints,
@@ -172,7 +172,7 @@ def _last_epoch(d: dict) -> Optional[dict]:
     }  # fmt: skip
 
 
-def alerts(core: dict, dropped: dict, checkpoints: dict, journal: dict, heartbeat_s: float) -> list[dict]:
+def alerts(core: dict, dropped: dict, checkpoints: dict, journal: dict, silent_s: float) -> list[dict]:
     """What an operator should look at now, worst first; empty in a healthy run."""
     out: list[dict] = []
     run = core["run"]
@@ -185,7 +185,7 @@ def alerts(core: dict, dropped: dict, checkpoints: dict, journal: dict, heartbea
     for r in core["ranks"]:
         if r["phase"] == "DEAD":
             out.append(_alert("warning", "rank_lost", f"rank {r['rank']} lost: {r['reason']}"))
-        elif r["phase"] == "ACTIVE" and r["last_seen"] and now - r["last_seen"] > SILENT_HEARTBEATS * heartbeat_s:
+        elif r["phase"] == "ACTIVE" and r["last_seen"] and now - r["last_seen"] > silent_s:
             out.append(_alert("warning", "rank_silent", f"rank {r['rank']} silent for {now - r['last_seen']:.1f}s"))
     for rank, why in run["not_admitted"].items():
         out.append(_alert("warning", "not_admitted", f"rank {rank} not admitted: {why}"))
