@@ -187,6 +187,7 @@ class CoordinatorService:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        self._publish_status(force=True)  # /status is a whole document from its first request on
 
     # -- lifecycle ---------------------------------------------------------------
 
