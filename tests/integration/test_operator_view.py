@@ -114,6 +114,12 @@ def test_status_document_validates_and_every_field_is_filled_mid_training(live):
         assert m["rate"] is not None and 0 < m["share"] < 1 and m["window"] >= 1
         assert m["last_seen_s"] is not None and m["goodput_s"] > 0 and m["time_s"]["wall"] > 0
     assert abs(sum(m["share"] for m in doc["membership"]) - 1) < 1e-9
+    # Each rank's own wall clock against the coordinator's: every rank lived through the
+    # whole time since the world formed (less its last report's age, a heartbeat, and slack).
+    since_formed = doc["core"]["now"] - doc["run"]["formed_at"]
+    for m in doc["membership"]:
+        assert m["time_s"]["wall"] >= since_formed - 2.5, (m["rank"], m["time_s"], since_formed)
+        assert sum(v for k, v in m["time_s"].items() if k != "wall") == pytest.approx(m["time_s"]["wall"], rel=0.01)
     # Why nothing happened yet: the epoch in flight is not complete (or a round is gated).
     assert doc["waiting"]["epoch"] or doc["waiting"]["round"]
     assert doc["alerts"] == []  # a healthy run
