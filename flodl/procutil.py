@@ -74,8 +74,11 @@ def exit_now(code: int) -> NoReturn:
     logging.shutdown()
     # The teardown would have flushed files the user's code left open (a log opened at
     # module level, never closed): flush every one that is still open, stdio last.
+    # (type(), not isinstance: isinstance reads ``obj.__class__``, which some objects
+    # answer with a warning -- torch.distributed's deprecated ``reduce_op`` prints a
+    # FutureWarning at every rank's exit.)
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase) and obj not in (sys.stdout, sys.stderr):
+        if issubclass(type(obj), io.IOBase) and obj not in (sys.stdout, sys.stderr):
             _flush(obj)
     for stream in (sys.stdout, sys.stderr):
         _flush(stream)
