@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml coordinator/pyproject.toml worker/pyproject.toml requir
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/flodl run --local --ranks 3 --task digits --slowdown 1,2,4 --epochs 12 --policy cadence --summary demo-summary.json
+	$(BIN)/flodl run --local --ranks 3 --task digits --slowdown 1,2,4 --epochs 12 --policy cadence --summary demo-summary.json --output demo-model
 
 test: setup
 	$(BIN)/python -m pytest -q tests
@@ -39,4 +39,4 @@ proto: setup
 	cp build/proto/flodl/v1/flodl_pb2.py build/proto/flodl/v1/flodl_pb2.pyi flodl/wire/
 
 clean:
-	rm -rf build $(VENV) .pytest_cache demo-summary.json
+	rm -rf build $(VENV) .pytest_cache demo-summary.json demo-model

@@ -1,11 +1,24 @@
 """``flodl``: the local launcher.
 
     flodl run --local --ranks 3 --task digits --slowdown 1,2,4
+    flodl run --local --ranks 3 -- python train.py --lr 0.1
+    flodl run --local --ranks 3 -- python -m flodl_worker.examples.cnn
 
 starts a coordinator, one host agent (which starts the relay and the ranks) on this
 machine, streams progress, prints the run summary and optionally writes it as JSON.
 It only starts processes: every component it runs is a service you can also start
 by hand on separate hosts (see README).
+
+The ranks run the command after ``--`` (any script that calls
+``flodl_worker.run_rank``), with the rank environment the agent gives each one
+(FLODL_RANK, FLODL_CONNECT, ...); ``--task NAME`` is a shortcut for a bundled example,
+and arguments after ``--`` that start with ``-`` go to that example. A rank that fails
+is said the moment it ends (exit code, last stderr line). Ranks that all
+end before the run did (a script that fails at import, or exits without training) are
+reported at once: each one's exit code and last stderr lines, in the output, the
+summary (``rank_exits``) and the exit code. At the end of a successful run the model
+the final eval measured is written to ``--output`` (default: beside ``--summary``, else
+in the run's temporary directory): ``model.pt`` (a plain ``state_dict``) + ``model.json``.
 
 SIGTERM or SIGINT (Ctrl-C) stops the whole tree: the coordinator first (it asks the
 ranks to shut down and writes the summary), then the agent, each within a bound, then
@@ -17,6 +30,7 @@ the signal. The children run in their own sessions and die with the launcher
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -31,6 +45,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 
 from flodl import statustable, strictjson
 
@@ -88,6 +103,38 @@ def _status(args) -> int:
     return 0
 
 
+@dataclass(frozen=True, slots=True)
+class RankCommand:
+    """What every rank process runs, and how the summary names it (``task``)."""
+
+    argv: tuple[str, ...]
+    label: str
+
+
+def rank_command(task: str | None, rest: list[str], python: str) -> RankCommand:
+    """The ranks' command from ``--task`` and what follows ``--``: a command (its first
+    word does not start with ``-``) runs as given; else ``--task`` (default digits) with
+    ``rest`` as the example's arguments."""
+    rest = rest[1:] if rest[:1] == ["--"] else list(rest)
+    if rest and not rest[0].startswith("-"):
+        if task is not None:
+            raise LaunchError(f"give --task {task} or a command after -- ({' '.join(rest[:2])} ...), not both")
+        return RankCommand(tuple(rest), _label(rest))
+    task = task or "digits"
+    return RankCommand((python, "-m", TASKS[task], *rest), task)
+
+
+def _label(argv: list[str]) -> str:
+    """``python train.py ...`` -> ``train.py``; ``python -m pkg.mod`` -> ``pkg.mod``; else the program."""
+    words = argv[1:] if os.path.basename(argv[0]).startswith("python") else argv
+    for i, w in enumerate(words):
+        if w == "-m" and i + 1 < len(words):
+            return words[i + 1]
+        if not w.startswith("-"):
+            return os.path.basename(w)
+    return os.path.basename(argv[0])
+
+
 def _slowdowns(text: str, ranks: int) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
@@ -117,7 +164,7 @@ LAUNCHER_KEYS = {
     "curve_allowed_keys": "--curve",
 }
 # Paths the coordinator is handed absolute (the same files, whatever its working directory).
-_PATH_KEYS = ("checkpoint_dir", "resume")
+_PATH_KEYS = ("checkpoint_dir", "resume", "output")
 
 
 def _settings_module():
@@ -141,7 +188,8 @@ def _parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     r.add_argument("--local", action="store_true", required=True, help="all processes on this machine")
     r.add_argument("--ranks", type=int, default=3, help="number of ranks (default 3; the world size)")
-    r.add_argument("--task", choices=sorted(TASKS), default="digits", help="example task (default digits)")
+    r.add_argument("--task", choices=sorted(TASKS), default=None,
+                   help="a bundled example instead of a command after -- (default digits)")
     r.add_argument("--slowdown", default="1", help="per-rank emulated slowdown factors, e.g. 1,2,4")
     r.add_argument("--base-ms", type=float, default=10.0, help="emulated ms per batch per slowdown unit (10)")
     r.add_argument("--port", type=int, default=0,
@@ -163,7 +211,9 @@ def _parser() -> argparse.ArgumentParser:
         "forwarded to flodl-coordinator serve (README, Configuration); also read from FLODL_<KEY>",
     )
     _settings_module().add_flags(g, forwarded_keys(), choices=True)
-    r.add_argument("task_args", nargs=argparse.REMAINDER, help="-- extra arguments for the task script")
+    r.add_argument("task_args", nargs=argparse.REMAINDER, metavar="-- COMMAND | -- TASK-ARGS",
+                   help="-- python train.py ARGS (or -m module): what each rank runs; or, with --task, "
+                   "arguments for that example (-- --hidden 32)")
     st = sub.add_parser("status", help="show a running coordinator's /status as a table",
                         description="Read a coordinator's /status (docs/status.md) and print it as a table.")
     st.add_argument("--http", default=os.environ.get("FLODL_HTTP") or DEFAULT_STATUS_HTTP,
@@ -227,18 +277,25 @@ class _Console:
             print(line, flush=True)
 
 
-def _pump(stream, prefix: str, console: _Console) -> None:
+def _pump(stream, prefix: str, console: _Console, sink=None) -> None:
     for raw in iter(stream.readline, ""):
-        console.say(f"{prefix}{raw.rstrip(chr(10))}")
+        line = raw.rstrip("\n")
+        if sink is not None:
+            sink.append(line)
+        console.say(f"{prefix}{line}")
 
 
 def _run_local(args) -> int:
     settings = _check(args)
     slow = _slowdowns(args.slowdown, args.ranks)
+    py = sys.executable
+    command = rank_command(args.task, args.task_args, py)
     session = "local-" + secrets.token_hex(6)
     workdir = tempfile.mkdtemp(prefix="flodl-run-")
     summary_path = os.path.join(workdir, "summary.json")
-    py = sys.executable
+    exit_log = os.path.join(workdir, "rank-exits.jsonl")
+    if not args.output and not os.environ.get("FLODL_OUTPUT"):  # beside the summary the user asked for
+        args.output = os.path.dirname(os.path.abspath(args.summary)) if args.summary else workdir
     # An address known before the coordinator binds, so that the agent (relay, ranks:
     # torch takes seconds to import) starts beside it instead of after it.
     endpoint = f"tcp://127.0.0.1:{args.port}" if args.port else f"ipc://{workdir}/coordinator.sock"
@@ -266,11 +323,11 @@ def _run_local(args) -> int:
     coord_started = time.monotonic() - t0  # its timeline_s counts from here
     procs = [coord]
     pumps: list[threading.Thread] = []
-    rc = 1
+    agent_tail: collections.deque = collections.deque(maxlen=20)  # for an agent that fails to start ranks
+    rc, ranks_first = 1, False
     view: LiveView | None = None
     console = _Console(args.quiet, args.log_level)
     try:
-        extra = [a for a in args.task_args if a != "--"]
         agent_cmd = [
             py, "-m", "flodl_worker", "--log-level", args.log_level, "agent",
             "--coordinator", endpoint,
@@ -279,17 +336,19 @@ def _run_local(args) -> int:
             "--session", session,
             "--slowdown", ",".join(f"{s:g}" for s in slow),
             "--base-ms", f"{args.base_ms:g}",
+            "--exit-log", exit_log,
         ]  # fmt: skip
         if args.trace_dir:
             agent_cmd += ["--trace-dir", args.trace_dir]
         if args.no_fold:
             agent_cmd += ["--no-fold"]
         agent_cmd += agent_curve
-        agent_cmd += ["--", py, "-m", TASKS[args.task], *extra]
+        agent_cmd += ["--", *command.argv]
         # The agent dials the coordinator's address while it comes up (ZeroMQ retries).
         agent = subprocess.Popen(agent_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **spawn)
         procs.append(agent)
-        pumps.append(threading.Thread(target=_pump, args=(agent.stdout, "[agent] ", console), daemon=True))
+        pump_args = (agent.stdout, "[agent] ", console, agent_tail)
+        pumps.append(threading.Thread(target=_pump, args=pump_args, daemon=True))
         pumps[-1].start()
         # Still awaited: a coordinator that cannot start is reported, and the agent stopped.
         ready, http = _await_ready(coord, "COORDINATOR_READY", deadline=t0 + 60, stop=stop)
@@ -298,7 +357,7 @@ def _run_local(args) -> int:
         pumps.append(threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", console), daemon=True))
         pumps[-1].start()
         if ready is not None:
-            rc = _wait_all(procs, t0 + args.timeout, stop)
+            rc, ranks_first = _wait_all(procs, t0 + args.timeout, stop, _ExitWatch(exit_log))
     finally:
         if stop.signum is not None or any(p.poll() is None for p in procs):
             _stop_tree(procs, stop)
@@ -310,7 +369,9 @@ def _run_local(args) -> int:
         print(f"flodl: stopped by {name} before the run completed", file=sys.stderr, flush=True)
         rc = 128 + stop.signum
     wall = time.monotonic() - t0
-    return _report(args, settings, summary_path, rc, wall, coord_started, view)
+    exits = _read_exits(exit_log)
+    ended = _RanksEnded(exits, list(agent_tail), procs[-1].returncode) if ranks_first else None
+    return _report(args, settings, command, summary_path, rc, wall, coord_started, exits, ended, view)
 
 
 # After a stop signal: the coordinator asks the ranks to shut down and writes its summary
@@ -421,29 +482,111 @@ def _await_ready(proc, token: str, deadline: float, stop: _StopSignals) -> tuple
     raise LaunchError("coordinator did not become ready within 60 s")
 
 
-def _wait_all(procs, deadline: float, stop: _StopSignals) -> int:
-    """The coordinator's exit code once the run ended; on a stop signal, return at once
-    (the caller stops the tree)."""
+# Every rank is gone but the coordinator still runs: after a normal end it finishes at
+# once (it has the ranks' Exiting frames, or the agent's exit reports of admitted ranks);
+# ranks that never joined (a script that failed at import, or exited without calling
+# run_rank) it cannot know about, so after this grace the launcher stops it and says why.
+RANKS_GONE_GRACE_S = 5.0
+
+
+def _wait_all(procs, deadline: float, stop: _StopSignals, exits: "_ExitWatch") -> tuple[int, bool]:
+    """(the coordinator's exit code once the run ended, whether the ranks ended first and
+    the coordinator had to be stopped); on a stop signal, return at once (the caller
+    stops the tree). A rank that fails meanwhile is said at once (``exits``)."""
     coord = procs[0]
     while time.monotonic() < deadline and stop.signum is None:
+        exits.say_failures()
         if coord.poll() is not None:
             # Give the agent a bounded moment to see its ranks leave.
             _wait_until(lambda: all(p.poll() is not None for p in procs[1:]), time.monotonic() + 30, stop)
-            return coord.returncode
+            return coord.returncode, False
         if all(p.poll() is not None for p in procs[1:]) and len(procs) > 1:
-            # Every rank is gone: the coordinator notices (agent reports / liveness).
-            if not _wait_until(lambda: coord.poll() is not None, time.monotonic() + 60, stop):
-                _stop_tree(procs, stop)
-            return coord.returncode if coord.returncode is not None else 1
+            if _wait_until(lambda: coord.poll() is not None, time.monotonic() + RANKS_GONE_GRACE_S, stop):
+                return coord.returncode, False
+            _stop_tree(procs, stop)
+            return (coord.returncode if coord.returncode is not None else 1), stop.signum is None
         time.sleep(0.2)  # polling child exit codes, not synchronising with them
     if stop.signum is not None:
-        return 1
+        return 1, False
     print("flodl: run timed out; stopping", file=sys.stderr)
-    return 124
+    return 124, False
 
 
-def _report(args, settings, summary_path: str, rc: int, wall: float, coord_started: float = 0.0,
-            view: LiveView | None = None) -> int:
+@dataclass(frozen=True, slots=True)
+class _RanksEnded:
+    """The ranks all ended before the run did: their exits, and the agent's last lines."""
+
+    exits: list[dict]
+    agent_tail: list[str]
+    agent_code: int | None
+
+    def reason(self) -> str:
+        failed = [e for e in self.exits if e.get("code") != 0]
+        if failed:
+            parts = [f"rank {e['rank']} exited with code {e['code']}" + (f" ({e['last_lines'][-1].strip()})"
+                     if e.get("last_lines") else "") for e in failed]  # fmt: skip
+            return "the ranks ended before the run did: " + "; ".join(parts)
+        if self.exits:
+            return ("every rank exited with code 0 before the run did: does the script call "
+                    "flodl_worker.run_rank (and train, rather than exit early)?")
+        return f"the agent exited with code {self.agent_code} before the run did, without starting a rank"
+
+    def details(self) -> str:
+        """The reason, with each failed rank's last stderr lines (or the agent's)."""
+        lines = [f"flodl: {self.reason()}"]
+        for e in self.exits:
+            if e.get("code") != 0 and e.get("last_lines"):
+                lines.append(f"  rank {e['rank']} (exit code {e['code']}), its last lines:")
+                lines += [f"    {t}" for t in e["last_lines"]]
+        if not self.exits and self.agent_tail:
+            lines.append("  the agent's last lines:")
+            lines += [f"    {t}" for t in self.agent_tail]
+        return "\n".join(lines)
+
+
+class _ExitWatch:
+    """The agent's exit log as it grows: each failed rank is said on stderr the moment it
+    ends (``--quiet`` too: the agent's own line is not shown then), with its last line."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.seen = 0
+
+    def say_failures(self) -> None:
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                *complete, _partial = fh.read().split("\n")  # a line being written waits
+        except FileNotFoundError:
+            return  # no rank has ended yet
+        except OSError:
+            return  # the report at the end reads it again, and says why if it cannot
+        for line in complete[self.seen :]:
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue  # (the report at the end names a bad line)
+            if e.get("code") != 0:
+                last = f": {e['last_lines'][-1].strip()}" if e.get("last_lines") else ""
+                print(f"flodl: rank {e.get('rank')} exited with code {e.get('code')}{last}", file=sys.stderr, flush=True)
+        self.seen = len(complete)
+
+
+def _read_exits(path: str) -> list[dict]:
+    """The agent's exit log: one record per rank exit (rank, code, restarts, last_lines)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh if line.strip()]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        print(f"flodl: cannot read the agent's exit log {path}: {e}", file=sys.stderr)
+        return []
+
+
+def _report(args, settings, command: RankCommand, summary_path: str, rc: int, wall: float, coord_started: float,
+            exits: list[dict], ended: _RanksEnded | None, view: LiveView | None = None) -> int:  # fmt: skip
+    if ended is not None:
+        print(ended.details(), file=sys.stderr, flush=True)
     try:
         with open(summary_path, encoding="utf-8") as fh:
             summary = json.load(fh)
@@ -454,6 +597,10 @@ def _report(args, settings, summary_path: str, rc: int, wall: float, coord_start
         return rc or 1
     if view is not None:  # the epochs the live view had not shown yet
         view.finish(summary, settings.epochs)
+    if ended is not None or any(e.get("code") != 0 for e in exits):  # who ended how
+        summary["rank_exits"] = exits
+    if ended is not None:
+        summary.update(ok=False, reason=ended.reason())
     summary["launcher_wall_s"] = round(wall, 3)
     # From the launcher's start to the first batch, and from the run's end to the
     # launcher's (the coordinator's timeline counts from its own start).
@@ -462,7 +609,7 @@ def _report(args, settings, summary_path: str, rc: int, wall: float, coord_start
         summary["time_to_first_batch_s"] = round(coord_started + timeline["first_batch"], 3)
     if "run_finished" in timeline:
         summary["teardown_s"] = round(wall - coord_started - timeline["run_finished"], 3)
-    summary.setdefault("task", args.task)
+    summary.setdefault("task", command.label)
     summary["slowdown"] = args.slowdown
     summary.setdefault("plane", settings.plane)
     train_wall = summary.get("wall_s") or wall
@@ -472,7 +619,7 @@ def _report(args, settings, summary_path: str, rc: int, wall: float, coord_start
         with open(args.summary, "w", encoding="utf-8") as fh:
             fh.write(strictjson.dumps(summary, indent=2, sort_keys=True))
     _print_summary(summary)
-    ok = bool(summary.get("ok")) and rc == 0
+    ok = bool(summary.get("ok")) and rc == 0 and ended is None
     return 0 if ok else (rc or 1)
 
 
@@ -490,6 +637,11 @@ def _print_summary(s: dict) -> None:
     cov = s.get("coverage", [])
     exact = all(c.get("duplicates") == 0 and c.get("missing") == 0 for c in cov) and bool(cov)
     print(f"coverage: {len(cov)} epochs, every sample exactly once: {exact}")
+    model = s.get("model") or {}
+    if model.get("written"):
+        print(f"model: {model.get('path')}  (metadata {model.get('meta', 'not written')})")
+    elif model:
+        print(f"model: not written ({model.get('reason')})")
 
 
 if __name__ == "__main__":

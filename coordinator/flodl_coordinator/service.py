@@ -95,6 +95,7 @@ from .droplog import DropLog
 from .inbound import recv_frames as _recv_frames, recv_message
 from .journal import Journal, JournalError
 from .metrics import RunBook, journal_stats
+from .output import ModelOutput
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings, SettingsError
 from .status import StatusBoard
@@ -134,6 +135,7 @@ class CoordinatorService:
         # First: a bad --resume or checkpoint_dir is refused before anything starts.
         self.checkpointing = Checkpointing(settings)
         settings = self.checkpointing.pinned(settings)
+        self.output = ModelOutput(settings)  # an unwritable output dir: SettingsError, now
         self.settings = settings
         self.clock = clock
         self._ready = ready or self._announce
@@ -377,6 +379,10 @@ class CoordinatorService:
             ok, why = False, self.checkpointing.missing_reason(missing)
             reason = why if not f.ok or reason == "completed" else f"{reason}; {why}"
             log.error("%s", why)
+        summary["model"], why = self.output.finish(summary, ok)
+        if why:  # a completed run that lost its output model is not ok, and says why
+            ok, reason = False, f"{reason}; {why}"
+            log.error("%s", why)
         summary.update(ok=ok, reason=reason, dropped_frames=dict(self.dropped))
         summary["checkpoints"] = self.checkpointing.summary(self.state)
         if self.agent_errors:
@@ -487,6 +493,8 @@ class CoordinatorService:
                     self._first_batch_at = time.monotonic()
                 if env.timing.WhichOneof("event") == "checkpoint_result":
                     self.checkpointing.on_result(rank, env.timing.checkpoint_result)
+                elif env.timing.WhichOneof("event") == "eval_result":
+                    self.output.on_eval_result(rank, env.timing.eval_result)
                 return self._feed(timing_event(now, env.timing))
             if kind == "metrics":
                 return self._feed(metrics_event(now, env.metrics))
@@ -742,7 +750,7 @@ class CoordinatorService:
             if route is None:
                 self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
                 return
-            control = self.checkpointing.stamp(cmd.rank, cmd.control)
+            control = self.output.stamp(cmd.rank, self.checkpointing.stamp(cmd.rank, cmd.control))
             frames = self.endpoint.frames("control", control, route=tuple(route))
             if not self._send_frames(frames, failed=(cmd.rank, cmd.kind)):
                 self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))

@@ -71,6 +71,13 @@ class ServiceKeys:
     )  # fmt: skip
     summary: str = setting("", per_process=True, help="write the run summary JSON here at the end",
                            doc="write the run summary JSON here")  # fmt: skip
+    output: str = setting(
+        "", per_process=True,
+        help="write the run's consensus model here (model.pt + model.json); empty = beside the summary",
+        doc="directory for the run's output model: `model.pt` (a plain torch `state_dict`, written by the "
+        "rank of the final eval: the model the summary's accuracy measures) and `model.json` (run, epochs, "
+        "accuracy, coverage, policy, world, sha256). Empty: the directory of `summary`; neither: not written",
+    )  # fmt: skip
     http: str = setting("", per_process=True, help="serve /status and /metrics on host:port (port 0 = any)",
                         doc="`host:port` for `/status` (JSON) and `/metrics` (Prometheus), docs/status.md; "
                         "port 0 = any (named on the ready line)")  # fmt: skip

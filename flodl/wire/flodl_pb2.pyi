@@ -357,16 +357,18 @@ class Control(_message.Message):
         cycle: int
         def __init__(self, version: _Optional[int] = ..., target_rank: _Optional[int] = ..., path: _Optional[str] = ..., cycle: _Optional[int] = ...) -> None: ...
     class ExecuteEval(_message.Message):
-        __slots__ = ("schedule_id", "epoch", "target_rank", "final")
+        __slots__ = ("schedule_id", "epoch", "target_rank", "final", "save_model_path")
         SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
         EPOCH_FIELD_NUMBER: _ClassVar[int]
         TARGET_RANK_FIELD_NUMBER: _ClassVar[int]
         FINAL_FIELD_NUMBER: _ClassVar[int]
+        SAVE_MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
         schedule_id: int
         epoch: int
         target_rank: int
         final: bool
-        def __init__(self, schedule_id: _Optional[int] = ..., epoch: _Optional[int] = ..., target_rank: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
+        save_model_path: str
+        def __init__(self, schedule_id: _Optional[int] = ..., epoch: _Optional[int] = ..., target_rank: _Optional[int] = ..., final: _Optional[bool] = ..., save_model_path: _Optional[str] = ...) -> None: ...
     class SetEpochCallbackRole(_message.Message):
         __slots__ = ("rank",)
         RANK_FIELD_NUMBER: _ClassVar[int]
@@ -532,20 +534,24 @@ class Timing(_message.Message):
         cycle: int
         def __init__(self, cycle: _Optional[int] = ...) -> None: ...
     class EvalResult(_message.Message):
-        __slots__ = ("schedule_id", "epoch", "metric", "elapsed_ms", "error", "final")
+        __slots__ = ("schedule_id", "epoch", "metric", "elapsed_ms", "error", "final", "model_sha256", "model_error")
         SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
         EPOCH_FIELD_NUMBER: _ClassVar[int]
         METRIC_FIELD_NUMBER: _ClassVar[int]
         ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
         ERROR_FIELD_NUMBER: _ClassVar[int]
         FINAL_FIELD_NUMBER: _ClassVar[int]
+        MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+        MODEL_ERROR_FIELD_NUMBER: _ClassVar[int]
         schedule_id: int
         epoch: int
         metric: float
         elapsed_ms: float
         error: str
         final: bool
-        def __init__(self, schedule_id: _Optional[int] = ..., epoch: _Optional[int] = ..., metric: _Optional[float] = ..., elapsed_ms: _Optional[float] = ..., error: _Optional[str] = ..., final: _Optional[bool] = ...) -> None: ...
+        model_sha256: bytes
+        model_error: str
+        def __init__(self, schedule_id: _Optional[int] = ..., epoch: _Optional[int] = ..., metric: _Optional[float] = ..., elapsed_ms: _Optional[float] = ..., error: _Optional[str] = ..., final: _Optional[bool] = ..., model_sha256: _Optional[bytes] = ..., model_error: _Optional[str] = ...) -> None: ...
     class CheckpointResult(_message.Message):
         __slots__ = ("version", "elapsed_ms", "error", "sha256", "cycle")
         VERSION_FIELD_NUMBER: _ClassVar[int]

@@ -21,6 +21,9 @@ prefix. Every pass then reaps children (``Popen.poll``) and runs the termination
    negative = killed by that signal). Restart nothing. The coordinator believes the
    report only because the rank's own hello named the same token
    (``flodl_coordinator.agents``): nobody else can report this agent's ranks dead.
+   A failed rank's exit is logged with its last stderr lines (``TAIL_LINES``: a
+   traceback's end), and with ``--exit-log`` every exit is appended there as one JSON
+   line, for a launcher to say why its ranks ended (``flodl run``).
 4. When every rank has ended: stop the relay (SIGTERM, bounded wait, then SIGKILL), flush
    the socket with a bounded linger, exit 0 if every rank exited 0, else 1.
 
@@ -33,6 +36,7 @@ then stops them in order) and, on Linux, get SIGTERM if the agent itself dies.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -44,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import zmq
@@ -89,6 +94,7 @@ HELLO_RESEND_S = 2.0
 HELLO_WARN_S = 5.0
 HELLO_REWARN_S = 30.0
 RESTART_BACKOFF_S = 1.0  # a failed rank's first restart; doubles per restart, at most 30 s
+TAIL_LINES = 12  # a failed rank's last stderr lines, repeated with its exit (a traceback's end)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +126,9 @@ class AgentConfig:
     # Before the world forms its slot is free again and the new process joins; once the
     # run has formed the coordinator refuses it by name (it exits 2 and is not retried).
     max_restarts: int = 0
+    # Each rank exit is appended here as one JSON line (rank, code, restarts, last_lines):
+    # what a launcher reads to say why its ranks ended (``flodl run``); None: not written.
+    exit_log: str | None = None
 
     @property
     def world(self) -> int:
@@ -197,6 +206,7 @@ class _Child:
     buffers: dict = field(default_factory=dict)  # fd -> partial line
     reported: bool = False
     restarts: int = 0  # how many times this rank's process was started again
+    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))  # its last stderr lines
 
 
 class Agent:
@@ -264,27 +274,42 @@ class Agent:
             self.poller.register(f.fileno(), zmq.POLLIN)
         return child
 
-    def _pipe_readable(self, fd: int) -> None:
+    def _pipe_readable(self, fd: int) -> bool:
+        """Pass what ``fd`` holds through with the child's prefix; False once nothing is left."""
         child = self.pipes[fd]
         try:
             data = os.read(fd, 65536)
         except BlockingIOError:
-            return
+            return False
         except OSError:
             data = b""
-        out = sys.stdout.buffer if fd == child.proc.stdout.fileno() else sys.stderr.buffer
+        is_err = fd != child.proc.stdout.fileno()
+        out = sys.stderr.buffer if is_err else sys.stdout.buffer
         if not data:  # EOF: flush the partial line, stop watching
             if child.buffers[fd]:
                 out.write(b"[%s] %s\n" % (child.name.encode(), child.buffers[fd]))
                 out.flush()
+                if is_err:
+                    child.tail.append(child.buffers[fd].decode(errors="replace"))
             self.poller.unregister(fd)
             del self.pipes[fd]
-            return
+            return False
         *lines, rest = (child.buffers[fd] + data).split(b"\n")
         child.buffers[fd] = rest
         if lines:
             out.write(b"".join(b"[%s] %s\n" % (child.name.encode(), line) for line in lines))
             out.flush()
+            if is_err:
+                child.tail.extend(line.decode(errors="replace") for line in lines)
+        return True
+
+    def _drain_child(self, child: _Child) -> None:
+        """Read what an ended child left in its pipes (its last lines; bounded: a grandchild
+        may hold a pipe open)."""
+        for fd in [fd for fd, c in self.pipes.items() if c is child]:
+            for _ in range(64):
+                if fd not in self.pipes or not self._pipe_readable(fd):
+                    break
 
     def _first_relay(self) -> str:
         """Start the relay; one that dies before it is ready is tried again like a relay
@@ -443,7 +468,8 @@ class Agent:
             if code is not None and not child.reported:
                 child.reported = True
                 self._send_agent(rank_exited=pb.AgentMsg.RankExited(rank=child.rank, code=code, token=self.token))
-                (log.info if code == 0 else log.warning)("%s exited with code %d", child.name, code)
+                self._drain_child(child)
+                self._said_exit(child, code)
                 self._maybe_restart(child, code)
         now = time.monotonic()
         for rank, (at, old) in list(self.restart_at.items()):
@@ -457,6 +483,21 @@ class Agent:
         if self.relay_restart_at is not None and time.monotonic() >= self.relay_restart_at and self.stop_reason is None:
             self.relay_restart_at = None
             self._restart_relay()
+
+    def _said_exit(self, child: _Child, code: int) -> None:
+        """Log a rank's exit (a failure with its last stderr lines) and append it to the exit log."""
+        if code == 0 or self.stop_reason is not None:
+            (log.info if code == 0 else log.warning)("%s exited with code %d", child.name, code)
+        else:
+            last = "".join(f"\n    {line}" for line in child.tail)
+            log.warning("%s exited with code %d%s", child.name, code, f"; its last lines:{last}" if last else "")
+        if self.cfg.exit_log:
+            record = {"rank": child.rank, "code": code, "restarts": child.restarts, "last_lines": list(child.tail)}
+            try:
+                with open(self.cfg.exit_log, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(record) + "\n")
+            except OSError as e:
+                log.error("cannot append to the exit log %s: %s", self.cfg.exit_log, e)
 
     def _maybe_restart(self, child: _Child, code: int) -> None:
         """A failed rank process is started again (bounded, with backoff): see max_restarts."""

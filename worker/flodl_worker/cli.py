@@ -133,6 +133,9 @@ def _parser() -> _Parser:
                    help="start a rank process that failed (a signal, or an exit code other than 0 and 2) "
                    "again, up to N times, after 1 s doubling (FLODL_RESTART_COUNT in its environment); "
                    "before the world forms it rejoins, after that the coordinator refuses it (default 0)")
+    a.add_argument("--exit-log", metavar="PATH", default=None,
+                   help="append one JSON line per rank exit here ({rank, code, restarts, last_lines}: "
+                   "its last stderr lines), for a launcher to report why ranks ended")
     _curve_flags(a, "the agent's and the relay's connections to the coordinator (with --no-relay: "
                  "the ranks' too, as FLODL_CURVE_SERVER_KEY / FLODL_CURVE_SECRET_KEY)")
     _max_message_flag(a, "the relay and the ranks (as FLODL_MAX_MESSAGE_BYTES)")
@@ -246,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         curve_secret_key=args.curve_secret_key if curve is not None else None,
         max_message_bytes=args.max_message_bytes,
         max_restarts=args.max_restarts,
+        exit_log=os.path.abspath(args.exit_log) if args.exit_log else None,
     )
     return run_agent(cfg)
 

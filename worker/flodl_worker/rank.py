@@ -35,7 +35,8 @@ one the simulator drives: this module decodes frames into its events (``Incarnat
 5. ``Checkpoint`` for this rank (``flodl_worker.checkpoint_duty``). A
    ``RunSpec.resume_from`` is loaded right after the model and optimizer are built,
    before the first step; a file that does not load exits 2.
-6. ``ExecuteEval`` for this rank runs ``eval_fn`` and answers ``eval_result``;
+6. ``ExecuteEval`` for this rank runs ``eval_fn`` and answers ``eval_result`` (the final
+   one with ``save_model_path`` also writes the evaluated model there: ``output``);
    ``EpochAggregated`` runs ``epoch_fn`` on the rank ``SetEpochCallbackRole`` named and
    answers ``epoch_fn_elapsed``.
 7. ``Shutdown``/``ShutdownWithSave`` -> ``timing.exiting{sha256 of the f32 params and
@@ -77,6 +78,7 @@ import numpy as np
 import torch
 import zmq
 
+from flodl.fsutil import describe_write_error
 from flodl.limits import zmq_maxmsgsize
 from flodl.procutil import exit_now
 from flodl.rank import (
@@ -117,6 +119,7 @@ from .checkpoint import CheckpointLoadError, load_model_file
 from .checkpoint_duty import CheckpointDuty
 from .device import DeviceError, choose_device, to_device
 from .loader import BatchLoader
+from .output import save_output_model
 from .params import gamma_mass, model_signature, param_digest
 from .run_progress import Progress, ProgressClock
 from .shell import MachineShell
@@ -549,7 +552,18 @@ class _Rank(MachineShell):
         )
         if error is not None:
             res.error = error
+        if m.save_model_path:  # the final eval: the model just measured is the run's output
+            self._save_output_model(m.save_model_path, res)
         self._timing(eval_result=res)
+
+    def _save_output_model(self, path: str, res: pb.Timing.EvalResult) -> None:
+        """Write the output model (``flodl_worker.output``); the answer names its sha256 or why not."""
+        try:
+            res.model_sha256 = save_output_model(path, self.model)
+            log.info("output model written to %s", path)
+        except Exception as e:  # a full disk, permissions: the coordinator reports it, the rank lives
+            res.model_error = describe_write_error(e, path, "output model")
+            log.warning("output model not written: %s", res.model_error)
 
     # -- training -----------------------------------------------------------------------
 

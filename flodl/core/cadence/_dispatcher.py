@@ -363,8 +363,9 @@ def wake(st: CoordinatorState, out: list[Command]) -> None:
     if not cad.wakeable or not any(pool.remaining() for pool in cad.pools.values()):
         return  # nobody could be given anything: they stay wakeable
     for r in sorted(cad.wakeable):
-        cad.wakeable.discard(r)
         _dispatch_next(st, r, out)
+        if _held(st, r) is not None:  # served (one chunk in flight) or held: out until released
+            cad.wakeable.discard(r)
 
 
 def _note_barrier(st: CoordinatorState) -> None:

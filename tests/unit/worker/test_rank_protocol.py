@@ -10,6 +10,7 @@ import hashlib
 
 import numpy as np
 import pytest
+import torch
 
 from flodl.rank import CAUSES
 from flodl.shuffle import epoch_permutation
@@ -122,6 +123,23 @@ def test_rank_full_cycle_against_fake_coordinator(coordinator, procs, py, tmp_pa
     coordinator.control(route, declare_dead=pb.Control.DeclareDead(rank=3))
     for _ in range(2):  # the second is sent a heartbeat interval after the rank read it
         coordinator.expect("timing", "heartbeat", skip_heartbeats=False)
+
+    # A final eval with a path also writes the model it measured: the consensus, as a plain state_dict.
+    out = tmp_path / "out" / "model.pt"
+    coordinator.control(route, execute_eval=pb.Control.ExecuteEval(
+        schedule_id=11, target_rank=0, final=True, save_model_path=str(out)))  # fmt: skip
+    _, d = coordinator.expect("timing", "eval_result")
+    ev = d.envelope.timing.eval_result
+    assert not ev.HasField("model_error") and ev.model_sha256 == hashlib.sha256(out.read_bytes()).digest()
+    state = torch.load(out, weights_only=True)
+    assert list(state) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert all(np.array_equal(state[k].numpy(), c) for k, c in zip(state, consensus))
+    (tmp_path / "a-file").write_text("")
+    coordinator.control(route, execute_eval=pb.Control.ExecuteEval(
+        schedule_id=12, target_rank=0, final=True, save_model_path=str(tmp_path / "a-file" / "model.pt")))  # fmt: skip
+    _, d = coordinator.expect("timing", "eval_result")
+    ev = d.envelope.timing.eval_result
+    assert ev.model_sha256 == b"" and "a-file" in ev.model_error and not ev.HasField("error")  # the eval still counts
 
     coordinator.control(route, shutdown=pb.Control.Shutdown(reason="done"))
     _, d = coordinator.expect("timing", "exiting")

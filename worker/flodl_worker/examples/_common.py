@@ -45,11 +45,13 @@ def epoch_report_fn(x: torch.Tensor, y: torch.Tensor):
     return report
 
 
-def add_optim_args(p: argparse.ArgumentParser, *, lr: float) -> None:
+def add_optim_args(p: argparse.ArgumentParser, *, lr: float, hidden: int | None = 64, optimizer: str = "sgd") -> None:
+    """--epoch-report, --optimizer, --lr, --momentum and (``hidden`` not None) --hidden."""
     p.add_argument("--epoch-report", action="store_true",
-                   help="the elected epoch-callback rank prints held-out accuracy after every epoch")
-    p.add_argument("--hidden", type=int, default=64, help="hidden units of the MLP (default 64)")
-    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default sgd")
+                   help="the elected epoch-callback rank prints held-out metrics after every epoch")
+    if hidden is not None:
+        p.add_argument("--hidden", type=int, default=hidden, help=f"hidden units (default {hidden})")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default=optimizer, help=f"default {optimizer}")
     p.add_argument("--lr", type=float, default=lr, help=f"learning rate (default {lr})")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
 
