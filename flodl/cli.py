@@ -33,6 +33,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import secrets
 import select
 import shutil
@@ -42,10 +43,13 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 
-from flodl import strictjson
+from flodl import statustable, strictjson
 
+from .liveview import LiveView
 from .procutil import death_signal_hook
 
 __all__ = ["main"]
@@ -58,6 +62,45 @@ TASKS = {
 
 class LaunchError(Exception):
     pass
+
+
+DEFAULT_STATUS_HTTP = "127.0.0.1:8080"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_LEVEL_RX = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+
+
+def shown(line: str, level: str) -> bool:
+    """Whether a child's log line is at or above ``level`` (a line naming no level -- a
+    traceback, a print -- always is)."""
+    m = _LEVEL_RX.search(line)
+    if m is None:
+        return True
+    order = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    return order.index(m.group(1)) >= order.index(level)
+
+
+def fetch_status(hostport: str, timeout: float = 5.0) -> dict:
+    """GET http://HOSTPORT/status; a coordinator that cannot be reached is a LaunchError saying why."""
+    host = hostport.removeprefix("http://").rstrip("/")
+    url = f"http://{host}/status"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read().decode())
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        why = getattr(e, "reason", e)
+        raise LaunchError(f"cannot read {url}: {why} (is the coordinator running with --http {host}?)") from None
+
+
+def _status(args) -> int:
+    doc = fetch_status(args.http, args.timeout)
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return 0
+    try:
+        print(statustable.render(doc))
+    except statustable.StatusSchemaError as e:
+        raise LaunchError(str(e)) from None
+    return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +235,9 @@ def _parser() -> argparse.ArgumentParser:
                    "(the agent and its relay get a client key; loopback needs none, this exercises it)")
     r.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     r.add_argument("--quiet", action="store_true", help="only print the summary")
+    r.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                   help="show the processes' log lines at or above this level (default WARNING: a healthy "
+                   "run shows its progress, one line per epoch and the summary; INFO: every decision)")
     g = r.add_argument_group(
         "coordinator settings",
         "forwarded to flodl-coordinator serve (README, Configuration); also read from FLODL_<KEY>",
@@ -200,12 +246,21 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("task_args", nargs=argparse.REMAINDER, metavar="-- COMMAND | -- TASK-ARGS",
                    help="-- python train.py ARGS (or -m module): what each rank runs; or, with --task, "
                    "arguments for that example (-- --hidden 32)")
+    st = sub.add_parser("status", help="show a running coordinator's /status as a table",
+                        description="Read a coordinator's /status (docs/status.md) and print it as a table.")
+    st.add_argument("--http", default=os.environ.get("FLODL_HTTP") or DEFAULT_STATUS_HTTP,
+                    help=f"the coordinator's http host:port (its --http setting; default FLODL_HTTP or "
+                    f"{DEFAULT_STATUS_HTTP})")
+    st.add_argument("--json", action="store_true", help="print the raw /status document")
+    st.add_argument("--timeout", type=float, default=5.0, help="HTTP timeout in seconds (5)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
+        if args.cmd == "status":
+            return _status(args)
         return _run_local(args)
     except LaunchError as e:
         print(f"flodl: {e}", file=sys.stderr)
@@ -235,13 +290,30 @@ def _check(args):
     return settings
 
 
-def _pump(stream, prefix: str, quiet: bool, sink=None) -> None:
+class _Console:
+    """Where the children's lines go: those at or above the log level, to stdout -- above
+    the live view's progress bar once it runs (``view``)."""
+
+    def __init__(self, quiet: bool, level: str) -> None:
+        self.quiet, self.level = quiet, level
+        self.view: LiveView | None = None
+
+    def say(self, line: str) -> None:
+        if self.quiet or not shown(line, self.level):
+            return
+        view = self.view
+        if view is not None:
+            view.emit(line)
+        else:
+            print(line, flush=True)
+
+
+def _pump(stream, prefix: str, console: _Console, sink=None) -> None:
     for raw in iter(stream.readline, ""):
         line = raw.rstrip("\n")
         if sink is not None:
             sink.append(line)
-        if not quiet:
-            print(f"{prefix}{line}", flush=True)
+        console.say(f"{prefix}{line}")
 
 
 def _run_local(args) -> int:
@@ -266,8 +338,11 @@ def _run_local(args) -> int:
         "--world-size", str(args.ranks.hi),
         *(["--min-ranks", str(args.ranks.lo)] if args.ranks.elastic else []),
         "--summary", summary_path,
+        "--log-level", args.log_level,
         *coordinator_flags(args),
     ]  # fmt: skip
+    if not settings.http:  # the live view reads /status; port 0: the coordinator says which one
+        coord_cmd += ["--http", "127.0.0.1:0"]
     agent_curve: list[str] = []
     if args.curve:
         coord_curve, agent_curve = _throwaway_keys(workdir)
@@ -283,9 +358,11 @@ def _run_local(args) -> int:
     pumps: list[threading.Thread] = []
     agent_tail: collections.deque = collections.deque(maxlen=20)  # for an agent that fails to start ranks
     rc, ranks_first = 1, False
+    view: LiveView | None = None
+    console = _Console(args.quiet, args.log_level)
     try:
         agent_cmd = [
-            py, "-m", "flodl_worker", "agent",
+            py, "-m", "flodl_worker", "--log-level", args.log_level, "agent",
             "--coordinator", endpoint,
             "--ranks", str(local),
             "--world-size", str(args.ranks.hi),
@@ -305,12 +382,14 @@ def _run_local(args) -> int:
         # The agent dials the coordinator's address while it comes up (ZeroMQ retries).
         agent = subprocess.Popen(agent_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **spawn)
         procs.append(agent)
-        pump_args = (agent.stdout, "[agent] ", args.quiet, agent_tail)
+        pump_args = (agent.stdout, "[agent] ", console, agent_tail)
         pumps.append(threading.Thread(target=_pump, args=pump_args, daemon=True))
         pumps[-1].start()
         # Still awaited: a coordinator that cannot start is reported, and the agent stopped.
-        ready = _await_ready(coord, "COORDINATOR_READY", deadline=t0 + 60, stop=stop)
-        pumps.append(threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", args.quiet), daemon=True))
+        ready, http = _await_ready(coord, "COORDINATOR_READY", deadline=t0 + 60, stop=stop)
+        if http and not args.quiet:  # its /status feeds the live view (progress, one line per epoch)
+            console.view = view = LiveView(http).start()
+        pumps.append(threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", console), daemon=True))
         pumps[-1].start()
         if ready is not None and args.ranks.elastic:
             print(f"flodl: elastic world {args.ranks!r}: slots {local}..{args.ranks.hi - 1} are open to "
@@ -331,7 +410,7 @@ def _run_local(args) -> int:
     wall = time.monotonic() - t0
     exits = _read_exits(exit_log)
     ended = _RanksEnded(exits, list(agent_tail), procs[-1].returncode) if ranks_first else None
-    return _report(args, settings, command, summary_path, rc, wall, coord_started, exits, ended)
+    return _report(args, settings, command, summary_path, rc, wall, coord_started, exits, ended, view)
 
 
 # After a stop signal: the coordinator asks the ranks to shut down and writes its summary
@@ -422,11 +501,12 @@ def _throwaway_keys(workdir: str) -> tuple[list[str], list[str]]:
     return coord, agent
 
 
-def _await_ready(proc, token: str, deadline: float, stop: _StopSignals) -> str | None:
-    """The endpoint the coordinator prints once bound; None if a stop signal came first."""
+def _await_ready(proc, token: str, deadline: float, stop: _StopSignals) -> tuple[str | None, str | None]:
+    """(endpoint, http host:port or None) the coordinator prints once bound; (None, None)
+    if a stop signal came first."""
     while time.monotonic() < deadline:
         if stop.signum is not None:
-            return None
+            return None, None
         ready, _, _ = select.select([proc.stdout], [], [], 0.2)
         if not ready:
             continue
@@ -435,7 +515,9 @@ def _await_ready(proc, token: str, deadline: float, stop: _StopSignals) -> str |
             err = proc.stderr.read() if proc.poll() is not None else ""
             raise LaunchError(f"coordinator exited before it was ready: {err.strip()[-2000:]}")
         if line.startswith(token):
-            return line.split()[1]
+            words = line.split()
+            http = next((w.removeprefix("http=") for w in words[2:] if w.startswith("http=")), None)
+            return words[1], http
     raise LaunchError("coordinator did not become ready within 60 s")
 
 
@@ -541,15 +623,19 @@ def _read_exits(path: str) -> list[dict]:
 
 
 def _report(args, settings, command: RankCommand, summary_path: str, rc: int, wall: float, coord_started: float,
-            exits: list[dict], ended: _RanksEnded | None) -> int:  # fmt: skip
+            exits: list[dict], ended: _RanksEnded | None, view: LiveView | None = None) -> int:  # fmt: skip
     if ended is not None:
         print(ended.details(), file=sys.stderr, flush=True)
     try:
         with open(summary_path, encoding="utf-8") as fh:
             summary = json.load(fh)
     except (OSError, json.JSONDecodeError):
+        if view is not None:
+            view.finish(None)
         print(f"flodl: the run produced no summary (coordinator exit code {rc})", file=sys.stderr)
         return rc or 1
+    if view is not None:  # the epochs the live view had not shown yet
+        view.finish(summary, settings.epochs)
     if ended is not None or any(e.get("code") != 0 for e in exits):  # who ended how
         summary["rank_exits"] = exits
     if ended is not None:

@@ -69,7 +69,8 @@ log = logging.getLogger("flodl.coordinator")
 # Settings that may differ between the run's first process and a restarted one.
 SERVICE_KEYS = frozenset(
     {"bind", "journal", "summary", "output", "http", "tick_interval_s", "allow_insecure", "checkpoint_keep",
-     "rotate_journal", "curve_secret_key", "curve_allowed_keys", "max_message_bytes"}  # keys may be rotated across a restart
+     "rotate_journal", "curve_secret_key", "curve_allowed_keys", "max_message_bytes",  # keys may be rotated across a restart
+     "metrics_rank_labels"}
 )
 # Frames held for one peer that has not reconnected, at most (beacons, a few commands).
 HELD_LIMIT = 10_000

@@ -95,6 +95,7 @@ from .curve import CurveServer, load_server_keys
 from .droplog import DropLog
 from .inbound import recv_frames as _recv_frames, recv_message
 from .journal import Journal, JournalError
+from .metrics import RunBook, journal_stats
 from .output import ModelOutput
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings, SettingsError
@@ -116,6 +117,10 @@ LINGER_MS = 2_000
 # its agent says it is restarting it (then until it says "ready"): long enough for the
 # agent's notice, short enough that a host that is gone costs little more than before.
 RELAY_GRACE_S = 3.0
+# /status and /metrics are rebuilt at most this often, and at most 1/PUBLISH_COST_SHARE of
+# the loop's time goes to them (_publish_status).
+PUBLISH_MIN_S = 0.25
+PUBLISH_COST_SHARE = 20
 # How many frames one pass drains before it runs timers again (fairness bound).
 DRAIN_BATCH = 256
 
@@ -134,7 +139,7 @@ class CoordinatorService:
         self.output = ModelOutput(settings)  # an unwritable output dir: SettingsError, now
         self.settings = settings
         self.clock = clock
-        self._ready = ready or (lambda ep: print(f"COORDINATOR_READY {ep}", flush=True))
+        self._ready = ready or self._announce
         self.config = settings.core_config()
         self.curve_keys = load_server_keys(settings)  # None: no CURVE; a bad key file: SettingsError
         # An unfinished run in the journal is rebuilt by replay (``recovery``); else a fresh one.
@@ -176,8 +181,14 @@ class CoordinatorService:
         self._born = time.monotonic() - process_age_s()
         self._first_batch_at: float | None = None
         self._finished_at: float | None = None
-        self.status = StatusBoard()
+        # /metrics' own book (flodl_coordinator.metrics); this process is restart N+1 of a recovered run.
+        restarts = self.recovered.restarts + 1 if self.recovered else 0
+        book = RunBook(settings.session, settings.metrics_rank_labels, coordinator_restarts=restarts)
+        self.status = StatusBoard(book)
+        if self.recovered:
+            book.members_known(self.state)
         self._status_stale = True
+        self._next_publish = 0.0  # time.monotonic() before which /status is not rebuilt (_publish_status)
         self._events_stepped = 0
         self._journal = _open_journal(settings.journal) if settings.journal else None
         self._journal_error: str | None = None  # set once the journal cannot be written: the run stops
@@ -187,8 +198,14 @@ class CoordinatorService:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        self._publish_status(force=True)  # /status is a whole document from its first request on
 
     # -- lifecycle ---------------------------------------------------------------
+
+    def _announce(self, ep: str) -> None:
+        """The ready line on stdout; with ``http``, the bound status address as a third token."""
+        h = self.status.http_address
+        print(f"COORDINATOR_READY {ep}" + (f" http={h[0]}:{h[1]}" if h else ""), flush=True)
 
     def request_stop(self) -> None:
         """Ask the loop to stop gracefully (safe from a signal handler or another thread)."""
@@ -351,7 +368,7 @@ class CoordinatorService:
             )
 
     def _finish(self) -> int:
-        self._publish_status()  # the end of the run is visible too
+        self._publish_status(force=True)  # the end of the run is visible too
         f = self.finished
         if f is None:
             return 1
@@ -468,10 +485,14 @@ class CoordinatorService:
             # A relay's folded round: the relay is a route of one hop (its own DEALER).
             if len(route) != 1:
                 raise RouteMismatch("a folded round must come from a relay's own route")
+            if env.round.HasField("relay_stats"):  # the relay's fold / fan-out counters (/metrics)
+                self.status.book.relay_stats(env.sender.host, env.sender.incarnation, env.round.relay_stats)
             return self._on_round(None, env.round, d.blobs, relay=route)
         if kind in ("timing", "metrics", "round"):
             rank = self._owned_rank(route, env, d)
             if kind == "timing":
+                if env.timing.HasField("time_account"):  # goodput / badput by cause (/metrics)
+                    self.status.book.time_account(rank, env.sender.incarnation, env.timing.time_account)
                 if self._first_batch_at is None and env.timing.WhichOneof("event") == "batch":
                     self._first_batch_at = time.monotonic()
                 if env.timing.WhichOneof("event") == "checkpoint_result":
@@ -703,6 +724,7 @@ class CoordinatorService:
                 self._journal_write(to_record(ev))
             try:
                 self.state, commands = step(self.state, ev)
+                self.status.book.stepped(self.state)  # times a round that just finished
             except RankViolation as e:
                 # A peer's illegal frame: the core validated before changing anything, so
                 # the state is intact (replay skips the same record). Drop it and go on.
@@ -713,13 +735,18 @@ class CoordinatorService:
                 self._execute(cmd)
         self._status_stale = True  # republished once per tick (_publish_status), not per event
 
-    def _publish_status(self) -> None:
-        """The status view walks every rank: build it once per tick when something
-        changed (an operator polls in seconds), not after every event on the hot path."""
-        if self._status_stale:
+    def _publish_status(self, *, force: bool = False) -> None:
+        """The status view walks every rank: build it at most once per tick when something
+        changed (an operator polls in seconds), not after every event on the hot path, and
+        no more often than keeps its cost under 1/PUBLISH_COST_SHARE of the loop's time (a
+        world of thousands of ranks costs tens of ms per build)."""
+        now = time.monotonic()
+        if self._status_stale and (force or now >= self._next_publish):
             self._status_stale = False
             self.status.update(self.state, self.dropped, self.reducer, checkpoints=self.checkpointing.status(self.state),
-                               events=self._events_stepped)
+                               events=self._events_stepped, journal=journal_stats(self._journal, time.monotonic))
+            cost = time.monotonic() - now
+            self._next_publish = now + max(PUBLISH_MIN_S, cost * PUBLISH_COST_SHARE)
 
     def _execute(self, cmd) -> None:
         if isinstance(cmd, Send):

@@ -49,7 +49,8 @@ class ServiceKeys:
     bind: str = setting(
         "tcp://127.0.0.1:5555", per_process=True,
         help="ZeroMQ endpoint to bind (port 0 = any)",
-        doc="ZeroMQ endpoint (port 0 = any; the chosen one is printed as `COORDINATOR_READY <endpoint>`)",
+        doc="ZeroMQ endpoint (port 0 = any; the chosen one is printed as `COORDINATOR_READY <endpoint>`, "
+        "followed by `http=HOST:PORT` when `http` is set)",
     )  # fmt: skip
     session: str = setting(
         "flodl", help="run id every peer must name; frames of another session are refused",
@@ -77,8 +78,15 @@ class ServiceKeys:
         "rank of the final eval: the model the summary's accuracy measures) and `model.json` (run, epochs, "
         "accuracy, coverage, policy, world, sha256). Empty: the directory of `summary`; neither: not written",
     )  # fmt: skip
-    http: str = setting("", per_process=True, help="serve /status and /metrics on host:port",
-                        doc="`host:port` for `/status` (JSON) and `/metrics` (Prometheus)")  # fmt: skip
+    http: str = setting("", per_process=True, help="serve /status and /metrics on host:port (port 0 = any)",
+                        doc="`host:port` for `/status` (JSON) and `/metrics` (Prometheus), docs/status.md; "
+                        "port 0 = any (named on the ready line)")  # fmt: skip
+    metrics_rank_labels: int = setting(
+        64, per_process=True,
+        help="/metrics: per-rank series (rank label) for ranks below this; the rest are summed as rank=other",
+        doc="`/metrics`: ranks below this get their own `rank` label; counters and rates of the others are "
+        "summed under `rank=\"other\"` (bounded cardinality on a large world; 0 = all under `other`)",
+    )  # fmt: skip
     tick_interval_s: float = setting(
         0.05, per_process=True,
         help="the service's poll period: a Tick (the core's clock) at least this often, traffic or not",
@@ -351,6 +359,8 @@ def load_settings(
         raise SettingsError("config error: tick_interval_s must be > 0")
     if max_message_bytes_problem(s.max_message_bytes):
         raise SettingsError(f"config error: max_message_bytes {max_message_bytes_problem(s.max_message_bytes)}")
+    if s.metrics_rank_labels < 0:
+        raise SettingsError("config error: metrics_rank_labels must be >= 0 (flag --metrics-rank-labels)")
     if s.checkpoint_every < 0 or s.checkpoint_keep < 0:
         raise SettingsError("config error: checkpoint_every and checkpoint_keep must be >= 0")
     if s.checkpoint_every > 0 and not s.checkpoint_dir:

@@ -473,7 +473,7 @@ class Control(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., request_params: _Optional[_Union[Control.RequestParams, _Mapping]] = ..., update: _Optional[_Union[Control.Update, _Mapping]] = ..., sync_now: _Optional[_Union[Control.SyncNow, _Mapping]] = ..., start_epoch: _Optional[_Union[Control.StartEpoch, _Mapping]] = ..., extend_partition: _Optional[_Union[Control.ExtendPartition, _Mapping]] = ..., declare_dead: _Optional[_Union[Control.DeclareDead, _Mapping]] = ..., rendezvous: _Optional[_Union[Control.Rendezvous, _Mapping]] = ..., throttle: _Optional[_Union[Control.Throttle, _Mapping]] = ..., set_global_step: _Optional[_Union[Control.SetGlobalStep, _Mapping]] = ..., checkpoint: _Optional[_Union[Control.Checkpoint, _Mapping]] = ..., execute_eval: _Optional[_Union[Control.ExecuteEval, _Mapping]] = ..., set_epoch_callback_role: _Optional[_Union[Control.SetEpochCallbackRole, _Mapping]] = ..., shutdown: _Optional[_Union[Control.Shutdown, _Mapping]] = ..., shutdown_with_save: _Optional[_Union[Control.ShutdownWithSave, _Mapping]] = ..., epoch_aggregated: _Optional[_Union[Control.EpochAggregated, _Mapping]] = ..., eval_broadcast: _Optional[_Union[Control.EvalBroadcast, _Mapping]] = ..., save_consensus_model: _Optional[_Union[Control.SaveConsensusModel, _Mapping]] = ..., coord_heartbeat: _Optional[_Union[Control.CoordHeartbeat, _Mapping]] = ..., stage_advisory: _Optional[_Union[Control.StageAdvisory, _Mapping]] = ..., arm_consensus_eval: _Optional[_Union[Control.ArmConsensusEval, _Mapping]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("rank", "batch", "sync_ack", "exiting", "lr_update", "intent", "heartbeat", "snapshot_ready", "eval_result", "checkpoint_result", "epoch_fn_elapsed", "resync", "store_ready", "collective_failed", "seeded")
+    __slots__ = ("rank", "batch", "sync_ack", "exiting", "lr_update", "intent", "heartbeat", "snapshot_ready", "eval_result", "checkpoint_result", "epoch_fn_elapsed", "resync", "store_ready", "collective_failed", "seeded", "time_account")
     class Seeded(_message.Message):
         __slots__ = ("cycle",)
         CYCLE_FIELD_NUMBER: _ClassVar[int]
@@ -617,6 +617,7 @@ class Timing(_message.Message):
     STORE_READY_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FAILED_FIELD_NUMBER: _ClassVar[int]
     SEEDED_FIELD_NUMBER: _ClassVar[int]
+    TIME_ACCOUNT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     batch: Timing.Batch
     sync_ack: Timing.SyncAck
@@ -632,7 +633,8 @@ class Timing(_message.Message):
     store_ready: StoreReady
     collective_failed: CollectiveFailed
     seeded: Timing.Seeded
-    def __init__(self, rank: _Optional[int] = ..., batch: _Optional[_Union[Timing.Batch, _Mapping]] = ..., sync_ack: _Optional[_Union[Timing.SyncAck, _Mapping]] = ..., exiting: _Optional[_Union[Timing.Exiting, _Mapping]] = ..., lr_update: _Optional[_Union[Timing.LrUpdate, _Mapping]] = ..., intent: _Optional[_Union[Timing.Intent, _Mapping]] = ..., heartbeat: _Optional[_Union[Timing.Heartbeat, _Mapping]] = ..., snapshot_ready: _Optional[_Union[Timing.SnapshotReady, _Mapping]] = ..., eval_result: _Optional[_Union[Timing.EvalResult, _Mapping]] = ..., checkpoint_result: _Optional[_Union[Timing.CheckpointResult, _Mapping]] = ..., epoch_fn_elapsed: _Optional[_Union[Timing.EpochFnElapsed, _Mapping]] = ..., resync: _Optional[_Union[Timing.Resync, _Mapping]] = ..., store_ready: _Optional[_Union[StoreReady, _Mapping]] = ..., collective_failed: _Optional[_Union[CollectiveFailed, _Mapping]] = ..., seeded: _Optional[_Union[Timing.Seeded, _Mapping]] = ...) -> None: ...
+    time_account: TimeAccount
+    def __init__(self, rank: _Optional[int] = ..., batch: _Optional[_Union[Timing.Batch, _Mapping]] = ..., sync_ack: _Optional[_Union[Timing.SyncAck, _Mapping]] = ..., exiting: _Optional[_Union[Timing.Exiting, _Mapping]] = ..., lr_update: _Optional[_Union[Timing.LrUpdate, _Mapping]] = ..., intent: _Optional[_Union[Timing.Intent, _Mapping]] = ..., heartbeat: _Optional[_Union[Timing.Heartbeat, _Mapping]] = ..., snapshot_ready: _Optional[_Union[Timing.SnapshotReady, _Mapping]] = ..., eval_result: _Optional[_Union[Timing.EvalResult, _Mapping]] = ..., checkpoint_result: _Optional[_Union[Timing.CheckpointResult, _Mapping]] = ..., epoch_fn_elapsed: _Optional[_Union[Timing.EpochFnElapsed, _Mapping]] = ..., resync: _Optional[_Union[Timing.Resync, _Mapping]] = ..., store_ready: _Optional[_Union[StoreReady, _Mapping]] = ..., collective_failed: _Optional[_Union[CollectiveFailed, _Mapping]] = ..., seeded: _Optional[_Union[Timing.Seeded, _Mapping]] = ..., time_account: _Optional[_Union[TimeAccount, _Mapping]] = ...) -> None: ...
 
 class StoreReady(_message.Message):
     __slots__ = ("generation", "addr")
@@ -641,6 +643,28 @@ class StoreReady(_message.Message):
     generation: int
     addr: str
     def __init__(self, generation: _Optional[int] = ..., addr: _Optional[str] = ...) -> None: ...
+
+class TimeAccount(_message.Message):
+    __slots__ = ("wall_s", "training_s", "barrier_s", "averaging_s", "calibration_s", "recovery_s", "checkpoint_s", "eval_s", "startup_s")
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_S_FIELD_NUMBER: _ClassVar[int]
+    BARRIER_S_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_S_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_S_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_S_FIELD_NUMBER: _ClassVar[int]
+    EVAL_S_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_S_FIELD_NUMBER: _ClassVar[int]
+    wall_s: float
+    training_s: float
+    barrier_s: float
+    averaging_s: float
+    calibration_s: float
+    recovery_s: float
+    checkpoint_s: float
+    eval_s: float
+    startup_s: float
+    def __init__(self, wall_s: _Optional[float] = ..., training_s: _Optional[float] = ..., barrier_s: _Optional[float] = ..., averaging_s: _Optional[float] = ..., calibration_s: _Optional[float] = ..., recovery_s: _Optional[float] = ..., checkpoint_s: _Optional[float] = ..., eval_s: _Optional[float] = ..., startup_s: _Optional[float] = ...) -> None: ...
 
 class CollectiveFailed(_message.Message):
     __slots__ = ("generation", "cycle", "reason")
@@ -700,7 +724,7 @@ class TensorMeta(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., elided: _Optional[bool] = ..., blob_index: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class RoundHeader(_message.Message):
-    __slots__ = ("cycle", "phase", "kind", "weight", "tensors", "contributing_ranks", "deliver_to", "seed", "buffer_tensors", "buffer_weight")
+    __slots__ = ("cycle", "phase", "kind", "weight", "tensors", "contributing_ranks", "deliver_to", "seed", "buffer_tensors", "buffer_weight", "relay_stats")
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -711,6 +735,7 @@ class RoundHeader(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     BUFFER_TENSORS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    RELAY_STATS_FIELD_NUMBER: _ClassVar[int]
     cycle: int
     phase: RoundPhase
     kind: RoundKind
@@ -721,7 +746,24 @@ class RoundHeader(_message.Message):
     seed: bool
     buffer_tensors: int
     buffer_weight: float
-    def __init__(self, cycle: _Optional[int] = ..., phase: _Optional[_Union[RoundPhase, str]] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., weight: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., contributing_ranks: _Optional[_Iterable[int]] = ..., deliver_to: _Optional[_Iterable[int]] = ..., seed: _Optional[bool] = ..., buffer_tensors: _Optional[int] = ..., buffer_weight: _Optional[float] = ...) -> None: ...
+    relay_stats: RelayStats
+    def __init__(self, cycle: _Optional[int] = ..., phase: _Optional[_Union[RoundPhase, str]] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., weight: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., contributing_ranks: _Optional[_Iterable[int]] = ..., deliver_to: _Optional[_Iterable[int]] = ..., seed: _Optional[bool] = ..., buffer_tensors: _Optional[int] = ..., buffer_weight: _Optional[float] = ..., relay_stats: _Optional[_Union[RelayStats, _Mapping]] = ...) -> None: ...
+
+class RelayStats(_message.Message):
+    __slots__ = ("folds_sent", "ranks_folded", "parts_forwarded", "folds_discarded", "fanouts", "fanout_copies")
+    FOLDS_SENT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FOLDED_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FORWARDED_FIELD_NUMBER: _ClassVar[int]
+    FOLDS_DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    FANOUTS_FIELD_NUMBER: _ClassVar[int]
+    FANOUT_COPIES_FIELD_NUMBER: _ClassVar[int]
+    folds_sent: int
+    ranks_folded: int
+    parts_forwarded: int
+    folds_discarded: int
+    fanouts: int
+    fanout_copies: int
+    def __init__(self, folds_sent: _Optional[int] = ..., ranks_folded: _Optional[int] = ..., parts_forwarded: _Optional[int] = ..., folds_discarded: _Optional[int] = ..., fanouts: _Optional[int] = ..., fanout_copies: _Optional[int] = ...) -> None: ...
 
 class RelayMsg(_message.Message):
     __slots__ = ("hello", "rank_exit", "declare_dead", "fold_open", "fold_drop")
