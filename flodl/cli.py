@@ -74,7 +74,7 @@ LAUNCHER_KEYS = {
     "curve_allowed_keys": "--curve",
 }
 # Paths the coordinator is handed absolute (the same files, whatever its working directory).
-_PATH_KEYS = ("checkpoint_dir", "resume")
+_PATH_KEYS = ("checkpoint_dir", "resume", "dashboard_out", "status_out")
 
 
 def _settings_module():
@@ -152,6 +152,20 @@ def _check(args):
     return settings
 
 
+def _final_view_flags(args) -> list[str]:
+    """The coordinator's last status and dashboard go beside the launcher's --summary (the
+    coordinator's own summary lives in a temporary directory), unless placed elsewhere."""
+    if not args.summary:
+        return []
+    stem = os.path.abspath(args.summary[: -len(".json")] if args.summary.endswith(".json") else args.summary)
+    out = []
+    if not args.dashboard_out:
+        out += ["--dashboard-out", f"{stem}.dashboard.html"]
+    if not args.status_out:
+        out += ["--status-out", f"{stem}.status.json"]
+    return out
+
+
 def _pump(stream, prefix: str, quiet: bool, sink: list | None = None) -> None:
     for raw in iter(stream.readline, ""):
         line = raw.rstrip("\n")
@@ -175,6 +189,7 @@ def _run_local(args) -> int:
         "--world-size", str(args.ranks),
         "--summary", summary_path,
         *coordinator_flags(args),
+        *_final_view_flags(args),
     ]  # fmt: skip
     agent_curve: list[str] = []
     if args.curve:

@@ -72,6 +72,26 @@ class ServiceKeys:
                            doc="write the run summary JSON here")  # fmt: skip
     http: str = setting("", per_process=True, help="serve /status and /metrics on host:port",
                         doc="`host:port` for `/status` (JSON) and `/metrics` (Prometheus)")  # fmt: skip
+    dashboard_out: str = setting(
+        "", per_process=True,
+        help="write the dashboard, with the run's data in it, to this HTML file at the end (default: beside "
+        "the summary, NAME.dashboard.html)",
+        doc="at the end of the run, the dashboard page (`/`) with the run's data embedded: one self-contained "
+        "HTML file that opens offline. Default: beside `summary` (`NAME.json` → `NAME.dashboard.html`); "
+        "none without a summary",
+    )  # fmt: skip
+    status_out: str = setting(
+        "", per_process=True,
+        help="write the last /status JSON to this file at the end (default: beside the summary, NAME.status.json)",
+        doc="at the end of the run, the last `/status` as JSON. Default: beside `summary` "
+        "(`NAME.json` → `NAME.status.json`); none without a summary",
+    )  # fmt: skip
+    status_linger_s: float = setting(
+        0.0, per_process=True,
+        help="after the run ends, keep serving /status, /timeline and the dashboard this long (SIGTERM ends it)",
+        doc="after the run ends, keep the HTTP listener serving the final `/status`, `/timeline` and dashboard "
+        "this many seconds before the process exits (SIGTERM ends the wait at once; the exit code is the run's)",
+    )  # fmt: skip
     tick_interval_s: float = setting(
         0.05, per_process=True,
         help="the service's poll period: a Tick (the core's clock) at least this often, traffic or not",
@@ -328,6 +348,8 @@ def load_settings(
         )
     if not s.bind.startswith(("tcp://", "ipc://", "inproc://")):
         raise SettingsError(f"config error: bind {s.bind!r} must start with tcp://, ipc:// or inproc://")
+    if not (s.status_linger_s >= 0 and math.isfinite(s.status_linger_s)):
+        raise SettingsError("config error: status_linger_s must be a finite number >= 0 (0 = exit at once)")
     if s.tick_interval_s <= 0:
         raise SettingsError("config error: tick_interval_s must be > 0")
     if max_message_bytes_problem(s.max_message_bytes):

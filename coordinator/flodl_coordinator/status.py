@@ -1,4 +1,5 @@
-"""Operator view: ``/status`` (JSON) and ``/metrics`` (Prometheus text) over HTTP.
+"""Operator view: ``/status`` (JSON), ``/metrics`` (Prometheus text), the dashboard page
+(``/``) and its ``/timeline`` (JSON, ``flodl_coordinator.timeline``) over HTTP.
 
 The loop thread publishes a small immutable snapshot after every event; the HTTP
 thread only reads the latest snapshot (one reference swap), never the core's state
@@ -13,6 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from flodl import strictjson
 from flodl.core import status_view
 
+from . import dashboard
+
 __all__ = ["StatusBoard"]
 
 
@@ -22,6 +25,7 @@ class StatusBoard:
         self._last_epoch: dict = {}
         self._events = 0
         self.http_address: tuple | None = None
+        self.timeline = None  # a Timeline (flodl_coordinator.timeline), read by /timeline
 
     def notice(self, cmd) -> None:
         if cmd.kind == "epoch":
@@ -69,12 +73,18 @@ class StatusBoard:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server API
-                if self.path.startswith("/metrics"):
+                path = self.path.split("?", 1)[0]
+                if path in ("/", "/index.html"):
+                    body, ctype = dashboard.page().encode(), "text/html; charset=utf-8"
+                elif path == "/timeline":
+                    data = board.timeline.snapshot() if board.timeline is not None else {}
+                    body, ctype = strictjson.dumps(data, default=str).encode(), "application/json"
+                elif self.path.startswith("/metrics"):
                     body, ctype = board.prometheus().encode(), "text/plain; version=0.0.4"
                 elif self.path.startswith("/status"):
                     body, ctype = strictjson.dumps(board.snapshot(), default=str).encode(), "application/json"
                 else:
-                    self.send_error(404, "try /status or /metrics")
+                    self.send_error(404, "try /, /status, /timeline or /metrics")
                     return
                 self.send_response(200)
                 self.send_header("Content-Type", ctype)
