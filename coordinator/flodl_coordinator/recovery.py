@@ -69,7 +69,8 @@ log = logging.getLogger("flodl.coordinator")
 # Settings that may differ between the run's first process and a restarted one.
 SERVICE_KEYS = frozenset(
     {"bind", "journal", "summary", "http", "tick_interval_s", "allow_insecure", "checkpoint_keep", "rotate_journal",
-     "curve_secret_key", "curve_allowed_keys", "max_message_bytes"}  # keys may be rotated across a restart
+     "curve_secret_key", "curve_allowed_keys", "max_message_bytes",  # keys may be rotated across a restart
+     "dashboard_out", "status_out", "status_linger_s"}
 )
 # Frames held for one peer that has not reconnected, at most (beacons, a few commands).
 HELD_LIMIT = 10_000

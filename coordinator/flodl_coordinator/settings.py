@@ -70,8 +70,9 @@ class ServiceKeys:
     )  # fmt: skip
     summary: str = setting("", per_process=True, help="write the run summary JSON here at the end",
                            doc="write the run summary JSON here")  # fmt: skip
-    http: str = setting("", per_process=True, help="serve /status and /metrics on host:port",
-                        doc="`host:port` for `/status` (JSON) and `/metrics` (Prometheus)")  # fmt: skip
+    http: str = setting("", per_process=True, help="serve /status, /metrics and the dashboard (/) on host:port",
+                        doc="`host:port` for `/status` (JSON), `/metrics` (Prometheus) and the live dashboard "
+                        "(`/`, with its `/timeline` JSON)")  # fmt: skip
     dashboard_out: str = setting(
         "", per_process=True,
         help="write the dashboard, with the run's data in it, to this HTML file at the end (default: beside "
