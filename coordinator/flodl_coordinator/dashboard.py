@@ -30,7 +30,7 @@ def _template() -> str:
 def page(data: dict | None = None) -> str:
     """The page; with ``data`` (``{"status", "timeline"}``) embedded, without it live."""
     if data is None:
-        return _template()
+        return _template().replace(_PLACEHOLDER, "null")  # live: the page polls
     # JSON inside <script>: escape what could close the element or open a comment.
     blob = strictjson.dumps(data, default=str).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     return _template().replace(_PLACEHOLDER, blob)
