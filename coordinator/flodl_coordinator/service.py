@@ -134,7 +134,10 @@ class CoordinatorService:
         self.config = settings.core_config()
         self.curve_keys = load_server_keys(settings)  # None: no CURVE; a bad key file: SettingsError
         # An unfinished run in the journal is rebuilt by replay (``recovery``); else a fresh one.
-        self.recovered = recovery.recover(settings, self.checkpointing)
+        self.timeline = Timeline(self.config.world_size, self.config.num_epochs)  # the dashboard's lanes
+        self.recovered = recovery.recover(settings, self.checkpointing, observe=self.timeline.observe)
+        if self.recovered is None:  # (a finished run's journal moved aside: its timeline goes with it)
+            self.timeline = Timeline(self.config.world_size, self.config.num_epochs)
         self.state = self.recovered.state if self.recovered else initial_state(self.config, self.checkpointing.point)
         self.clock = recovery.continuing(clock, self.recovered)
         self.held = recovery.HeldSends(self.recovered.hops()) if self.recovered else None
@@ -167,7 +170,6 @@ class CoordinatorService:
                                 more="%d more hellos deferred for %r in the last %.0fs (last from %s)"),
         }  # fmt: skip
         self.status = StatusBoard()
-        self.timeline = Timeline(self.config.world_size, self.config.num_epochs)  # the dashboard's lanes
         self.status.timeline = self.timeline
         self._stop_event = threading.Event()  # ends the status linger after the run (request_stop)
         self._status_stale = True
