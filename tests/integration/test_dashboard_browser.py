@@ -70,8 +70,42 @@ def _js(driver, script):
     return driver.execute_script(script)
 
 
-def test_dashboard_in_a_browser_follows_a_live_run_and_its_final_file(tmp_path):
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """One headless chromium for the module's tests (its start-up is the slow part)."""
     _browser_or_skip()
+    driver = _driver(tmp_path_factory.mktemp("chrome"))
+    yield driver
+    driver.quit()
+
+
+def test_dashboard_reads_the_versioned_status_and_ignores_what_it_does_not_know(browser, tmp_path):
+    from flodl_coordinator import dashboard
+
+    status = {  # the shape of /status schema_version 1 (docs/status.md), plus a field from the future
+        "schema_version": 1, "future_field": {"x": 1},
+        "run": {"session": "s1", "phase": "TRAINING", "ok": None, "world_size": 3},
+        "progress": {"epochs_completed": 2, "num_epochs": 5, "fraction": 0.4, "eta_s": 12.0},
+        "membership": [{"rank": 0, "phase": "ACTIVE"}, {"rank": 1, "phase": "ACTIVE"}, {"rank": 2, "phase": "DEAD"}],
+        "alerts": [{"level": "warning", "kind": "rank_lost", "message": "rank 2 died: killed by signal 9"}],
+        "bus": {"rounds": 17}, "dropped_frames": {},
+    }  # fmt: skip
+    timeline = {"world_size": 3, "num_epochs": 5, "now": 2.0, "lanes": [
+        {"rank": r, "host": "h", "spans": [["train", 0.1, 1.0, {"steps": 3}]], "marks": []} for r in range(3)],
+        "marks": [], "curve": [], "epochs": [], "events": [], "truncated": {}}  # fmt: skip
+    page = tmp_path / "v1.html"
+    page.write_text(dashboard.page({"status": status, "timeline": timeline}))
+    browser.get(page.as_uri())
+    _until(lambda: _js(browser, "return document.body.dataset.renders"), "the page to render", 20)
+    text = lambda i: browser.find_element("id", i).text  # noqa: E731
+    assert (text("phase"), text("epoch"), text("alive"), text("rounds")) == ("TRAINING", "2/5", "2/3 active", "17")
+    assert text("progress") == "40.0%, ETA 12 s" and text("session") == '"s1"'
+    assert "rank_lost: rank 2 died" in text("events")
+    assert _js(browser, "return document.querySelectorAll('#lanes g.lane').length") == 3
+
+
+def test_dashboard_in_a_browser_follows_a_live_run_and_its_final_file(browser, tmp_path):
+    driver = browser
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     summary = tmp_path / "run.json"
@@ -79,22 +113,13 @@ def test_dashboard_in_a_browser_follows_a_live_run_and_its_final_file(tmp_path):
            "--base-ms", "1", "--http", f"127.0.0.1:{port}", "--summary", str(summary)]  # fmt: skip
     with open(tmp_path / "run.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        driver = None
         try:
-            driver = _driver(tmp_path)  # the browser starts while the run does
             _watch_live(driver, base, proc, tmp_path)
-        except BaseException:
-            if driver is not None:
-                driver.quit()
-            raise
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)  # the launcher stops the run; the coordinator writes its files
             proc.wait(timeout=60)
-    try:
-        _open_final(driver, summary.with_name("run.dashboard.html"), tmp_path)
-    finally:
-        driver.quit()
+    _open_final(driver, summary.with_name("run.dashboard.html"), tmp_path)
 
 
 def _watch_live(driver, base, proc, tmp_path):
