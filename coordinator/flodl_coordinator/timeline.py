@@ -17,12 +17,15 @@ clock: it continues across a coordinator restart):
 - one row per aggregated **epoch** (loss, throughput, coverage) and the **event** list
   (every core notice but the per-window ones, with a level).
 
-Bounded memory: spans per rank, events and epochs are capped (the oldest go, counted
-under ``truncated``, so the page can say what it does not show); the curve keeps its
-whole run by merging neighbouring points in pairs when full (counted too).
+Bounded memory: spans (a budget shared by the ranks), marks, events and epochs are
+capped -- the oldest go, counted under ``truncated``, so the page can say what it does
+not show; the curve keeps its whole run by merging neighbouring points in pairs when
+full (counted too).
 
 The loop thread writes, the HTTP thread reads ``snapshot``: one lock, held for an
-append or a copy, never across I/O.
+append or a copy, never across I/O. A closed span is a tuple, never changed again, so a
+snapshot copies the lists that hold them (C speed) rather than the spans: a poll does
+not stall the loop however long the run.
 """
 
 from __future__ import annotations
@@ -45,8 +48,11 @@ from flodl.core import (
 __all__ = ["Timeline", "WARNING_NOTICES"]
 
 # Enough spans for hours of rounds per rank at the page's resolution; a longer run
-# shows its latest part (and says from when).
+# shows its latest part (and says from when). A big world shares a total budget
+# (~150 bytes a span): each rank keeps at least MIN_SPANS_PER_RANK.
 MAX_SPANS_PER_RANK = 2_000
+MAX_SPANS_TOTAL = 200_000
+MIN_SPANS_PER_RANK = 100
 MAX_MARKS_PER_RANK = 200
 MAX_EVENTS = 500
 MAX_EPOCHS = 5_000
@@ -70,10 +76,10 @@ _TEXT_MAX = 240
 class _Lane:
     __slots__ = ("rank", "host", "spans", "marks", "open", "dropped_spans", "dropped_marks", "steps")
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, max_spans: int) -> None:
         self.rank = rank
         self.host = ""
-        self.spans: deque[list] = deque(maxlen=MAX_SPANS_PER_RANK)
+        self.spans: deque[tuple] = deque(maxlen=max_spans)
         self.marks: deque[dict] = deque(maxlen=MAX_MARKS_PER_RANK)
         self.open: dict[str, list] = {}  # kind -> its span, still running (end None)
         self.dropped_spans = 0
@@ -88,12 +94,10 @@ class _Lane:
         span = self.open.pop(kind, None)
         if span is None:
             return
-        span[2] = max(t, span[1])
-        if info is not None:
-            span[3] = info
+        closed = (span[0], span[1], max(t, span[1]), span[3] if info is None else info)
         if len(self.spans) == self.spans.maxlen:
             self.dropped_spans += 1
-        self.spans.append(span)
+        self.spans.append(closed)
 
     def end_all(self, t: float) -> None:
         for kind in list(self.open):
@@ -112,7 +116,8 @@ class Timeline:
         self.num_epochs = num_epochs
         self._t0: Optional[float] = None
         self._now = 0.0
-        self._lanes = [_Lane(r) for r in range(world_size)]
+        per_rank = min(MAX_SPANS_PER_RANK, max(MIN_SPANS_PER_RANK, MAX_SPANS_TOTAL // max(world_size, 1)))
+        self._lanes = [_Lane(r, per_rank) for r in range(world_size)]
         self._marks: deque[dict] = deque(maxlen=MAX_MARKS_PER_RANK)
         self._events: deque[dict] = deque(maxlen=MAX_EVENTS)
         self._epochs: deque[dict] = deque(maxlen=MAX_EPOCHS)
@@ -255,13 +260,14 @@ class Timeline:
     # -- the HTTP thread -------------------------------------------------------------
 
     def snapshot(self) -> dict:
-        """Plain JSON data, sharing nothing mutable with the timeline."""
+        """Plain JSON data, sharing nothing mutable with the timeline (closed spans are
+        tuples, and a span's ``info`` is never changed once it is closed)."""
         with self._lock:
             now = self._now
             lanes = []
             for lane in self._lanes:
-                spans = [list(s) for s in lane.spans]
-                spans += [[k, s[1], None, s[3]] for k, s in lane.open.items()]  # still running
+                spans = list(lane.spans)
+                spans += [(k, s[1], None, s[3]) for k, s in lane.open.items()]  # still running
                 lanes.append({"rank": lane.rank, "host": lane.host, "spans": spans, "marks": [dict(m) for m in lane.marks]})
             return {
                 "world_size": self.world_size,

@@ -28,7 +28,7 @@ def send(rank, **cmd):
 
 
 def lane(snap, rank):
-    return snap["lanes"][rank]
+    return json.loads(json.dumps(snap["lanes"][rank]))  # as a reader of /timeline sees it
 
 
 def test_timeline_window_round_and_throttle_spans_follow_the_commands():
@@ -123,11 +123,15 @@ def test_timeline_snapshot_shares_nothing_with_the_timeline():
     tl = Timeline(1)
     hello(tl, 0.0, 0)
     batch(tl, 1.0, 0)
+    tl.observe(Tick(now=1.5), [OpenRound(1, (0,))])  # closes the train span
     snap = tl.snapshot()
-    snap["lanes"][0]["spans"][0][1] = 99.0
-    snap["lanes"][0]["marks"].clear()
-    assert tl.snapshot()["lanes"][0]["spans"][0][1] == 0.99
-    assert tl.snapshot()["lanes"][0]["marks"]
+    snap["lanes"][0]["spans"].clear()
+    snap["lanes"][0]["marks"][0]["kind"] = "changed"
+    assert lane(tl.snapshot(), 0)["spans"][0] == ["train", 0.99, 1.5, {"steps": 1}]
+    assert lane(tl.snapshot(), 0)["marks"][0]["kind"] == "join"
+    closed = tl.snapshot()["lanes"][0]["spans"][0]
+    with pytest.raises(TypeError):
+        closed[1] = 0.0  # a closed span is a tuple: a snapshot can share it
 
 
 @pytest.mark.parametrize("rank", [-1, 5])
@@ -136,3 +140,9 @@ def test_timeline_ignores_a_rank_outside_the_world(rank):
     batch(tl, 1.0, rank)
     tl.observe(Tick(now=1.0), [OpenRound(1, (rank,)), Notice("rank_lost", {"rank": rank})])
     assert all(not lane["spans"] and not lane["marks"] for lane in tl.snapshot()["lanes"])
+
+
+def test_timeline_big_worlds_share_one_span_budget():
+    assert tl_mod.Timeline(8)._lanes[0].spans.maxlen == tl_mod.MAX_SPANS_PER_RANK
+    assert tl_mod.Timeline(1_000)._lanes[0].spans.maxlen == tl_mod.MAX_SPANS_TOTAL // 1_000
+    assert tl_mod.Timeline(100_000)._lanes[0].spans.maxlen == tl_mod.MIN_SPANS_PER_RANK
