@@ -35,6 +35,7 @@ from collections import deque
 from typing import Any, Iterable, Optional
 
 from flodl.core import (
+    CHECKPOINT_META,
     BatchDone,
     CoordinatorRestarted,
     Notice,
@@ -323,5 +324,7 @@ def _describe(cmd: Notice) -> str:
         return (f"epoch {int(d.get('epoch', 0)) + 1} aggregated: loss {'-' if loss is None else f'{loss:.4f}'}, "
                 f"{cov.get('trained')}/{cov.get('expected')} samples, {cov.get('duplicates')} duplicates, "
                 f"{cov.get('missing')} missing")
-    fields = " ".join(f"{k}={v}" for k, v in sorted(d.items()))
+    if cmd.kind == CHECKPOINT_META:  # (its meta is the whole coverage ledger: not for a list)
+        return f"checkpoint {d.get('version')} staged: the saving rank was asked for it"
+    fields = " ".join(f"{k}={str(v)[:_TEXT_MAX]}" for k, v in sorted(d.items()))
     return f"{cmd.kind}: {fields}"[:_TEXT_MAX]

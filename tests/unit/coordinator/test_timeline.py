@@ -146,3 +146,12 @@ def test_timeline_big_worlds_share_one_span_budget():
     assert tl_mod.Timeline(8)._lanes[0].spans.maxlen == tl_mod.MAX_SPANS_PER_RANK
     assert tl_mod.Timeline(1_000)._lanes[0].spans.maxlen == tl_mod.MAX_SPANS_TOTAL // 1_000
     assert tl_mod.Timeline(100_000)._lanes[0].spans.maxlen == tl_mod.MIN_SPANS_PER_RANK
+
+
+def test_timeline_a_staged_checkpoint_is_one_short_line_not_its_meta():
+    from flodl.core import StageCheckpoint
+
+    tl = Timeline(1)
+    tl.observe(Tick(now=0.0), [StageCheckpoint.of(3, {"coverage": {"epochs": [{"bits": "ff" * 10_000}]}})])
+    (ev,) = tl.snapshot()["events"]
+    assert ev["text"] == "checkpoint 3 staged: the saving rank was asked for it"
