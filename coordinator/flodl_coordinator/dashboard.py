@@ -16,7 +16,7 @@ from flodl import strictjson
 
 __all__ = ["final_paths", "page", "write_final"]
 
-_PLACEHOLDER = "/*FLODL_DATA*/null"
+_PLACEHOLDER = "/*flodl-data*/null"
 
 
 @lru_cache(maxsize=1)
