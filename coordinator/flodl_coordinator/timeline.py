@@ -46,7 +46,7 @@ from flodl.core import (
     SyncAcked,
 )
 
-__all__ = ["Timeline", "WARNING_NOTICES"]
+__all__ = ["Timeline", "WARNING_NOTICES", "spans_per_rank"]
 
 # Enough spans for hours of rounds per rank at the page's resolution; a longer run
 # shows its latest part (and says from when). A big world shares a total budget
@@ -72,6 +72,11 @@ WARNING_NOTICES = frozenset({
 _QUIET_NOTICES = frozenset({"window", "epoch_opened"})
 _RELEASES_THROTTLE = frozenset({"update", "shutdown", "shutdown_with_save"})
 _TEXT_MAX = 240
+
+
+def spans_per_rank(world_size: int) -> int:
+    """Each rank's share of the span budget."""
+    return min(MAX_SPANS_PER_RANK, max(MIN_SPANS_PER_RANK, MAX_SPANS_TOTAL // max(world_size, 1)))
 
 
 class _Lane:
@@ -117,8 +122,7 @@ class Timeline:
         self.num_epochs = num_epochs
         self._t0: Optional[float] = None
         self._now = 0.0
-        per_rank = min(MAX_SPANS_PER_RANK, max(MIN_SPANS_PER_RANK, MAX_SPANS_TOTAL // max(world_size, 1)))
-        self._lanes = [_Lane(r, per_rank) for r in range(world_size)]
+        self._lanes = [_Lane(r, spans_per_rank(world_size)) for r in range(world_size)]
         self._marks: deque[dict] = deque(maxlen=MAX_MARKS_PER_RANK)
         self._events: deque[dict] = deque(maxlen=MAX_EVENTS)
         self._epochs: deque[dict] = deque(maxlen=MAX_EPOCHS)

@@ -143,9 +143,11 @@ def test_timeline_ignores_a_rank_outside_the_world(rank):
 
 
 def test_timeline_big_worlds_share_one_span_budget():
-    assert tl_mod.Timeline(8)._lanes[0].spans.maxlen == tl_mod.MAX_SPANS_PER_RANK
-    assert tl_mod.Timeline(1_000)._lanes[0].spans.maxlen == tl_mod.MAX_SPANS_TOTAL // 1_000
-    assert tl_mod.Timeline(100_000)._lanes[0].spans.maxlen == tl_mod.MIN_SPANS_PER_RANK
+    assert tl_mod.spans_per_rank(8) == tl_mod.MAX_SPANS_PER_RANK
+    assert tl_mod.spans_per_rank(1_000) == tl_mod.MAX_SPANS_TOTAL // 1_000
+    assert tl_mod.spans_per_rank(100_000) == tl_mod.MIN_SPANS_PER_RANK
+    tl = Timeline(1_000)
+    assert {lane.spans.maxlen for lane in tl._lanes} == {tl_mod.MAX_SPANS_TOTAL // 1_000}
 
 
 def test_timeline_a_staged_checkpoint_is_one_short_line_not_its_meta():
