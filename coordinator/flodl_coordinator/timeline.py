@@ -79,6 +79,11 @@ def spans_per_rank(world_size: int) -> int:
     return min(MAX_SPANS_PER_RANK, max(MIN_SPANS_PER_RANK, MAX_SPANS_TOTAL // max(world_size, 1)))
 
 
+# What the timeline reads (the rest is skipped without a look: the hot path).
+_EVENTS_READ = frozenset({BatchDone, SyncAcked, CoordinatorRestarted, RankHello})
+_COMMANDS_READ = frozenset({OpenRound, Send, Reply})
+
+
 class _Lane:
     __slots__ = ("rank", "host", "spans", "marks", "open", "dropped_spans", "dropped_marks", "steps")
 
@@ -142,14 +147,14 @@ class Timeline:
         with self._lock:
             if self._t0 is None:
                 self._t0 = ev.now
-            t = self._rel(ev.now)
-            self._now = max(self._now, t)
-            self._event(ev, t)
+            t = round(ev.now - self._t0, 4)
+            if t > self._now:
+                self._now = t
+            if type(ev) in _EVENTS_READ:
+                self._event(ev, t)
             for cmd in commands:
-                self._command(cmd, ev, t)
-
-    def _rel(self, now: float) -> float:
-        return round(now - (self._t0 or 0.0), 4)
+                if type(cmd) in _COMMANDS_READ or isinstance(cmd, Notice):
+                    self._command(cmd, ev, t)
 
     def _lane(self, rank: int) -> Optional[_Lane]:
         return self._lanes[rank] if 0 <= rank < len(self._lanes) else None
