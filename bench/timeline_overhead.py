@@ -7,7 +7,8 @@ in the same process: bare (the peer: what the service did before the timeline), 
 each, interleaved; the ratio is the timeline's overhead on the core's own work (the
 service adds sockets, decode and the journal on top, so its relative cost there is
 smaller still). Also: the snapshot's size and build time at the end (what one poll of
-/timeline costs).
+/timeline costs), and the same for a timeline filled to its whole span budget (a long
+run of a big world: the worst poll).
 
 Prints one JSON object.
 """
@@ -21,6 +22,8 @@ import time
 
 from flodl.core import initial_state, step
 from flodl.sim import SimConfig, simulate
+from flodl_coordinator import dashboard
+from flodl_coordinator import timeline as tl_mod
 from flodl_coordinator.timeline import Timeline
 
 
@@ -54,6 +57,16 @@ def main() -> None:
     snap = tl.snapshot()
     body = json.dumps(snap)
     snap_s = time.perf_counter() - t0
+    full = Timeline(100)
+    for lane in full._lanes:  # every lane at its cap: 200k closed spans in all
+        for i in range(lane.spans.maxlen):
+            lane.spans.append(("train", float(i), i + 0.5, {"steps": 3}))
+    t0 = time.perf_counter()
+    full_body = dashboard.to_json(full.snapshot())
+    full_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    poll_body = dashboard.to_json(full.snapshot(tl_mod.POLL_SPANS))
+    poll_s = time.perf_counter() - t0
     b, t = statistics.median(bare), statistics.median(timed)
     print(json.dumps({
         "events": len(res.events),
@@ -68,6 +81,11 @@ def main() -> None:
         "spans": sum(len(lane["spans"]) for lane in snap["lanes"]),
         "curve_points": len(snap["curve"]),
         "truncated": snap["truncated"],
+        "full_budget_spans": sum(lane.spans.maxlen for lane in full._lanes),
+        "full_budget_all_spans_ms": round(full_s * 1000, 1),
+        "full_budget_all_spans_bytes": len(full_body),
+        "full_budget_poll_ms": round(poll_s * 1000, 1),  # what /timeline sends by default
+        "full_budget_poll_bytes": len(poll_body),
     }, indent=2))  # fmt: skip
 
 

@@ -95,7 +95,7 @@ from .journal import Journal, JournalError
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings, SettingsError
 from .status import StatusBoard
-from .timeline import Timeline
+from .timeline import FINAL_PAGE_SPANS, Timeline
 
 __all__ = ["CoordinatorService"]
 
@@ -374,7 +374,7 @@ class CoordinatorService:
         status_path, page_path = dashboard.final_paths(self.settings)
         status = self.status.snapshot()
         for path, text in ((status_path, lambda: strictjson.dumps(status, indent=2, sort_keys=True, default=str)),
-                           (page_path, lambda: dashboard.page({"status": status, "timeline": self.timeline.snapshot()}))):
+                           (page_path, lambda: dashboard.page({"status": status, "timeline": self.timeline.snapshot(FINAL_PAGE_SPANS)}))):
             if not path:
                 continue
             try:

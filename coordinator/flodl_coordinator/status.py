@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs
 
 from flodl import strictjson
 from flodl.core import status_view
 
 from . import dashboard
+from .timeline import POLL_SPANS
 
 __all__ = ["StatusBoard"]
 
@@ -73,12 +75,17 @@ class StatusBoard:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server API
-                path = self.path.split("?", 1)[0]
+                path, _, query = self.path.partition("?")
                 if path in ("/", "/index.html"):
                     body, ctype = dashboard.page().encode(), "text/html; charset=utf-8"
                 elif path == "/timeline":
-                    data = board.timeline.snapshot() if board.timeline is not None else {}
-                    body, ctype = strictjson.dumps(data, default=str).encode(), "application/json"
+                    try:
+                        limit = int(parse_qs(query).get("max_spans", [POLL_SPANS])[0])
+                    except ValueError:
+                        self.send_error(400, "max_spans must be an integer (0: every span)")
+                        return
+                    data = board.timeline.snapshot(max(0, limit)) if board.timeline is not None else {}
+                    body, ctype = dashboard.to_json(data).encode(), "application/json"
                 elif self.path.startswith("/metrics"):
                     body, ctype = board.prometheus().encode(), "text/plain; version=0.0.4"
                 elif self.path.startswith("/status"):

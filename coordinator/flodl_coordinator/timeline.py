@@ -46,7 +46,7 @@ from flodl.core import (
     SyncAcked,
 )
 
-__all__ = ["Timeline", "WARNING_NOTICES", "spans_per_rank"]
+__all__ = ["Timeline", "WARNING_NOTICES", "POLL_SPANS", "FINAL_PAGE_SPANS", "spans_per_rank"]
 
 # Enough spans for hours of rounds per rank at the page's resolution; a longer run
 # shows its latest part (and says from when). A big world shares a total budget
@@ -62,6 +62,10 @@ MAX_CURVE_POINTS = 1_024
 # A point per averaging round, but not closer than this: a 20 ms round's throughput
 # is noise, and the page polls in seconds.
 CURVE_MIN_DT_S = 0.2
+# Spans one /timeline poll carries by default, and the page written at the end (each
+# rank's latest; ?max_spans=N asks for another bound, 0 for all).
+POLL_SPANS = 20_000
+FINAL_PAGE_SPANS = 50_000
 # Notices an operator should look at (the page colours them; the rest are news).
 WARNING_NOTICES = frozenset({
     "rank_lost", "window_discarded", "reduce_stall", "checkpoint_abandoned", "checkpoint_retry",
@@ -269,14 +273,22 @@ class Timeline:
 
     # -- the HTTP thread -------------------------------------------------------------
 
-    def snapshot(self) -> dict:
+    def snapshot(self, max_spans: int = 0) -> dict:
         """Plain JSON data, sharing nothing mutable with the timeline (closed spans are
-        tuples, and a span's ``info`` is never changed once it is closed)."""
+        tuples, and a span's ``info`` is never changed once it is closed). ``max_spans``
+        (0: all): about that many spans in all, each rank's latest (a page draws a few
+        thousand pixels; a poll need not carry 10^5 spans); the rest are counted under
+        ``truncated.spans_not_sent``."""
+        per_lane = max(1, max_spans // max(len(self._lanes), 1)) if max_spans > 0 else 0
+        not_sent = 0
         with self._lock:
             now = self._now
             lanes = []
             for lane in self._lanes:
                 spans = list(lane.spans)
+                if per_lane and len(spans) > per_lane:
+                    not_sent += len(spans) - per_lane
+                    spans = spans[-per_lane:]
                 spans += [(k, s[1], None, s[3]) for k, s in lane.open.items()]  # still running
                 lanes.append({"rank": lane.rank, "host": lane.host, "spans": spans, "marks": [dict(m) for m in lane.marks]})
             return {
@@ -294,6 +306,7 @@ class Timeline:
                     "events": self._dropped_events,
                     "epochs": self._dropped_epochs,
                     "curve_merges": self._curve_merges,
+                    "spans_not_sent": not_sent,
                 },
             }
 

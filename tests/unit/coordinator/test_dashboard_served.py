@@ -7,6 +7,7 @@ import json
 import re
 import socket
 import time
+import urllib.error
 import urllib.request
 
 import zmq
@@ -68,6 +69,13 @@ def test_dashboard_served_live_then_final_files_and_a_lingering_status(serve, tm
     r0 = hello(ctx, ep, 0, "host-a")
     tl = until(lambda: (d := json.loads(get(base + "/timeline")[1]))["lanes"][0]["marks"] and d, "rank 0's join mark")
     assert [lane["rank"] for lane in tl["lanes"]] == [0, 1]
+    assert json.loads(get(base + "/timeline?max_spans=0")[1])["truncated"]["spans_not_sent"] == 0
+    try:
+        get(base + "/timeline?max_spans=lots")
+    except urllib.error.HTTPError as e:
+        assert e.code == 400
+    else:
+        raise AssertionError("a bad max_spans was accepted")
     assert tl["lanes"][0]["marks"][0]["kind"] == "join" and tl["lanes"][0]["host"] == "host-a"
 
     until(summary.exists, "the run's end (its summary)")
@@ -128,3 +136,9 @@ def test_readiness_is_notified_to_systemd(serve, tmp_path, monkeypatch):
 def test_notify_without_systemd_is_a_no_op(tmp_path):
     assert notify("READY=1", env={}) is False
     assert notify("READY=1", env={"NOTIFY_SOCKET": str(tmp_path / "nobody-listens")}) is False
+
+
+def test_to_json_is_strict_json_either_way():
+    assert json.loads(dashboard.to_json({"a": [1.5, (2, None)]})) == {"a": [1.5, [2, None]]}
+    doc = json.loads(dashboard.to_json({"loss": float("nan")}))  # never a bare NaN
+    assert doc["loss"] is None and doc["non_finite"] == ["$.loss = nan"]

@@ -157,3 +157,20 @@ def test_timeline_a_staged_checkpoint_is_one_short_line_not_its_meta():
     tl.observe(Tick(now=0.0), [StageCheckpoint.of(3, {"coverage": {"epochs": [{"bits": "ff" * 10_000}]}})])
     (ev,) = tl.snapshot()["events"]
     assert ev["text"] == "checkpoint 3 staged: the saving rank was asked for it"
+
+
+def test_timeline_a_poll_carries_each_ranks_latest_spans_within_its_bound():
+    tl = Timeline(2)
+    for c in range(10):  # per rank: 10 windows and 10 rounds, all closed
+        for r in (0, 1):
+            batch(tl, c + 0.1, r)
+        tl.observe(Tick(now=c + 0.5), [OpenRound(c, (0, 1))])
+        for r in (0, 1):
+            tl.observe(SyncAcked(now=c + 0.6, rank=r, cycle=c, step_count=c + 1), [])
+    batch(tl, 10.1, 0)  # rank 0 trains on: a span still running, always sent
+    snap = tl.snapshot(max_spans=6)  # 3 closed a rank, its latest
+    assert snap["truncated"]["spans_not_sent"] == 2 * (20 - 3)
+    r0 = lane(snap, 0)["spans"]
+    assert [(s[0], s[3]) for s in r0[:3]] == [("round", {"cycle": 8}), ("train", {"steps": 1}), ("round", {"cycle": 9})]
+    assert r0[3][0] == "train" and r0[3][2] is None
+    assert len(lane(tl.snapshot(), 0)["spans"]) == 21  # 0: everything kept
