@@ -142,3 +142,12 @@ def test_to_json_is_strict_json_either_way():
     assert json.loads(dashboard.to_json({"a": [1.5, (2, None)]})) == {"a": [1.5, [2, None]]}
     doc = json.loads(dashboard.to_json({"loss": float("nan")}))  # never a bare NaN
     assert doc["loss"] is None and doc["non_finite"] == ["$.loss = nan"]
+
+
+def test_a_negative_linger_is_refused_by_name():
+    import pytest
+
+    from flodl_coordinator.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="status_linger_s must be a finite number >= 0"):
+        load_settings(env={}, flags={"world_size": 1, "status_linger_s": -1.0})
