@@ -70,8 +70,8 @@ FINAL_PAGE_SPANS = 50_000
 WARNING_NOTICES = frozenset({
     "rank_lost", "window_discarded", "reduce_stall", "checkpoint_abandoned", "checkpoint_retry",
     "cohort_evicted", "formation_failed", "collective_exhausted", "eval_failed", "intent_dropped",
-    "coordinator_restarted", "journal_behind", "final_eval_retry", "shutdown_with_save", "hello_deferred",
-})  # fmt: skip
+    "coordinator_restarted", "journal_behind", "final_eval_retry", "shutdown_with_save",
+})  # fmt: skip  (a deferred hello is news: a rank waits its turn)
 # Per-window decisions are one per round per rank: the curve and the lanes show them.
 _QUIET_NOTICES = frozenset({"window", "epoch_opened"})
 _RELEASES_THROTTLE = frozenset({"update", "shutdown", "shutdown_with_save"})
@@ -138,6 +138,7 @@ class Timeline:
         self._curve: list[dict] = []
         self._curve_merges = 0
         self._dropped_events = 0
+        self._dropped_run_marks = 0
         self._dropped_epochs = 0
         # The step reports since the last curve point: samples, loss * samples.
         self._acc_samples = 0
@@ -252,6 +253,8 @@ class Timeline:
         self._epochs.append(row)
 
     def _run_mark(self, t: float, kind: str, detail: str) -> None:
+        if len(self._marks) == self._marks.maxlen:
+            self._dropped_run_marks += 1
         self._marks.append({"t": t, "kind": kind, "detail": detail[:_TEXT_MAX]})
 
     def _curve_point(self, t: float, min_dt: float) -> None:
@@ -302,7 +305,7 @@ class Timeline:
                 "events": [dict(e) for e in self._events],
                 "truncated": {
                     "spans": sum(lane.dropped_spans for lane in self._lanes),
-                    "marks": sum(lane.dropped_marks for lane in self._lanes),
+                    "marks": sum(lane.dropped_marks for lane in self._lanes) + self._dropped_run_marks,
                     "events": self._dropped_events,
                     "epochs": self._dropped_epochs,
                     "curve_merges": self._curve_merges,
