@@ -66,12 +66,13 @@ CURVE_MIN_DT_S = 0.2
 # rank's latest; ?max_spans=N asks for another bound, 0 for all).
 POLL_SPANS = 20_000
 FINAL_PAGE_SPANS = 50_000
-# Notices an operator should look at (the page colours them; the rest are news).
+# Notices an operator should look at (the page colours them; the rest are news -- a
+# deferred hello too: a rank waits its turn).
 WARNING_NOTICES = frozenset({
     "rank_lost", "window_discarded", "reduce_stall", "checkpoint_abandoned", "checkpoint_retry",
     "cohort_evicted", "formation_failed", "collective_exhausted", "eval_failed", "intent_dropped",
     "coordinator_restarted", "journal_behind", "final_eval_retry", "shutdown_with_save",
-})  # fmt: skip  (a deferred hello is news: a rank waits its turn)
+})  # fmt: skip
 # Per-window decisions are one per round per rank: the curve and the lanes show them.
 _QUIET_NOTICES = frozenset({"window", "epoch_opened"})
 _RELEASES_THROTTLE = frozenset({"update", "shutdown", "shutdown_with_save"})
