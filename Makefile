@@ -28,6 +28,7 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python bench/control_rtt.py
+	$(BIN)/python bench/control_scale.py --quick
 	$(BIN)/python bench/hetero.py
 	$(BIN)/python bench/planes.py
 	$(BIN)/python bench/faults.py

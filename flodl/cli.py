@@ -101,7 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--task", choices=sorted(TASKS), default="digits", help="example task (default digits)")
     r.add_argument("--slowdown", default="1", help="per-rank emulated slowdown factors, e.g. 1,2,4")
     r.add_argument("--base-ms", type=float, default=10.0, help="emulated ms per batch per slowdown unit (10)")
-    r.add_argument("--port", type=int, default=0, help="coordinator TCP port on 127.0.0.1 (0 = any free)")
+    r.add_argument("--port", type=int, default=0,
+                   help="coordinator TCP port on 127.0.0.1 (0, the default: a private ipc:// socket in the run's "
+                   "temp dir instead)")
     r.add_argument("--summary", help="write the run summary JSON to this path")
     r.add_argument("--trace-dir", help="ranks write the sample ids they train here (coverage audit)")
     r.add_argument("--no-fold", action="store_true", help="the relay forwards averaging rounds unfolded")
@@ -182,9 +184,12 @@ def _run_local(args) -> int:
     workdir = tempfile.mkdtemp(prefix="flodl-run-")
     summary_path = os.path.join(workdir, "summary.json")
     py = sys.executable
+    # An address known before the coordinator binds, so that the agent (relay, ranks:
+    # torch takes seconds to import) starts beside it instead of after it.
+    endpoint = f"tcp://127.0.0.1:{args.port}" if args.port else f"ipc://{workdir}/coordinator.sock"
     coord_cmd = [
         py, "-m", "flodl_coordinator", "serve",
-        "--bind", f"tcp://127.0.0.1:{args.port}",
+        "--bind", endpoint,
         "--session", session,
         "--world-size", str(args.ranks),
         "--summary", summary_path,
@@ -201,13 +206,11 @@ def _run_local(args) -> int:
     # in order; PR_SET_PDEATHSIG: a launcher killed outright takes its children along.
     spawn = dict(text=True, bufsize=1, start_new_session=True, preexec_fn=death_signal_hook())
     coord = subprocess.Popen(coord_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **spawn)
+    coord_started = time.monotonic() - t0  # its timeline_s counts from here
     procs = [coord]
     pumps: list[threading.Thread] = []
     rc = 1
     try:
-        endpoint = _await_ready(coord, "COORDINATOR_READY", deadline=t0 + 60, stop=stop)
-        pumps.append(threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", args.quiet), daemon=True))
-        pumps[-1].start()
         extra = [a for a in args.task_args if a != "--"]
         agent_cmd = [
             py, "-m", "flodl_worker", "agent",
@@ -224,11 +227,16 @@ def _run_local(args) -> int:
             agent_cmd += ["--no-fold"]
         agent_cmd += agent_curve
         agent_cmd += ["--", py, "-m", TASKS[args.task], *extra]
-        if endpoint is not None:
-            agent = subprocess.Popen(agent_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **spawn)
-            procs.append(agent)
-            pumps.append(threading.Thread(target=_pump, args=(agent.stdout, "[agent] ", args.quiet), daemon=True))
-            pumps[-1].start()
+        # The agent dials the coordinator's address while it comes up (ZeroMQ retries).
+        agent = subprocess.Popen(agent_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **spawn)
+        procs.append(agent)
+        pumps.append(threading.Thread(target=_pump, args=(agent.stdout, "[agent] ", args.quiet), daemon=True))
+        pumps[-1].start()
+        # Still awaited: a coordinator that cannot start is reported, and the agent stopped.
+        ready = _await_ready(coord, "COORDINATOR_READY", deadline=t0 + 60, stop=stop)
+        pumps.append(threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", args.quiet), daemon=True))
+        pumps[-1].start()
+        if ready is not None:
             rc = _wait_all(procs, t0 + args.timeout, stop)
     finally:
         if stop.signum is not None or any(p.poll() is None for p in procs):
@@ -241,7 +249,7 @@ def _run_local(args) -> int:
         print(f"flodl: stopped by {name} before the run completed", file=sys.stderr, flush=True)
         rc = 128 + stop.signum
     wall = time.monotonic() - t0
-    return _report(args, settings, summary_path, rc, wall)
+    return _report(args, settings, summary_path, rc, wall, coord_started)
 
 
 # After a stop signal: the coordinator asks the ranks to shut down and writes its summary
@@ -370,7 +378,7 @@ def _wait_all(procs, deadline: float, stop: _StopSignals) -> int:
     return 124
 
 
-def _report(args, settings, summary_path: str, rc: int, wall: float) -> int:
+def _report(args, settings, summary_path: str, rc: int, wall: float, coord_started: float = 0.0) -> int:
     try:
         with open(summary_path, encoding="utf-8") as fh:
             summary = json.load(fh)
@@ -378,6 +386,13 @@ def _report(args, settings, summary_path: str, rc: int, wall: float) -> int:
         print(f"flodl: the run produced no summary (coordinator exit code {rc})", file=sys.stderr)
         return rc or 1
     summary["launcher_wall_s"] = round(wall, 3)
+    # From the launcher's start to the first batch, and from the run's end to the
+    # launcher's (the coordinator's timeline counts from its own start).
+    timeline = summary.get("timeline_s") or {}
+    if "first_batch" in timeline:
+        summary["time_to_first_batch_s"] = round(coord_started + timeline["first_batch"], 3)
+    if "run_finished" in timeline:
+        summary["teardown_s"] = round(wall - coord_started - timeline["run_finished"], 3)
     summary.setdefault("task", args.task)
     summary["slowdown"] = args.slowdown
     summary.setdefault("plane", settings.plane)
@@ -398,6 +413,8 @@ def _print_summary(s: dict) -> None:
     acc = s.get("accuracy")
     print(f"task: {s.get('task')}  policy: {s.get('policy')}  plane: {s.get('plane')}  ranks: {s.get('world_size')}  slowdown: {s.get('slowdown')}")
     print(f"wall: {s.get('wall_s')} s   samples/s: {s.get('samples_per_s')}   averages: {s.get('averages')}")
+    print(f"launcher: {s.get('launcher_wall_s')} s   time to first batch: {s.get('time_to_first_batch_s')} s   "
+          f"teardown: {s.get('teardown_s')} s")
     print(f"accuracy: {acc if acc is None else round(acc, 4)}")
     for r in s.get("ranks", []):
         print(f"  rank {r.get('rank')}: samples {r.get('samples')}  batches {r.get('batches')}")

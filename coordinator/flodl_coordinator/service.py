@@ -69,6 +69,7 @@ from flodl.core import (
     to_record,
 )
 from flodl.fsutil import describe_write_error
+from flodl.procutil import process_age_s
 from flodl.limits import zmq_maxmsgsize
 from flodl.wire import (
     Endpoint,
@@ -91,6 +92,7 @@ from .agents import AgentBook
 from .checkpointing import Checkpointing
 from .curve import CurveServer, load_server_keys
 from .droplog import DropLog
+from .inbound import recv_frames as _recv_frames, recv_message
 from .journal import Journal, JournalError
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings, SettingsError
@@ -169,6 +171,11 @@ class CoordinatorService:
             "deferred": DropLog(log, level=logging.INFO, first="hello deferred (from %s)",
                                 more="%d more hellos deferred for %r in the last %.0fs (last from %s)"),
         }  # fmt: skip
+        # When the run's first batch came and when it finished, in seconds since this
+        # process started (the launcher's start-up and teardown times, in the summary).
+        self._born = time.monotonic() - process_age_s()
+        self._first_batch_at: float | None = None
+        self._finished_at: float | None = None
         self.status = StatusBoard()
         self.status.timeline = self.timeline
         self._stop_event = threading.Event()  # ends the status linger after the run (request_stop)
@@ -404,6 +411,11 @@ class CoordinatorService:
             summary["agent_errors"] = list(self.agent_errors)
         if self.relay_restarts:
             summary["relay_restarts"] = list(self.relay_restarts)
+        summary["timeline_s"] = {
+            k: round(t - self._born, 3)
+            for k, t in (("first_batch", self._first_batch_at), ("run_finished", self._finished_at))
+            if t is not None
+        }
         summary.setdefault("bus", {})
         summary["bus"].update(
             rounds=self.reducer.rounds_completed, bytes_in=self.reducer.bytes_in, bytes_out=self.reducer.bytes_out
@@ -426,10 +438,12 @@ class CoordinatorService:
     # -- inbound -----------------------------------------------------------------
 
     def _drain_socket(self) -> None:
+        # CURVE: the ZAP User-Id is read off a received Frame, so every part stays one.
+        recv = _recv_frames if self.curve_keys is not None else recv_message
         with self._pass():  # one fsync for what this batch of frames decided (journal.py)
             for _ in range(DRAIN_BATCH):
                 try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = recv(self.sock)
                 except zmq.Again:
                     return
                 self._on_frames(frames)
@@ -439,7 +453,7 @@ class CoordinatorService:
     def _on_frames(self, frames) -> None:
         now = self.clock()
         try:
-            route, payload = split_routing([f.bytes if len(f) < 256 else f for f in frames])
+            route, payload = split_routing(frames)
         except WireError as e:
             return self._drop((), e)
         if self.held and route:
@@ -495,6 +509,8 @@ class CoordinatorService:
         if kind in ("timing", "metrics", "round"):
             rank = self._owned_rank(route, env, d)
             if kind == "timing":
+                if self._first_batch_at is None and env.timing.WhichOneof("event") == "batch":
+                    self._first_batch_at = time.monotonic()
                 if env.timing.WhichOneof("event") == "checkpoint_result":
                     self.checkpointing.on_result(rank, env.timing.checkpoint_result)
                 return self._feed(timing_event(now, env.timing))
@@ -718,7 +734,8 @@ class CoordinatorService:
         while self._pending:
             ev = self._pending.popleft()
             self._events_stepped += 1
-            self._journal_write(to_record(ev))
+            if self._journal is not None:  # building the record costs: only when it is kept
+                self._journal_write(to_record(ev))
             try:
                 self.state, commands = step(self.state, ev)
             except RankViolation as e:
@@ -777,6 +794,7 @@ class CoordinatorService:
             self._notice(cmd)
         elif isinstance(cmd, RunFinished):
             self.finished = cmd
+            self._finished_at = time.monotonic()
 
     def _log_refusal(self, route: tuple, ack: pb.HelloAck) -> None:
         """Every refused (or deferred) hello is counted and said, with its reason; a peer

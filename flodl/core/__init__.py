@@ -74,6 +74,7 @@ from ._phases import (
     diagram,
 )
 from ._step import initial_state, replay, step
+from ._drift import view_drift
 from ._status_view import status_view
 from ._translate import hello_event, hello_oversized, metrics_event, timing_event
 
@@ -87,6 +88,7 @@ __all__ = [
     "step",
     "replay",
     "status_view",
+    "view_drift",
     "should_average",
     "CoreConfig",
     "CoordinatorState",

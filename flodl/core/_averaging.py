@@ -97,17 +97,15 @@ def should_average(st: CoordinatorState) -> tuple[bool, str]:
         return False, f"run is {st.run.phase!r}"
     if st.rounds.phase is PENDING:
         return False, f"round {st.rounds.cycle} pending"
-    alive = st.alive_ranks()
-    if not alive:
+    if not st.alive_count():
         return False, "no active rank"
     dispatcher = SYNC  # this is Sync's gate (``_policy.SYNC_POLICY``)
-    any_mover = False
-    for r in alive:
-        if st.unfolded(r) > 0:
-            any_mover = True
-        elif not dispatcher.idle(st, r):
-            return False, f"rank {r} has not stepped since the last average"
-    if not any_mover:
+    # The lowest ACTIVE rank that has not stepped and still has work (the rank index
+    # keeps the ranks without unfolded steps: the gate never walks the movers).
+    blocker = st.index.lowest_still(lambda r: not dispatcher.idle(st, r))
+    if blocker is not None:
+        return False, f"rank {blocker} has not stepped since the last average"
+    if not st.any_unfolded():
         return False, "no rank has stepped since the last average"
     return True, "every active rank stepped or has no work left"
 
@@ -123,6 +121,7 @@ def trigger(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) ->
     rs.window_steps = 0
     rs.refused = {}
     rs.opened_at = st.now
+    st.index.open_round(rs.ranks)
     out.append(OpenRound(rs.cycle, rs.ranks, tuple(st.unfolded(r) for r in rs.ranks)))
     dispatcher.on_trigger(st, list(rs.ranks), out)
     for r in rs.ranks:
@@ -152,6 +151,7 @@ def on_ack(st: CoordinatorState, ev: SyncAcked, out: list[Command], dispatcher: 
         return
     rec = st.ranks[ev.rank]
     rs.acked[ev.rank] = ev.step_count
+    st.index.ack(ev.rank)
     if ev.rank in rs.refused:
         _discard_window(st, ev, out, dispatcher)
         return
@@ -192,9 +192,14 @@ def _discard_window(st: CoordinatorState, ev: SyncAcked, out: list[Command], dis
 
 
 def waiting_for(st: CoordinatorState) -> list[int]:
-    """Participants of the open round that are still ACTIVE and have not acked."""
-    rs = st.rounds
-    return [r for r in rs.ranks if st.ranks[r].phase is ACTIVE and r not in rs.acked]
+    """Participants of the open round that are still ACTIVE and have not acked, ascending."""
+    return sorted(st.index.waiting) if st.rounds.phase is PENDING else []
+
+
+def _few(ranks: set[int], shown: int = 8) -> str:
+    """``[0, 3, 5]``, or just how many once there are more than ``shown`` (a reason is
+    rebuilt on every event: it must not walk the world; ``/status`` lists them all)."""
+    return str(sorted(ranks)) if len(ranks) <= shown else f"{len(ranks)} ranks"
 
 
 def finish_due(st: CoordinatorState) -> tuple[bool, str]:
@@ -202,16 +207,16 @@ def finish_due(st: CoordinatorState) -> tuple[bool, str]:
     rs = st.rounds
     if rs.phase is not PENDING:
         return False, "no round pending"
-    waiting = waiting_for(st)
+    waiting = st.index.waiting
     if waiting:
-        return False, f"round {rs.cycle} waits for {waiting}"
+        return False, f"round {rs.cycle} waits for {_few(waiting)}"
     return True, f"round {rs.cycle} acked"
 
 
 def stall_due(st: CoordinatorState) -> tuple[bool, str]:
     """The open round, still waiting, has been pending longer than ``reduce_stall_s``."""
     rs = st.rounds
-    if rs.phase is not PENDING or not waiting_for(st):
+    if rs.phase is not PENDING or not st.index.waiting:
         return False, "no round waiting"
     if st.now - rs.opened_at > st.config.reduce_stall_s:
         return True, f"reduce stall: round {rs.cycle} pending > {st.config.reduce_stall_s:g}s"
@@ -221,6 +226,7 @@ def stall_due(st: CoordinatorState) -> tuple[bool, str]:
 def stall(st: CoordinatorState) -> None:
     """The round stalled: it closes (the step then ends the run)."""
     _transition(st.rounds, "stall")
+    st.index.close_round()
 
 
 def abandon(st: CoordinatorState) -> Optional[int]:
@@ -229,6 +235,7 @@ def abandon(st: CoordinatorState) -> Optional[int]:
     if rs.phase is not PENDING:
         return None
     _transition(rs, "abandon")
+    st.index.close_round()
     return rs.cycle
 
 
@@ -238,6 +245,7 @@ def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> 
     dispatcher's ``after_round``, in that order."""
     rs = st.rounds
     _transition(rs, "finish")
+    st.index.close_round()
     rs.open_s += max(0.0, st.now - rs.opened_at)
     rs.version += 1
     rs.global_step += rs.window_steps

@@ -116,13 +116,15 @@ def _rendezvous(st: CoordinatorState, cs: CollectiveState, out: list[Command]) -
         st.send(out, r, rendezvous=msg)
 
 
-def _due(st: CoordinatorState, cs: CollectiveState, alive: tuple[int, ...]) -> tuple[str, bool]:
+def _due(st: CoordinatorState, cs: CollectiveState) -> tuple[str, bool]:
     """(why the group must be re-formed now, whether its store host is to blame);
-    ("", False) when it need not be."""
+    ("", False) when it need not be. The members are compared with the ACTIVE set only
+    once that set changed since they were chosen (``members_version``): asked on every
+    event, this must not walk the world."""
     if cs.generation == 0:
         return "world formed", False
-    if set(alive) != set(cs.members):
-        gone = sorted(set(cs.members) - set(alive))
+    if cs.members_version != st.index.alive_version and set(st.index.alive()) != set(cs.members):
+        gone = sorted(set(cs.members) - set(st.index.alive()))
         return (f"rank(s) {gone} gone" if gone else "membership changed"), False
     if cs.reform_reason:
         return cs.reform_reason, cs.host_failed
@@ -140,10 +142,9 @@ def due(st: CoordinatorState) -> tuple[bool, str]:
         return False, f"run is {st.run.phase!r}"
     if cs.exhausted:
         return False, "exhausted"
-    alive = tuple(st.alive_ranks())
-    if not alive:
+    if not st.alive_count():
         return False, "no active rank"  # the step's ``fail`` rule ends the run
-    why, _ = _due(st, cs, alive)
+    why, _ = _due(st, cs)
     return (True, why) if why else (False, f"generation {cs.generation} stands")
 
 
@@ -154,7 +155,7 @@ def announce(st: CoordinatorState, out: list[Command]) -> None:
     cs = st.collective
     assert cs is not None
     alive = tuple(st.alive_ranks())
-    why, blame_host = _due(st, cs, alive)
+    why, blame_host = _due(st, cs)
     if blame_host:
         cs.tried += (cs.store_host,)  # type: ignore[operator]  # set once a generation was announced
     else:
@@ -170,6 +171,7 @@ def announce(st: CoordinatorState, out: list[Command]) -> None:
         cs.reforms += 1
     cs.generation += 1
     cs.members = (host,) + tuple(r for r in alive if r != host)
+    cs.members_version = st.index.alive_version
     cs.store_host = host
     cs.store_addr = ""
     cs.announced_at = st.now

@@ -231,7 +231,7 @@ def on_slot_reopened(st: CoordinatorState, rank: int, reason: str) -> None:
     the cohort (model, dataset) once no admitted rank holds it -- a squatter that
     vanishes takes its claim with it."""
     st.run.not_admitted[rank] = f"admitted, then lost before the world formed: {reason}"
-    if not any(rec.phase is JOINING or rec.phase is ACTIVE for rec in st.ranks):
+    if not st.index.addressable_count():
         st.cohort_sig = st.cohort_len = None
 
 
@@ -242,13 +242,17 @@ def touch(st: CoordinatorState, rank: int, now: float) -> None:
 
 
 def stale_ranks(st: CoordinatorState, now: float) -> list[tuple[int, str]]:
-    """Addressable ranks silent for strictly more than the liveness timeout."""
-    t = st.config.liveness_timeout_s
-    return [
-        (r, f"heartbeat stale (>{t:g}s)")
-        for r in st.addressable_ranks()
-        if now - st.ranks[r].last_seen > t
-    ]
+    """Addressable ranks silent for strictly more than the liveness timeout.
+
+    The rank index's ``seen_floor`` bounds every addressable rank's ``last_seen`` from
+    below: while it is within the timeout nobody can be stale and no rank is looked at;
+    a look rebuilds the bound (so a Tick walks the ranks about once per timeout)."""
+    t, index = st.config.liveness_timeout_s, st.index
+    if index.seen_floor is not None and now - index.seen_floor <= t:
+        return []
+    ranks = index.addressable()
+    index.seen_floor = min((st.ranks[r].last_seen for r in ranks), default=None)
+    return [(r, f"heartbeat stale (>{t:g}s)") for r in ranks if now - st.ranks[r].last_seen > t]
 
 
 def beacon(st: CoordinatorState, now: float, out: list[Command]) -> None:

@@ -174,12 +174,12 @@ def failure(st: CoordinatorState) -> Optional[tuple[str, int]]:
     or no ACTIVE rank is left, in TRAINING or FINAL_EVAL; else None."""
     if st.run.phase not in (TRAINING, FINAL_EVAL):
         return None
-    limit = max_failure_limit(st.config.max_failure, st.config.world_size)
-    dead = sum(1 for rec in st.ranks if rec.phase is DEAD)
-    if limit is not None and dead > 0 and dead >= limit:
+    dead = st.index.count(DEAD)
+    limit = max_failure_limit(st.config.max_failure, st.config.world_size) if dead > 0 else None
+    if limit is not None and dead >= limit:
         reason = f"max_failure exceeded: {dead} dead rank(s), limit {limit} ({st.config.max_failure})"
         return reason, pb.SAVE_REASON_MAX_FAILURE_EXCEEDED
-    if st.alive_ranks():
+    if st.alive_count():
         return None
     return "all ranks lost", pb.SAVE_REASON_ALL_RANKS_LOST
 
@@ -194,7 +194,7 @@ def tail_due(st: CoordinatorState) -> bool:
     round must commit them before anything ends (the step's ``open_round`` rule)."""
     if st.run.phase is not TRAINING or st.rounds.phase is PENDING or next_epoch(st) < st.config.num_epochs:
         return False
-    return any(st.unfolded(r) > 0 for r in st.alive_ranks())
+    return st.any_unfolded()
 
 
 def _training_move(st: CoordinatorState) -> tuple[Optional[str], str]:
@@ -205,7 +205,7 @@ def _training_move(st: CoordinatorState) -> tuple[Optional[str], str]:
         if st.dispatch.last_dispatched is None or st.dispatch.last_dispatched < nxt:
             return "dispatch", f"epoch {nxt} is next"
         return None, f"epoch {nxt} training"
-    if any(st.unfolded(r) > 0 for r in st.alive_ranks()):
+    if st.any_unfolded():
         return None, "the final tail round first"
     if st.config.final_eval and _eval_target(st, ()) is not None:
         return "final_eval", "every epoch aggregated"
@@ -255,7 +255,7 @@ def next_move(st: CoordinatorState) -> tuple[Optional[str], str]:
     ``form_timeout_s`` clock (``forming_since``)."""
     ph = st.run.phase
     if ph is FORMING:
-        if all(rec.phase is JOINING for rec in st.ranks):
+        if st.index.count(JOINING) == len(st.ranks):
             return "form", "every slot joined"
         if st.run.forming_since is None:
             st.run.forming_since = st.now
@@ -271,10 +271,10 @@ def next_move(st: CoordinatorState) -> tuple[Optional[str], str]:
             return "shutdown", "the final eval is done"
         return None, "final eval pending"
     if ph is SHUTTING_DOWN:
-        return ("finish", "every rank left") if not st.addressable_ranks() else (None, "ranks still leaving")
+        return ("finish", "every rank left") if not st.index.addressable_count() else (None, "ranks still leaving")
     if ph is STOPPING:
         late = st.run.deadline is not None and st.now >= st.run.deadline
-        if late or not st.addressable_ranks():
+        if late or not st.index.addressable_count():
             return "finish_stopped", "stopped"
         return None, "ranks still leaving"
     return None, f"run is {ph!r}"

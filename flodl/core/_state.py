@@ -39,6 +39,13 @@ it and nothing outside writes it). Equality is structural, so a replayed state c
 ``==`` to the original. Nothing in here holds a protobuf message: commands are built
 from these values when they are emitted, and numbered by ``next_command_id``.
 
+``index`` (``_rank_index.RankIndex``) holds incremental views of ``ranks`` -- who is
+ACTIVE / addressable / DEAD, who has unfolded steps, whom the open round waits for, a
+liveness floor -- so that an event costs O(1), not a walk over every rank. The records
+keep it: an assignment to a ``RankRecord``'s ``phase``, ``last_step``, ``folded_step`` or
+``last_seen`` tells it, so any writer (a mid-run join included) keeps it exact. It is
+derived: equality ignores it; ``index_drift`` recomputes it (``flodl.core.view_drift``).
+
 ``send`` is the single place a ``Send`` is made: it refuses (``LocalViolation``) to
 address a rank that is not JOINING or ACTIVE, so "no command to a DEAD or LEFT rank"
 is enforced where commands are born, not hoped for downstream.
@@ -55,6 +62,7 @@ from flodl.wire import pb
 from ._commands import Command, Send
 from ._config import CoreConfig
 from ._errors import LocalViolation
+from ._rank_index import INDEXED_FIELDS, RankIndex
 from ._phases import (  # noqa: F401  (re-exported: older imports of the phases from here)
     ACTIVE,
     DEAD,
@@ -106,6 +114,19 @@ class RankRecord:
     samples: int = 0
     param_digest: str = ""
     divergence: Optional[float] = None  # from the latest SyncAcked
+    # The state's RankIndex (``_rank_index``), told of every write to an indexed field.
+    # Last on purpose: a copy restores the slots in order, so the fields it indexes are
+    # set (as plain writes) before it is there to be told.
+    index: Optional[RankIndex] = field(default=None, compare=False, repr=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        index = getattr(self, "index", None) if name in INDEXED_FIELDS else None
+        if index is None:
+            object.__setattr__(self, name, value)
+            return
+        old = getattr(self, name)
+        object.__setattr__(self, name, value)
+        index.changed(self, name, old)
 
 
 @dataclass(slots=True)
@@ -243,6 +264,14 @@ class CadenceState:
     # The policy's switches for the engines (``_policy``): set by the dispatcher's setup.
     barrier_paced: bool = True  # False under Async: no final-window plan, probe/proportional chunks
     overshoot_on: bool = False  # True under Async: the reduce budget has a look-ahead
+    # Incremental views, so that no batch walks every rank (``cadence._views``):
+    # ranks a wake may serve (a superset of those it can), a lazy min-heap of ranks that
+    # may block the gate (``in_open``: its members), and ElChe's counts with the ranks
+    # that are not ACTIVE zeroed, with their sum, keyed by the rank index's alive_version.
+    wakeable: set[int] = field(default_factory=set)
+    open_windows: list[int] = field(default_factory=list)
+    in_open: set[int] = field(default_factory=set)
+    alive_counts: Optional[tuple[int, list[int], int, bool]] = None  # (+ calibrated or speed-hinted)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CadenceState):
@@ -313,6 +342,7 @@ class RoleState:
 class CollectiveState:
     generation: int = 0  # 0: no group yet
     members: tuple[int, ...] = ()  # global ranks of the current generation, in dense order
+    members_version: int = -1  # the rank index's alive_version when members were chosen
     store_host: Optional[int] = None  # members[0]: the lowest member not tried
     tried: tuple[int, ...] = ()  # store hosts that did not answer / whose group did not form
     store_addr: str = ""  # "" until the store host's StoreReady
@@ -349,6 +379,13 @@ class CoordinatorState:
     ignored: dict[str, int] = field(default_factory=dict)  # benign drops, by cause
     # rule -> the last reason the step's fixed point gave for it (``/status``: why not yet)
     reasons: dict[str, str] = field(default_factory=dict)
+    # Incremental views of ``ranks`` (``_rank_index``): derived, so not compared.
+    index: RankIndex = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.index = RankIndex(self.ranks)
+        for rec in self.ranks:
+            rec.index = self.index
 
     # -- queries ---------------------------------------------------------------------
 
@@ -367,11 +404,24 @@ class CoordinatorState:
         return self.ranks[rank].phase is JOINING or self.ranks[rank].phase is ACTIVE
 
     def alive_ranks(self) -> list[int]:
-        """ACTIVE ranks in ascending order: the formed world's survivors."""
-        return [r.rank for r in self.ranks if r.phase is ACTIVE]
+        """ACTIVE ranks in ascending order: the formed world's survivors (a new list)."""
+        return list(self.index.alive())
+
+    def alive_count(self) -> int:
+        return self.index.alive_count()
 
     def addressable_ranks(self) -> list[int]:
-        return [r.rank for r in self.ranks if r.phase is JOINING or r.phase is ACTIVE]
+        return self.index.addressable()
+
+    def any_unfolded(self) -> bool:
+        """Some ACTIVE rank has steps no consensus folded yet."""
+        return bool(self.index.movers)
+
+    def index_drift(self) -> list[str]:
+        """What the rank index disagrees with a recount about (empty: nothing); the
+        property tests assert it after every step."""
+        rs = self.rounds
+        return self.index.drift(self.ranks, rs.ranks, rs.acked, rs.phase is PENDING)
 
     def unfolded(self, rank: int) -> int:
         """Steps the rank reported that no consensus has folded in yet."""

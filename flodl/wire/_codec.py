@@ -147,24 +147,61 @@ class SeqTracker:
 class Endpoint:
     """The sending half of a peer: stamps version, session, sender and sequence.
 
-    One per socket owner; not thread-safe (neither is the socket it feeds).
+    One per socket owner; not thread-safe (neither is the socket it feeds). The sender
+    is fixed at construction (a new incarnation is a new Endpoint); the session may be
+    set later (a relay's folder learns it from the coordinator's FoldOpen).
+
+    The envelope is written as protobuf's wire format allows, in pieces: the fields that
+    never change (version, session, sender) serialised once, then per message the
+    sequence, the blob count and the body -- the same message a parser reads as
+    ``Envelope(...).SerializeToString()``, without copying the body into an envelope
+    first (3.2 -> 2.2 us for a Control, measured with protobuf 6 upb).
     """
 
     def __init__(self, session: str, kind: int, *, rank: int = 0, host: str = "", incarnation: int = 0):
-        self.session = session
         self.sender = pb.Sender(kind=kind, rank=rank, host=host, incarnation=incarnation)
+        self.session = session  # (serialises the fixed fields)
         self._seq = 0
+
+    @property
+    def session(self) -> str:
+        return self._session
+
+    @session.setter
+    def session(self, value: str) -> None:
+        self._session = value
+        self._prefix = pb.Envelope(
+            protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR, session=value, sender=self.sender
+        ).SerializeToString()
 
     def frames(self, body_field: str, body, blobs: Sequence = (), route: Sequence[bytes] = ()) -> list:
         """Build the multipart for one message: route + delimiter + envelope + blobs."""
         self._seq += 1
-        env = pb.Envelope(
-            protocol_major=PROTOCOL_MAJOR,
-            protocol_minor=PROTOCOL_MINOR,
-            session=self.session,
-            seq=self._seq,
-            blob_count=len(blobs),
-        )
-        env.sender.CopyFrom(self.sender)
-        getattr(env, body_field).CopyFrom(body)
-        return [*route, DELIMITER, env.SerializeToString(), *blobs]
+        data = body.SerializeToString()
+        parts = [self._prefix, _SEQ_TAG, _varint(self._seq)]
+        if blobs:  # proto3: a zero count is not written
+            parts += [_BLOBS_TAG, _varint(len(blobs))]
+        parts += [_BODY_TAGS[body_field], _varint(len(data)), data]
+        return [*route, DELIMITER, b"".join(parts), *blobs]
+
+
+def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return _SMALL[n]
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _tag(number: int, wire_type: int) -> bytes:
+    return _varint((number << 3) | wire_type)
+
+
+_SMALL = [bytes((i,)) for i in range(0x80)]
+_FIELDS = pb.Envelope.DESCRIPTOR.fields_by_name
+_SEQ_TAG = _tag(_FIELDS["seq"].number, 0)  # varint
+_BLOBS_TAG = _tag(_FIELDS["blob_count"].number, 0)
+_BODY_TAGS = {f.name: _tag(f.number, 2) for f in pb.Envelope.DESCRIPTOR.oneofs_by_name["body"].fields}  # length-delimited

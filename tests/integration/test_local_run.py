@@ -27,3 +27,10 @@ def test_three_unequal_ranks_train_digits_exactly_once_and_agree(tmp_path):
     alarming = [line for line in out.splitlines() if any(w in line for w in (" WARNING ", " ERROR ", "Traceback"))]
     assert not alarming, alarming[:10]
     assert summary["dropped_frames"] == {}, summary["dropped_frames"]
+    # Start-up and teardown are in the summary, and they add up with the training: the
+    # first batch came before the end, and both fit in the launcher's wall time.
+    timeline = summary["timeline_s"]
+    assert 0 < timeline["first_batch"] < timeline["run_finished"], timeline
+    assert 0 < summary["time_to_first_batch_s"] < summary["launcher_wall_s"], summary
+    assert 0 <= summary["teardown_s"] < summary["launcher_wall_s"] - summary["time_to_first_batch_s"], summary
+    assert "time to first batch:" in proc.stdout

@@ -9,9 +9,9 @@ rank machines send their own resync reports). A separate model -- built only
 from the events fed and the commands emitted, never from the core's state -- tracks who
 owns each position and what was committed. Invariants after every step: a position is
 owned by at most one live rank, is never committed twice, the core's counts agree with
-the model, the epoch never goes back, no rank machine drops a control the core sent, and
-(the Cluster checks it on every command) no command reaches a rank the core already
-forgot. At teardown the run is driven to its end: every epoch must have trained every
+the model, the core's incremental views agree with a recount (``view_drift``), the
+epoch never goes back, no rank machine drops a control the core sent, and (the Cluster
+checks it on every command) no command reaches a rank the core already forgot. At teardown the run is driven to its end: every epoch must have trained every
 sample exactly once (unless every rank was lost), and replaying the journal must
 rebuild the same state.
 """
@@ -39,6 +39,7 @@ from flodl.core import (
     SyncAcked,
     Tick,
     replay,
+    view_drift,
 )
 from flodl.core import FORMING, TRAINING
 
@@ -303,6 +304,13 @@ class CoreMachine(RuleBasedStateMachine):
         if not hasattr(self, "c"):
             return
         assert not any(r.drops for r in self.c.ranks), [r.drops for r in self.c.ranks]
+
+    @invariant()
+    def incremental_views_match_a_recount(self):
+        """The rank index, Cadence's wake/gate views and the pools' sums (``view_drift``)."""
+        if not hasattr(self, "c"):
+            return
+        assert view_drift(self.c.state) == []
 
     @invariant()
     def epoch_never_goes_back(self):

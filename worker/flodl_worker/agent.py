@@ -63,6 +63,11 @@ __all__ = ["AgentConfig", "Agent", "run_agent", "rank_env", "slowdown_for"]
 log = logging.getLogger("flodl.agent")
 
 LINGER_MS = 2_000  # the last rank_exited frames get this long to leave on exit
+# ... unless every rank exited 0: the coordinator ended the run and holds their Exiting
+# frames, and has often exited itself, so the reports would only wait out LINGER_MS for
+# a peer that is gone (2 s of every run's teardown). A live one takes them in well
+# under this.
+CLEAN_LINGER_MS = 200
 RELAY_READY_TIMEOUT_S = 15.0  # python + pyzmq import, bind: seconds, not minutes
 RELAY_STOP_TIMEOUT_S = 5.0
 POLL_MS = 200  # safety net only: SIGCHLD wakes the loop the moment a child ends
@@ -547,17 +552,19 @@ class Agent:
         cfg = self.cfg
         self._install_signals()
         try:
+            # The ranks take longest to start (torch): when the relay's address is known
+            # before it binds, they start first and dial it while it comes up (ZeroMQ
+            # connects to an ipc path that does not exist yet, and retries).
+            early = None if cfg.no_relay else self._known_relay_bind()
+            if early is not None:
+                self._spawn_ranks(early)
             connect = cfg.coordinator if cfg.no_relay else self._first_relay()
             self.relay_endpoint = None if cfg.no_relay else connect
-            if self.stop_reason is not None:
+            if self.stop_reason is not None and not self.ranks:
                 log.info("stopped (%s) before any rank started", self.stop_reason)
                 return 0
-            base = dict(os.environ)
-            self.connect = connect
-            for i in range(cfg.ranks):
-                rank = cfg.rank_offset + i
-                env = rank_env(cfg, i, connect, base, self.token)
-                self.ranks.append(self._spawn(f"rank {rank}", list(cfg.command), env, rank))
+            if early is None:
+                self._spawn_ranks(connect)
             ranks = [c.rank for c in self.ranks]
             self.hello_msg = pb.AgentMsg.AgentHello(host=cfg.host_name, ranks=ranks, token=self.token)
             self._send_agent(hello=self.hello_msg)
@@ -590,12 +597,32 @@ class Agent:
         finally:
             self._stop_relay()
             self._restore_signals()
-            self.sock.close()  # LINGER_MS bounds the flush of the last rank_exited
+            clean = self.ranks and all(c.proc.returncode == 0 for c in self.ranks) and not self.relay_failed
+            self.sock.close(CLEAN_LINGER_MS if clean else LINGER_MS)  # bounds the flush of the last rank_exited
             self.ctx.term()
             self.wake_r.close()
             self.wake_w.close()
             if self.tmpdir:
                 shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def _known_relay_bind(self) -> str | None:
+        """The address the ranks will dial, if it is known before the relay binds: an ipc
+        path (the default's, or a given one). A TCP bind is dialled at the address the
+        relay reports once bound (port 0, a wildcard host)."""
+        bind = self.cfg.relay_bind
+        if bind is None:
+            if self.tmpdir is None:
+                self.tmpdir = tempfile.mkdtemp(prefix="flodl-")  # 0700: only this user can dial it
+            return f"ipc://{self.tmpdir}/relay.sock"
+        return bind if bind.startswith("ipc://") else None
+
+    def _spawn_ranks(self, connect: str) -> None:
+        base = dict(os.environ)
+        self.connect = connect
+        for i in range(self.cfg.ranks):
+            rank = self.cfg.rank_offset + i
+            env = rank_env(self.cfg, i, connect, base, self.token)
+            self.ranks.append(self._spawn(f"rank {rank}", list(self.cfg.command), env, rank))
 
     def _exit_code(self) -> int:
         if self.acked is False:

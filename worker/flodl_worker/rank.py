@@ -66,6 +66,7 @@ import torch
 import zmq
 
 from flodl.limits import zmq_maxmsgsize
+from flodl.procutil import exit_now
 from flodl.rank import (
     WAIT_PLAN,
     WAIT_THROTTLE,
@@ -606,8 +607,12 @@ def run_rank(
 
     Identity and emulation come from ``env`` (see ``flodl_worker._env``). Exit codes:
     0 clean shutdown, 1 failure, 2 configuration error or refused admission.
+
+    The process ends as soon as its last frame has left (``close``: the socket's
+    linger) and the user's ``atexit`` handlers ran, without the interpreter's teardown
+    of torch's modules (``flodl.procutil.exit_now``).
     """
-    raise SystemExit(
+    exit_now(
         rank_main(
             model_fn, optimizer_fn, step_fn, train_dataset, eval_fn=eval_fn, epoch_fn=epoch_fn, task=task, env=env
         )

@@ -80,6 +80,7 @@ from typing import Optional
 
 from .. import _coverage, _dispatch
 from ._dispatcher import CadenceDispatcher, _held, new_pool, offer_chunk
+from ._views import absorb_released, rearm
 from .._commands import Command, Notice
 from .._phases import TRAINING
 from .._state import CoordinatorState
@@ -122,6 +123,7 @@ def _open(st: CoordinatorState, epoch: int, rank: int, out: list[Command]) -> No
     for old in [e for e in cad.pools if e in cov and cov[e].frozen and e not in current]:
         del cad.pools[old]  # aggregated, and nobody's current epoch any more
     cad.pools[epoch] = new_pool(st, epoch, total)
+    rearm(st)  # a new epoch has work for whoever its predecessors had none for
     out.append(Notice("epoch_opened", {"epoch": epoch, "rank": rank, "live_epochs": live_epochs(st)}))
 
 
@@ -138,10 +140,17 @@ def _dispatch_next(st: CoordinatorState, rank: int, out: list[Command]) -> bool:
 
 
 def wake(st: CoordinatorState, out: list[Command]) -> None:
-    """Offer every idle alive rank its next chunk (rank order: deterministic)."""
+    """Offer every idle alive rank its next chunk (rank order: deterministic). Only the
+    ranks in ``wakeable`` can take one (``_views``), and none while no epoch has work
+    (``source_epoch`` is the same for every rank)."""
     if st.run.phase is not TRAINING or st.dispatch.last_dispatched is None:
         return
-    for r in st.alive_ranks():
+    cad = st.cadence
+    absorb_released(st)
+    for r in sorted(cad.wakeable):
+        if source_epoch(st) is None:
+            return  # nobody could be given anything: they stay wakeable
+        cad.wakeable.discard(r)
         _dispatch_next(st, r, out)
 
 

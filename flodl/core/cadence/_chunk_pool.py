@@ -37,6 +37,7 @@ Everything is in samples unless a name says batches. No clock, no I/O.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -96,7 +97,10 @@ class ChunkPool:
         is parked at its span end and the holes wait in ``reclaimed``."""
         pool = cls(epoch, total, world_size)
         pool._cursor = [end for _, end in pool._spans]
-        pool._reclaimed = deque((int(o), int(s)) for o, s in holes if s > 0)
+        pool._unassigned = 0
+        for o, s in holes:
+            if s > 0:
+                pool._reclaim((int(o), int(s)))
         return pool
 
     def _init(self, epoch: int, total: int, sizes: list[int]) -> None:
@@ -114,6 +118,56 @@ class ChunkPool:
         self.chunks_sent = [0] * ws
         self._outstanding: list[deque[list[int]]] = [deque() for _ in range(ws)]
         self._reclaimed: deque[Range] = deque()
+        # ``remaining()`` is asked per rank on every chunk: its two sums are kept as the
+        # cursors, span ends and reclaimed ranges move (``check_sums`` recomputes them).
+        self._unassigned = sum(self.residue(r) for r in range(ws))  # every span's residue
+        self._reclaimed_samples = 0
+        # Steals look for the largest residue: a lazy max-heap of (-residue, -rank) (ties
+        # -> highest rank), built at the first steal; a stale entry is dropped when seen.
+        self._donors: Optional[list[tuple[int, int]]] = None
+
+    def _residue_moved(self, rank: int) -> None:
+        if self._donors is not None and self.residue(rank) > 0:
+            heapq.heappush(self._donors, (-self.residue(rank), -rank))
+
+    def _largest_residue(self, exclude: int) -> Optional[int]:
+        """The rank other than ``exclude`` with the largest residue > 0 (ties -> highest)."""
+        ws = self.world_size
+        if self._donors is None or len(self._donors) > 4 * ws + 64:
+            self._donors = [(-self.residue(r), -r) for r in range(ws) if self.residue(r) > 0]
+            heapq.heapify(self._donors)
+        heap, skipped, found = self._donors, [], None
+        while heap:
+            neg_res, neg_rank = heap[0]
+            if self.residue(-neg_rank) != -neg_res:
+                heapq.heappop(heap)  # stale: the residue moved since
+            elif -neg_rank == exclude:
+                skipped.append(heapq.heappop(heap))
+            else:
+                found = -neg_rank
+                break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
+
+    def _reclaim(self, rng: Range, *, front: bool = False) -> None:
+        (self._reclaimed.appendleft if front else self._reclaimed.append)(rng)
+        self._reclaimed_samples += rng[1]
+
+    def _unreclaim(self) -> Range:
+        rng = self._reclaimed.popleft()
+        self._reclaimed_samples -= rng[1]
+        return rng
+
+    def check_sums(self) -> None:
+        """Raise AssertionError if the kept sums of ``remaining()`` drifted from a recount."""
+        unassigned = sum(self.residue(r) for r in range(self.world_size))
+        reclaimed = sum(s for _, s in self._reclaimed)
+        if (self._unassigned, self._reclaimed_samples) != (unassigned, reclaimed):
+            raise AssertionError(
+                f"epoch {self.epoch} pool: kept sums (unassigned {self._unassigned}, reclaimed "
+                f"{self._reclaimed_samples}) differ from a recount ({unassigned}, {reclaimed})"
+            )
 
     @property
     def world_size(self) -> int:
@@ -136,9 +190,7 @@ class ChunkPool:
 
     def remaining(self) -> int:
         """Not yet handed out: every span's residue plus the reclaimed ranges."""
-        return sum(self.residue(r) for r in range(self.world_size)) + sum(
-            s for _, s in self._reclaimed
-        )
+        return self._unassigned + self._reclaimed_samples
 
     def in_flight(self, rank: int) -> int:
         return max(0, self.dispatched[rank] - self.completed[rank])
@@ -180,25 +232,26 @@ class ChunkPool:
         if size < 0:
             raise ValueError(f"chunk size must be >= 0, got {size}")
         if size > 0 and self._reclaimed:
-            off, length = self._reclaimed.popleft()
+            off, length = self._unreclaim()
             n = min(size, length)
             if n < length:
-                self._reclaimed.appendleft((off + n, length - n))
+                self._reclaim((off + n, length - n), front=True)
             return self._record(rank, off, n)
         residue = self.residue(rank)
         if residue > 0:
             n = min(size, residue)
             off = self._cursor[rank]
             self._cursor[rank] += n
+            self._unassigned -= n
+            self._residue_moved(rank)
             return self._record(rank, off, n)
-        donor, best = None, 0
-        for r in range(self.world_size):  # ties -> highest rank (Rust max_by_key)
-            if r != rank and self.residue(r) >= best and self.residue(r) > 0:
-                donor, best = r, self.residue(r)
+        donor = self._largest_residue(rank)  # ties -> highest rank (Rust max_by_key)
         if donor is None:
             return None
-        n = min(size, best)
+        n = min(size, self.residue(donor))
         self._spans[donor][1] -= n
+        self._unassigned -= n
+        self._residue_moved(donor)
         return self._record(rank, self._spans[donor][1], n)
 
     def rollback_take(self, rank: int, offset: int, size: int) -> bool:
@@ -215,9 +268,12 @@ class ChunkPool:
         self.dispatched[rank] = max(0, self.dispatched[rank] - size)
         self.chunks_sent[rank] = max(0, self.chunks_sent[rank] - 1)
         if self._cursor[rank] == offset + size:
+            before = self.residue(rank)
             self._cursor[rank] -= size
+            self._unassigned += self.residue(rank) - before
+            self._residue_moved(rank)
         else:
-            self._reclaimed.appendleft((offset, size))
+            self._reclaim((offset, size), front=True)
         return True
 
     def forfeit(self, rank: int) -> int:
@@ -227,7 +283,7 @@ class ChunkPool:
         moved = 0
         while q:
             off, n = q.popleft()
-            self._reclaimed.append((off, n))
+            self._reclaim((off, n))
             moved += n
         self.dispatched[rank] = max(0, self.dispatched[rank] - moved)
         return moved
@@ -249,7 +305,7 @@ class ChunkPool:
         queued = 0
         for off, size in holes:
             if size > 0:
-                self._reclaimed.append((int(off), int(size)))
+                self._reclaim((int(off), int(size)))
                 queued += int(size)
         return queued
 
@@ -262,7 +318,7 @@ class ChunkPool:
         queued = 0
         for off, size in holes:
             if size > 0:
-                self._reclaimed.append((int(off), int(size)))
+                self._reclaim((int(off), int(size)))
                 queued += int(size)
         return queued
 
@@ -333,6 +389,7 @@ def explain_chunk_batches(
     budget: int = 0,
     final_alloc: Optional[Sequence[int]] = None,
     min_chunk_batches: int = MIN_CHUNK_BATCHES,
+    counts_total: Optional[int] = None,
 ) -> tuple[int, str]:
     """Batches for ``rank``'s next chunk, and which rule decided (spec §8.6).
 
@@ -340,6 +397,7 @@ def explain_chunk_batches(
     ``calibrated``: ElChe calibrated or speed-hinted. ``budget``: ``reduce_step_budget``
     for the rank and ``steps`` its steps this window (the cap never crosses a reduce).
     ``final_alloc``: the pinned final-window plan's alloc **for this epoch**, if any.
+    ``counts_total``: ``sum(counts)`` when the caller keeps it (asked per chunk: O(1)).
     """
     rem = remaining_samples // batch_size
     if rem == 0:
@@ -350,7 +408,7 @@ def explain_chunk_batches(
     def cap(s: int) -> int:
         return min(s, max(1, budget - steps)) if budget > 0 else s
 
-    total = sum(counts)
+    total = sum(counts) if counts_total is None else counts_total
     if total > 0 and rem < total:
         return cap(min(counts[rank], rem)), "edge schedule: less than one window left"
     if barrier_paced and counts[rank] > 0:
@@ -378,6 +436,7 @@ def compute_chunk_batches(
     budget: int = 0,
     final_alloc: Optional[Sequence[int]] = None,
     min_chunk_batches: int = MIN_CHUNK_BATCHES,
+    counts_total: Optional[int] = None,
 ) -> int:
     """:func:`explain_chunk_batches` without the reason."""
     return explain_chunk_batches(
@@ -392,6 +451,7 @@ def compute_chunk_batches(
         budget=budget,
         final_alloc=final_alloc,
         min_chunk_batches=min_chunk_batches,
+        counts_total=counts_total,
     )[0]
 
 

@@ -68,6 +68,10 @@ Throttle (§4 step 5): with ``max_batch_diff = m`` and every rank ACTIVE, a rank
 window steps exceed the slowest's by more than ``m`` gets one ``Throttle``; it counts as
 at the barrier until the round finishes (its ``Update`` releases it).
 
+Views (why no batch walks every rank): ``wake`` looks only at ``wakeable`` ranks, the
+gate only at the lazy heap ``open_windows``, chunk sizing at cached alive counts; they are
+kept by ``_views`` (its module doc says who puts a rank back, and when).
+
 Sizes are in batches, the pool in samples. The epoch's sub-batch tail (``total % bs``)
 belongs to the last alive rank's span, so it is trained like any other position (a short
 last batch); chunk sizing sees the remainder rounded up to whole batches.
@@ -75,6 +79,7 @@ last batch); chunk sizing sees the remainder rounded up to whole batches.
 
 from __future__ import annotations
 
+import heapq
 from typing import Optional, Protocol
 
 from flodl.wire import pb
@@ -97,6 +102,7 @@ from ._lr_meta import LrEventMeta
 from ._overshoot import OvershootBudget
 from .._phases import ACTIVE, PENDING, TRAINING
 from .._state import CadenceState, CoordinatorState
+from ._views import absorb_released, counts_changed, counts_view, may_block, rearm
 from ._window import WindowLedger
 
 __all__ = [
@@ -128,7 +134,11 @@ def new_state(cfg: CoreConfig, *, barrier_paced: bool = True, overshoot: bool = 
     # A min_anchor above anchor lifts both; the first window may be a shorter probe.
     first = min(cfg.probe_batches, el.anchor) if cfg.probe_batches else el.anchor
     el.batch_counts = [first] * cfg.world_size
+    every = list(range(cfg.world_size))  # the views start full: nobody is missed before a rearm
     return CadenceState(
+        wakeable=set(every),
+        open_windows=every,
+        in_open=set(every),
         elche=el,
         ledger=WindowLedger(cfg.world_size),
         guard=make_guard(cfg.guard),
@@ -158,8 +168,7 @@ def _budget(st: CoordinatorState, rank: int) -> int:
 
 def _alive_counts(st: CoordinatorState) -> list[int]:
     """ElChe's counts with every rank that is not ACTIVE zeroed (it gets no work)."""
-    counts = st.cadence.elche.batch_counts
-    return [c if rec.phase is ACTIVE else 0 for c, rec in zip(counts, st.ranks)]
+    return counts_view(st)[1]
 
 
 def _pool_of(st: CoordinatorState, rank: int) -> Optional[ChunkPool]:
@@ -185,26 +194,37 @@ def cadence_gate(st: CoordinatorState) -> tuple[bool, str]:
 
 
 def windows_done(st: CoordinatorState) -> tuple[bool, str]:
-    """The gate's body: every alive rank ran its window, is throttled or quiesced."""
-    alive = st.alive_ranks()
-    if not alive:
+    """The gate's body: every alive rank ran its window, is throttled or quiesced.
+
+    Looks only at ``open_windows`` (``_views``): the lowest rank there that still
+    blocks is the one named, as a walk over every alive rank in order would."""
+    if not st.alive_count():
         return False, "no active rank"
     cad = st.cadence
-    counts = cad.elche.batch_counts
-    any_mover = False
-    for r in alive:
-        steps = window_steps(st, r)
-        any_mover = any_mover or st.unfolded(r) > 0
-        if steps >= counts[r] or r in cad.throttled:
-            continue
-        if not quiesced(st, r):
-            return False, f"rank {r} ran {steps}/{counts[r]} batches of its window and has work left"
-    if not any_mover:
+    absorb_released(st)
+    counts, heap = cad.elche.batch_counts, cad.open_windows
+    while heap:
+        r = heap[0]
+        if st.ranks[r].phase is ACTIVE and r not in cad.throttled:
+            steps = window_steps(st, r)
+            if steps < counts[r] and not quiesced(st, r):
+                return False, f"rank {r} ran {steps}/{counts[r]} batches of its window and has work left"
+        heapq.heappop(heap)
+        cad.in_open.discard(r)
+    if not st.any_unfolded():
         return False, "no rank has stepped since the last average"
     return True, "every active rank ran its window, is throttled, or has no work left"
 
 
 # -- sizing and taking --------------------------------------------------------------------
+
+
+def _pinnable(st: CoordinatorState) -> bool:
+    """The last dispatched epoch still has a pool to plan, and someone to plan it for
+    (an aggregated epoch has nothing left to hand out: no plan is pinned for it)."""
+    last = st.dispatch.last_dispatched
+    ec = st.coverage.epochs.get(last) if last is not None else None
+    return last in st.cadence.pools and ec is not None and not ec.frozen and st.alive_count() > 0
 
 
 def _pin(st: CoordinatorState, epoch: int) -> None:
@@ -227,14 +247,16 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
     pool = cad.pools.get(epoch)
     if pool is None:
         return 0
-    bs, el, plan = st.config.batch_size, cad.elche, cad.final_plan
+    bs, plan = st.config.batch_size, cad.final_plan
+    view = counts_view(st)
     return compute_chunk_batches(
         rank,
         remaining_samples=_batches(pool.remaining(), bs) * bs,
-        counts=_alive_counts(st),
+        counts=view[1],
+        counts_total=view[2],
         batch_size=bs,
         barrier_paced=cad.barrier_paced,  # Async: probe / proportional chunks
-        calibrated=el.calibrated or el.has_speed_hint(),
+        calibrated=view[3],
         total_samples=pool.total,
         steps=window_steps(st, rank),
         budget=_budget(st, rank),
@@ -261,6 +283,7 @@ def _take(st: CoordinatorState, rank: int, epoch: int, batches: int) -> Optional
         ranges.append((off, n))
     d.rank_epoch[rank] = epoch
     cad.in_flight[rank] = (epoch, off, n)
+    may_block(cad, rank)  # it is not quiesced any more
     return got
 
 
@@ -331,10 +354,16 @@ def offer_chunk(st: CoordinatorState, rank: int, epoch: int, pool: ChunkPool, ou
 
 
 def wake(st: CoordinatorState, out: list[Command]) -> None:
-    """Give every idle, unheld alive rank whose pool has work its next chunk."""
+    """Give every idle, unheld alive rank whose pool has work its next chunk (rank order;
+    only the ranks in ``wakeable`` can be: ``_views``)."""
     if st.run.phase is not TRAINING:
         return
-    for r in st.alive_ranks():
+    cad = st.cadence
+    absorb_released(st)
+    if not cad.wakeable or not any(pool.remaining() for pool in cad.pools.values()):
+        return  # nobody could be given anything: they stay wakeable
+    for r in sorted(cad.wakeable):
+        cad.wakeable.discard(r)
         _dispatch_next(st, r, out)
 
 
@@ -384,7 +413,10 @@ def on_restarted(st: CoordinatorState, abandoned: Optional[int]) -> None:
 
 def release_throttle(st: CoordinatorState, rank: int) -> None:
     """A resynced rank's throttle was lifted by an ``Update`` (``_resync``)."""
-    st.cadence.throttled.discard(rank)
+    cad = st.cadence
+    cad.throttled.discard(rank)
+    cad.wakeable.add(rank)
+    may_block(cad, rank)
 
 
 # -- the dispatcher -----------------------------------------------------------------------
@@ -463,6 +495,8 @@ class CadenceDispatcher:
         for r in alive:
             d.rank_epoch[r] = epoch
         _slack.stage(st, epoch, out)  # a callback holder's first window is shorter
+        counts_changed(st)
+        rearm(st)
         for r, got in start_window(st, epoch, alive).items():
             _send_plan(st, r, epoch, got, out)
         wake(st, out)
@@ -479,7 +513,8 @@ class CadenceDispatcher:
             pool.reopen(rank, _coverage.uncommitted(st.coverage, epoch, mine))
             if mine:
                 d.assigned[epoch][rank] = []
-        if d.last_dispatched in cad.pools and st.alive_ranks():
+        rearm(st)
+        if _pinnable(st):
             _pin(st, d.last_dispatched)
         wake(st, out)
         _note_barrier(st)
@@ -501,7 +536,8 @@ class CadenceDispatcher:
             per_rank = d.assigned.setdefault(epoch, {})
             per_rank[rank] = _dispatch.subtract_ranges(per_rank.get(rank, []), ranges)
             pool.give_back(ranges)
-        if d.last_dispatched in cad.pools and st.alive_ranks():
+        rearm(st)
+        if _pinnable(st):
             _pin(st, d.last_dispatched)
         wake(st, out)
         _note_barrier(st)
@@ -524,6 +560,7 @@ class CadenceDispatcher:
         chunk = cad.in_flight.get(r)
         if chunk is not None and chunk[0] == ev.epoch and (pool is None or pool.in_flight(r) == 0):
             del cad.in_flight[r]
+            cad.wakeable.add(r)
             self._wake(st, out)  # hand work to a rank that ran dry (streaming: oldest epoch first)
         _note_barrier(st)
 
@@ -532,6 +569,7 @@ class CadenceDispatcher:
         for r in ranks:  # the next window starts here
             cad.window_mark[r] = st.ranks[r].last_step
         cad.barrier_at = None
+        rearm(st)
         if self.streams is not None:
             self.streams.wake(st, out)  # before the RequestParams (the caller's): the round overlaps training
             return
@@ -549,6 +587,8 @@ class CadenceDispatcher:
         epoch = st.dispatch.last_dispatched if self.streams is None else self.streams.round_epoch(st)
         _feedback.finish_window(st, epoch, out)
         cad.throttled.clear()
+        counts_changed(st)
+        rearm(st)
         if epoch is None:
             return {}
         cad.averages[epoch] = cad.averages.get(epoch, 0) + 1

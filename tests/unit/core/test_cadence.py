@@ -31,6 +31,7 @@ from flodl.core.cadence._dispatcher import (
     window_steps,
 )
 from flodl.core.cadence._chunk_pool import ChunkPool
+from flodl.core.cadence._views import rearm
 from flodl.core._coverage import open_epoch
 from flodl.core import ACTIVE, DEAD, IDLE, PENDING, TRAINING
 from .cluster import Cluster, controls
@@ -139,6 +140,7 @@ def test_gate_quiesced_zero_step_tail_rank_does_not_block():
     _steps(st, [20, 4, 0])
     assert cadence_gate(st)[0] is True
     st.cadence.pools[0] = ChunkPool(0, 1000, 3)
+    rearm(st)  # what refills a pool says so (a dispatch, a death, a refused window): the gate looks again
     assert cadence_gate(st) == (False, "rank 2 ran 0/4 batches of its window and has work left")
 
 

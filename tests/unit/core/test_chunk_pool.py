@@ -1,5 +1,7 @@
 """ChunkPool and dispatch math (spec §5.6, §8.2-8.9; scenarios 42-48 and 52-57)."""
 
+import random
+
 import pytest
 
 from flodl.core.cadence._chunk_pool import (
@@ -68,6 +70,52 @@ def test_pool_steal_ties_go_to_highest_rank():
     pool = ChunkPool(0, 90, 3)
     assert pool.take_chunk(0, 30) == (0, 30)
     assert pool.take_chunk(0, 5) == (85, 5)  # ranks 1 and 2 tie at 30: rank 2 donates
+
+
+def _brute_donor(pool, rank):
+    """The donor a steal must pick, by a walk over every span (the reference)."""
+    donor, best = None, 0
+    for r in range(pool.world_size):
+        if r != rank and pool.residue(r) >= best and pool.residue(r) > 0:
+            donor, best = r, pool.residue(r)
+    return donor
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pool_kept_sums_and_steal_heap_agree_with_a_walk(seed):
+    # remaining() is kept and a steal finds its donor in a lazy heap: under random takes,
+    # rollbacks, forfeits, reopens and completions both agree with a walk over the spans.
+    rng = random.Random(seed)
+    ws = rng.randint(2, 9)
+    spans = [rng.randint(0, 40) for _ in range(ws)]
+    pool = ChunkPool.with_spans(0, sum(spans), spans)
+    taken: list[tuple[int, int, int]] = []
+    steals = 0
+    for _ in range(300):
+        op, rank = rng.random(), rng.randrange(ws)
+        if op < 0.7:
+            own = pool.residue(rank) > 0 or bool(pool.reclaimed())
+            want = None if own else _brute_donor(pool, rank)
+            got = pool.take_chunk(rank, rng.randint(1, 12))
+            if not own and want is None:
+                assert got is None
+            elif not own:
+                steals += 1
+                assert got is not None and got[0] == pool.reservation(want)[0] + pool.residue(want)
+            if got is not None and got[1] > 0:
+                taken.append((rank, *got))
+        elif op < 0.8 and taken:
+            pool.rollback_take(*taken.pop(rng.randrange(len(taken))))
+        elif op < 0.87:
+            pool.forfeit(rank)
+        elif op < 0.94 and taken:
+            r, off, n = taken.pop(rng.randrange(len(taken)))
+            pool.reopen(r, [(off, n)])
+        else:
+            pool.mark_completed(rank, rng.randint(0, 10))
+        pool.check_sums()
+        assert pool.remaining() == sum(pool.residue(r) for r in range(ws)) + sum(n for _, n in pool.reclaimed())
+    assert steals > 0
 
 
 # Scenario 54

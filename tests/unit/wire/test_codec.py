@@ -127,3 +127,37 @@ def test_an_envelope_over_the_limit_is_refused_before_it_is_parsed():
         decode(payload, session="s1")
     _, payload = split_routing(ep.frames("hello", pb.RankHello(rank=1, world_size=2, host="h" * 1000)))
     assert decode(payload, session="s1").envelope.hello.host == "h" * 1000
+
+
+def test_endpoint_writes_the_envelope_protobuf_would_serialize():
+    # Written in pieces (a prefix serialised once, then seq, blob count, body): the
+    # same bytes as building the Envelope and serialising it, for every body kind.
+    from flodl.wire._codec import PROTOCOL_MAJOR, PROTOCOL_MINOR
+
+    ep = Endpoint("s", pb.Sender.KIND_RANK, rank=3, host="h", incarnation=2**63 - 5)
+    bodies = [
+        ("control", pb.Control(command_id=5, request_params=pb.Control.RequestParams(cycle=1))),
+        ("timing", pb.Timing(rank=3, batch=pb.Timing.Batch(batch_ms=1.5, step_count=9))),
+        ("timing", pb.Timing()),  # an empty body is still the one the oneof names
+        ("round", pb.RoundHeader(cycle=3)),
+        ("hello", pb.RankHello(rank=3, model_sig=b"x" * 32)),
+    ]
+    for seq_from in (0, 126, 300, 2**40):  # one- and many-byte varints
+        ep._seq = seq_from
+        for name, body in bodies:
+            for blobs in ((), (b"a", b"bb")):
+                frames = ep.frames(name, body, blobs, route=(b"r",))
+                ref = pb.Envelope(protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR, session="s",
+                                  seq=ep._seq, blob_count=len(blobs))  # fmt: skip
+                ref.sender.CopyFrom(ep.sender)
+                getattr(ref, name).CopyFrom(body)
+                assert frames[2] == ref.SerializeToString(), (name, seq_from)
+                d = decode(frames[2:], session="s")
+                assert d.kind == name and d.envelope == ref
+
+
+def test_endpoint_session_set_later_is_the_one_its_frames_name():
+    ep = Endpoint("", pb.Sender.KIND_RELAY, host="relay-a", incarnation=3)  # a relay's folder, before FoldOpen
+    ep.session = "run-7"
+    frames = ep.frames("round", pb.RoundHeader(cycle=1))
+    assert decode(frames[1:], session="run-7").envelope.sender.host == "relay-a"

@@ -1,0 +1,421 @@
+"""Control-plane scale: one coordinator against N fake ranks, beside a raw pyzmq ROUTER echo.
+
+For each N (16, 64, 256, 1024), in the same invocation:
+
+* **raw**: a pyzmq ROUTER echo process and N DEALERs (real sockets, in the generator
+  processes), each keeping ``WINDOW`` timing frames in flight: frames/s in and out. The
+  transport's ceiling, with the same fan-in and the same frame sizes.
+* **saturated**: a real ``flodl-coordinator serve`` (cadence, bus plane, no journal) and N
+  fake ranks (``scale_ranks.FakeRank``: the real rank machine on a real DEALER) whose
+  batches take no time (they report 1 ms): every rank sends as fast as the coordinator
+  hands out work. Frames/s = frames the ranks sent and received / training span (first
+  batch to last); the run completes, so every one of them was handled.
+* **paced**: the same ranks at a device pace (``--slowdown`` factors x ``--base-ms``,
+  default the 1,2,4 pace with 10 ms, 100 ms at 1,024 ranks), direct and through real
+  relays (``flodl-worker relay``, ``--hosts`` of them): the ranks' idle share (the part
+  of the time between their first and last batch they spent blocked, waiting for a plan
+  or throttled; split by what they waited for), Batch -> command latency p50/p99 (from
+  the frame that opened an averaging round to each rank's ``RequestParams``:
+  ``decision_latencies``), the unblock wait p50/p99 (from a blocked rank's last frame to
+  the command that let it go on: it includes waiting for slower ranks, which the policy
+  imposes), and the coordinator's CPU% and peak RSS over the training span (psutil, else
+  /proc).
+
+Two ratios to the raw echo: ``vs_raw_wall`` (saturated frames/s over raw frames/s, both
+limited by whatever limits them on this machine: the generators too), and
+``vs_raw_per_cpu`` (frames per CPU-second of the coordinator over frames per CPU-second
+of the echo process: the rate each would sustain with a core to itself; robust to a
+loaded machine, and conservative for a coordinator that is not saturated, since its
+per-frame cost falls as it drains more per pass).
+
+Ranks run ``--gens`` to a generator process, each serving its ranks from one poller.
+Every figure is the median of ``--repeats`` runs (3; ``--quick``: 1 run, N = 16, 64,
+shorter epochs). Prints one JSON object. The generators share the machine with the
+coordinator: their lateness in noticing batch ends (``gen_lag_share``) is reported, so
+a loaded generator is not mistaken for a slow coordinator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SESSION = "scale"
+WINDOW = 8  # raw echo: frames in flight per DEALER
+
+ECHO = r"""
+import zmq
+ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.setsockopt(zmq.RCVHWM, 0); s.setsockopt(zmq.SNDHWM, 0)
+s.bind("tcp://127.0.0.1:0")
+print("READY", s.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
+while True:
+    f = s.recv_multipart()
+    if f[-1] == b"stop": break
+    s.send_multipart(f)
+"""
+
+RAW_CLIENTS = r"""
+import json, sys, time, zmq
+ep, n, seconds, window, frame = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), bytes.fromhex(sys.argv[5])
+ctx = zmq.Context(); socks = []
+for i in range(n):
+    d = ctx.socket(zmq.DEALER); d.connect(ep); socks.append(d)
+poller = zmq.Poller()
+for d in socks:
+    poller.register(d, zmq.POLLIN)
+for d in socks:  # all connected before timing starts
+    d.send_multipart([b"", frame]); d.recv_multipart()
+t0 = time.monotonic(); got = 0
+for d in socks:
+    for _ in range(window):
+        d.send_multipart([b"", frame])
+while time.monotonic() - t0 < seconds:
+    for d, _ in poller.poll(100):
+        for _ in range(window):
+            try:
+                d.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            got += 1
+            d.send_multipart([b"", frame])
+dt = time.monotonic() - t0
+print(json.dumps({"echoed": got, "seconds": dt}), flush=True)
+for d in socks:
+    d.close(0)
+"""
+
+
+def _spawn_ready(cmd, prefix: str, stderr=None) -> tuple[subprocess.Popen, str]:
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, stderr=stderr)
+    line = p.stdout.readline().split()
+    if len(line) < 2 or not line[0].startswith(prefix):
+        p.kill()
+        raise SystemExit(f"{cmd[:4]} did not start (said {line!r})")
+    return p, line[1]
+
+
+def _timing_frame() -> bytes:
+    from flodl.wire import Endpoint, pb
+
+    frames = Endpoint(SESSION, pb.Sender.KIND_RANK, rank=1).frames(
+        "timing", pb.Timing(rank=1, batch=pb.Timing.Batch(batch_ms=10.0, step_count=12, samples=1, epoch=0, offset=77))
+    )
+    return frames[-1]
+
+
+# -- raw ------------------------------------------------------------------------------
+
+
+def run_raw(n: int, gens: int, seconds: float) -> dict:
+    echo, ep = _spawn_ready([sys.executable, "-c", ECHO], "READY")
+    sampler = Sampler(echo.pid)
+    sampler.start()
+    frame = _timing_frame().hex()
+    parts = _split(n, gens)
+    procs = [subprocess.Popen([sys.executable, "-c", RAW_CLIENTS, ep, str(k), str(seconds), str(WINDOW), frame],
+                              stdout=subprocess.PIPE, text=True) for k in parts if k]  # fmt: skip
+    t0 = time.monotonic()
+    outs = [json.loads(p.communicate(timeout=seconds + 120)[0]) for p in procs]
+    t1 = time.monotonic()
+    sampler.stop()
+    import zmq
+
+    ctx = zmq.Context.instance()
+    d = ctx.socket(zmq.DEALER)
+    d.connect(ep)
+    d.send_multipart([b"", b"stop"])
+    echo.wait(timeout=10)
+    d.close(0)
+    rate = 2 * sum(o["echoed"] / o["seconds"] for o in outs)  # frames in and out
+    cpu, cpu_s, rss = sampler.over(t0, t1)
+    frames = 2 * sum(o["echoed"] for o in outs)  # in and out, as the coordinator's are counted
+    seconds_run = statistics.mean(o["seconds"] for o in outs)
+    # (the sampled window includes connecting; scale the frames to it)
+    inside = [x for x in sampler.samples if t0 <= x[0] <= t1]
+    sampled = inside[-1][0] - inside[0][0] if len(inside) > 1 else float("nan")
+    return {"frames_per_s": rate, "cpu_pct": cpu, "rss_mib": rss,
+            "cpu_us_per_frame": 1e6 * cpu_s / max(1.0, frames * min(1.0, sampled / seconds_run))}
+
+
+def _split(n: int, parts: int) -> list[int]:
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+# -- flodl ------------------------------------------------------------------------------
+
+
+class Sampler(threading.Thread):
+    """CPU seconds and RSS of one process, sampled every 0.1 s (psutil, else /proc)."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.samples, self._halt = pid, [], threading.Event()
+        try:
+            import psutil
+
+            proc = psutil.Process(pid)
+
+            def read():
+                t, m = proc.cpu_times(), proc.memory_info()
+                return t.user + t.system, m.rss
+
+        except ImportError:
+            tick, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
+
+            def read():
+                with open(f"/proc/{pid}/stat") as fh:
+                    f = fh.read().rsplit(")", 1)[1].split()
+                return (int(f[11]) + int(f[12])) / tick, int(f[21]) * page
+
+        self._read = read
+
+    def run(self) -> None:
+        while not self._halt.wait(0.1):
+            try:
+                cpu, rss = self._read()
+            except Exception:  # noqa: BLE001 - the process ended
+                return
+            self.samples.append((time.monotonic(), cpu, rss))
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(2)
+
+    def over(self, t0: float, t1: float) -> tuple[float, float, float]:
+        """(CPU % of one core, CPU seconds, peak RSS MiB) between monotonic times t0 and t1."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            return float("nan"), float("nan"), float("nan")
+        a, b = inside[0], inside[-1]
+        cpu_s = b[1] - a[1]
+        return 100.0 * cpu_s / max(1e-9, b[0] - a[0]), cpu_s, max(s[2] for s in inside) / 2**20
+
+
+def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, batches_per_rank: int,
+              policy: str, timeout_s: float) -> dict:
+    """One run: coordinator (+ relays) + fake ranks to the end; what they measured."""
+    total = max(n, int(batches_per_rank * n / epochs))  # batch size 1: samples = batches
+    tmp = tempfile.mkdtemp(prefix="flodl-scale-")
+    summary = os.path.join(tmp, "summary.json")
+    coord_cmd = [
+        sys.executable, "-m", "flodl_coordinator", "serve", "--bind", "tcp://127.0.0.1:0", "--session", SESSION,
+        "--world-size", str(n), "--batch-size", "1", "--epochs", str(epochs), "--policy", policy,
+        "--total-samples", str(total), "--log-level", "WARNING", "--no-final-eval", "--summary", summary,
+        "--form-timeout-s", str(timeout_s), "--liveness-timeout-s", "30",
+    ]  # fmt: skip
+    coord_log = open(os.path.join(tmp, "coordinator.log"), "w")  # a failed run's story (see "log")
+    coord, ep = _spawn_ready(coord_cmd, "COORDINATOR_READY", stderr=coord_log)
+    sampler = Sampler(coord.pid)
+    sampler.start()
+    relays = []
+    relay_log = open(os.path.join(tmp, "relays.log"), "w")  # their INFO lines: not this bench's output
+    connects = [ep]
+    try:
+        if hosts:
+            for h in range(hosts):
+                p, rep = _spawn_ready([sys.executable, "-m", "flodl_worker", "relay", "--coordinator", ep,
+                                       "--bind", "tcp://127.0.0.1:0", "--host", f"h{h}"], "RELAY_READY",
+                                      stderr=relay_log)  # fmt: skip
+                relays.append(p)
+                connects.append(rep)
+            connects = connects[1:]
+        specs, r = [], 0
+        for k in _split(n, gens):
+            ids = list(range(r, r + k))
+            r += k
+            # Rank i lives on host i % hosts (round-robin), so every host has every speed.
+            specs.append({"ranks": ids, "ms": [ms[i % len(ms)] for i in ids], "world": n, "session": SESSION,
+                          "dataset_len": total, "timeout_s": timeout_s,
+                          "connect": [connects[i % len(connects)] for i in ids]})  # fmt: skip
+        procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "scale_ranks.py"), json.dumps(s)],
+                                  stdout=subprocess.PIPE, text=True) for s in specs]  # fmt: skip
+        outs = []
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout_s + 60)
+            if p.returncode != 0:
+                raise SystemExit(f"a generator failed (exit {p.returncode})")
+            outs.append(json.loads(out))
+        rc = coord.wait(timeout=60)
+    finally:
+        sampler.stop()
+        for p in (*relays, coord):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=20)
+        relay_log.close()
+        coord_log.close()
+    try:
+        with open(summary) as fh:
+            summ = json.load(fh)
+    except (OSError, ValueError):
+        summ = {"ok": False, "reason": f"no summary (coordinator exit code {rc})"}
+    t0 = min(o["first_batch"] for o in outs if o["first_batch"] is not None)
+    t1 = max(o["last_batch"] for o in outs)
+    cpu, cpu_s, rss = sampler.over(t0, t1)
+    inside = [s for s in sampler.samples if t0 <= s[0] <= t1]
+    span_sampled = inside[-1][0] - inside[0][0] if len(inside) > 1 else float("nan")
+    train, idle, lag = (sum(o[k] for o in outs) for k in ("train_s", "idle_s", "lag_s"))
+    waits = sorted(x for o in outs for x in o["latency_us"])
+    lat = sorted(decision_latencies([r for o in outs for r in o["requests"]]))
+    sent = sum(o["sent"] for o in outs)
+    return {
+        "ok": bool(summ.get("ok")) and rc == 0 and all(o["finished"] == o["ranks"] for o in outs),
+        "reason": summ.get("reason"),
+        "log": coord_log.name,
+        "dropped_frames": summ.get("dropped_frames", {}),
+        "frames_per_s": (sent + sum(o["received"] for o in outs)) / max(1e-9, t1 - t0),
+        "rank_frames_per_s": sent / max(1e-9, t1 - t0),
+        "batches_per_s": sum(o["batches"] for o in outs) / max(1e-9, t1 - t0),
+        "span_s": t1 - t0,
+        "idle_share": idle / max(1e-9, train + idle),
+        "idle_share_plan": sum(o["idle_plan_s"] for o in outs) / max(1e-9, train + idle),
+        "idle_share_throttle": sum(o["idle_throttle_s"] for o in outs) / max(1e-9, train + idle),
+        "gen_lag_share": lag / max(1e-9, train + idle),
+        "latency_p50_us": _pct(lat, 0.50),
+        "latency_p99_us": _pct(lat, 0.99),
+        "latency_samples": len(lat),
+        "unblock_wait_p50_us": _pct(waits, 0.50),
+        "unblock_wait_p99_us": _pct(waits, 0.99),
+        "cpu_pct": cpu,
+        # Coordinator CPU per frame it handled (in and out): the cost that machine load
+        # does not change, unlike latency and idle share.
+        "cpu_us_per_frame": 1e6 * cpu_s / max(1.0, (sent + sum(o["received"] for o in outs)) * span_sampled / max(1e-9, t1 - t0)),
+        "rss_mib": rss,
+    }
+
+
+def decision_latencies(requests: list) -> list[float]:
+    """Frame -> RequestParams, in microseconds, per rank and round.
+
+    A round opens on the frame that completes its condition (under cadence: the Batch,
+    chunk metrics or sync_ack after which every rank has run its window), and every rank
+    of the round then gets ``RequestParams{cycle}`` (with its next window). The trigger
+    is taken as the latest frame (heartbeats aside) any rank sent before the first
+    RequestParams of that cycle arrived anywhere -- one clock: CLOCK_MONOTONIC is
+    system-wide -- and each rank's latency is its arrival minus that send. A frame sent
+    meanwhile by a rank still training can only move the trigger later, so this can
+    understate, never overstate, the decision's latency; the unblock wait bounds it from
+    above."""
+    by_cycle: dict[int, list] = {}
+    for cycle, arrival, last_batch in requests:
+        by_cycle.setdefault(cycle, []).append((arrival, last_batch))
+    out = []
+    for rows in by_cycle.values():
+        first = min(a for a, _ in rows)
+        sent = [b for _, b in rows if 0 < b < first]
+        if sent:
+            trigger = max(sent)
+            out.extend((a - trigger) * 1e6 for a, _ in rows)
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def _median(runs: list[dict]) -> dict:
+    out: dict = {"runs": len(runs), "all_ok": all(r.get("ok", True) for r in runs)}
+    for k, v in runs[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = round(statistics.median(r[k] for r in runs), 4)
+    bad = [{"reason": r["reason"], "dropped_frames": r["dropped_frames"], "log": r["log"]}
+           for r in runs if not r.get("ok", True)]
+    if bad:
+        out["failed_runs"] = bad
+    drops = [r["dropped_frames"] for r in runs if r.get("dropped_frames")]
+    if drops:
+        out["dropped_frames"] = drops
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", default="16,64,256,1024", help="comma-separated N")
+    ap.add_argument("--slowdown", default="1,2,4", help="per-rank pace factors, cycled over the ranks")
+    ap.add_argument("--base-ms", type=float, default=10.0, help="batch time of a factor-1 rank (N < 1024)")
+    ap.add_argument("--base-ms-1024", type=float, default=100.0, help="batch time of a factor-1 rank at N >= 1024")
+    ap.add_argument("--policy", default="cadence")
+    ap.add_argument("--hosts", type=int, default=4, help="relays for the relayed runs (0: direct only)")
+    ap.add_argument("--gens", type=int, default=0, help="generator processes (0: 1 per 256 ranks, at least 1)")
+    ap.add_argument("--paced-s", type=float, default=8.0, help="target training span of a paced run")
+    ap.add_argument("--saturated-batches", type=int, default=30000,
+                    help="batches in a saturated run, all ranks together (at least 20 per rank)")
+    ap.add_argument("--raw-s", type=float, default=3.0, help="seconds of raw echo")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="1 run each, N = 16, 64, shorter")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: raw,saturated,paced,relayed")
+    args = ap.parse_args()
+    if args.quick:
+        args.ranks, args.repeats, args.paced_s, args.saturated_batches, args.raw_s = "16,64", 1, 3.0, 6000, 1.5
+    skip = set(filter(None, args.skip.split(",")))
+    factors = [float(x) for x in args.slowdown.split(",")]
+    res: dict = {"bench": "control_scale", "policy": args.policy, "slowdown": factors, "repeats": args.repeats,
+                 "machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}, "by_n": {}}  # fmt: skip
+    for n in (int(x) for x in args.ranks.split(",")):
+        gens = args.gens or max(1, (n + 255) // 256)
+        base = args.base_ms_1024 if n >= 1024 else args.base_ms
+        ms = [base * f for f in factors]
+        # Batches a factor-1 rank makes in the paced span: the slowest makes 1/max(f) of it.
+        paced_batches = max(6, int(args.paced_s * 1000 / base / statistics.mean(factors)))
+        timeout = 120.0 + n * 0.2
+        row: dict = {"generators": gens, "base_ms": base, "loadavg": os.getloadavg()[0]}
+        if "raw" not in skip:
+            row["raw"] = _median([run_raw(n, gens, args.raw_s) for _ in range(args.repeats)])
+        if "saturated" not in skip:
+            row["saturated"] = _median([run_flodl(n, [0.0], gens=gens, hosts=0, epochs=1, policy=args.policy,
+                                                  batches_per_rank=max(20, args.saturated_batches // n),
+                                                  timeout_s=timeout)
+                                        for _ in range(args.repeats)])  # fmt: skip
+        for name, hosts in (("paced", 0), ("relayed", args.hosts)):
+            if name in skip or (name == "relayed" and not hosts):
+                continue
+            row[name] = _median([run_flodl(n, ms, gens=gens, hosts=hosts, epochs=2, policy=args.policy,
+                                           batches_per_rank=paced_batches, timeout_s=timeout)
+                                 for _ in range(args.repeats)])  # fmt: skip
+        if "raw" in row:
+            raw = row["raw"]
+            for name in ("saturated", "paced", "relayed"):
+                if name in row:
+                    r = row[name]
+                    # Message rate per CPU-second, flodl against the raw echo: what each
+                    # could sustain on one core, whatever else the machine was doing.
+                    r["vs_raw_per_cpu"] = round(raw["cpu_us_per_frame"] / r["cpu_us_per_frame"], 3)
+            if "saturated" in row:
+                row["saturated"]["vs_raw_wall"] = round(row["saturated"]["frames_per_s"] / raw["frames_per_s"], 3)
+        res["by_n"][str(n)] = row
+        print(json.dumps({str(n): row}), file=sys.stderr, flush=True)
+    res["machine"]["loadavg_end"] = os.getloadavg()
+    res["goals"] = goals(res["by_n"])
+    print(json.dumps(res, indent=2))
+
+
+def goals(by_n: dict) -> dict:
+    """The issue's goals, against what this run measured (absent: not measured)."""
+    out: dict = {}
+    for n in ("16", "1024"):
+        r = by_n.get(n, {}).get("saturated", {})
+        if "vs_raw_per_cpu" in r:
+            out[f"rate_vs_raw_at_{n}"] = {"goal": ">= 0.6", "per_cpu": r["vs_raw_per_cpu"], "wall": r.get("vs_raw_wall"),
+                                          "met": r["vs_raw_per_cpu"] >= 0.6}  # fmt: skip
+    for n in ("256", "1024"):
+        for name in ("paced", "relayed"):
+            r = by_n.get(n, {}).get(name)
+            if r:
+                share = round(1.0 - r["idle_share"], 4)
+                out[f"{name}_{n}"] = {"goal": "training share >= 0.95 and p99 decision latency <= 10 ms",
+                                      "training_share": share, "latency_p99_ms": round(r["latency_p99_us"] / 1e3, 2),
+                                      "coordinator_cpu_pct": r["cpu_pct"],
+                                      "met": share >= 0.95 and r["latency_p99_us"] <= 10_000}  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""Core-only scale: the cost of ``flodl.core.step`` per event as the world grows.
+
+For each policy and each world size N, ``flodl.sim`` runs one seeded job (N ranks at
+the speeds 1, 2, 4 x ``--base-ms`` in turn, ``--batches`` batches per rank per epoch,
+two epochs) and keeps its journal. The journal is then replayed through the real core,
+event by event from ``initial_state`` (no simulator, no ranks: core time only), and
+timed in CPU time (``time.thread_time``: on a shared machine, wall time would time the
+neighbours) -- medians of ``--repeats`` replays:
+
+* ``us_per_event``, ``events_per_s``: the whole journal;
+* ``heartbeat_us``: a ``HeartbeatSeen`` (the cheapest frame: nothing but liveness);
+* ``formation_ms``: the step that forms the world (it also dispatches epoch 0);
+* ``epoch_dispatch_ms``: the step that aggregates epoch 0 (and, but under Async, which
+  streamed into it already, dispatches epoch 1);
+* ``peak_mib``: tracemalloc's peak over one more replay (the core's state and commands).
+
+``--peer PATH`` replays the same journal, in the same sitting, through another checkout
+(``/work/wt/base``: the code before; a subprocess with that checkout on PYTHONPATH), and
+reports its row and ``peer_over_ours`` (its µs per event / ours) beside ours. A size whose
+simulation and replays (ours, or the peer's) take longer than ``--budget-s`` is cut off
+and ends that curve: the larger sizes are listed as ``skipped`` (a quadratic core shows
+as a short curve, not as a hung bench). Prints one JSON object.
+
+    python bench/core_scale.py                           # N = 16 ... 16384 (x4), all policies
+    python bench/core_scale.py --peer /work/wt/base      # ... and the code before, side by side
+    python bench/core_scale.py --quick                   # a smoke run: N = 16, 64, one replay
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pickle
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from typing import Any, Optional
+
+from flodl.core import HeartbeatSeen, Notice, initial_state, step
+from flodl.sim import SimConfig, simulate
+
+SPEEDS = (1.0, 2.0, 4.0)
+
+
+class OverBudget(Exception):
+    pass
+
+
+def _alarm(_signum: int, _frame: Any) -> None:
+    raise OverBudget()
+
+
+def workload(n: int, policy: str, *, batches: int, base_ms: float, batch_size: int) -> SimConfig:
+    """One job of ``n`` unequal ranks, ``batches`` batches each per epoch, two epochs."""
+    return SimConfig(
+        ms_per_batch=tuple(base_ms * SPEEDS[r % len(SPEEDS)] for r in range(n)),
+        total_samples=batch_size * batches * n,
+        batch_size=batch_size,
+        epochs=2,
+        policy=policy,
+        seed=n,
+        liveness_timeout_s=60.0,
+    )
+
+
+def replay_timed(config: Any, events: list) -> dict[str, Any]:
+    """Step every event of the journal once, timing each step."""
+    st = initial_state(config)
+    total = heartbeat = 0.0
+    beats = 0
+    formation: Optional[float] = None
+    boundary: Optional[float] = None
+    clock = time.thread_time  # CPU time: the machine may be shared, the core's work is what counts
+    gc.collect()
+    for ev in events:
+        t0 = clock()
+        st, cmds = step(st, ev)
+        dt = clock() - t0
+        total += dt
+        if type(ev) is HeartbeatSeen:
+            heartbeat += dt
+            beats += 1
+        if boundary is None:
+            kinds = {c.kind for c in cmds if isinstance(c, Notice)}
+            if formation is None and "world_formed" in kinds:
+                formation = dt
+            elif "epoch" in kinds:
+                boundary = dt
+    return {
+        "core_s": total,
+        "heartbeat_us": heartbeat / beats * 1e6 if beats else None,
+        "formation_ms": formation * 1e3 if formation is not None else None,
+        "epoch_dispatch_ms": boundary * 1e3 if boundary is not None else None,
+        "ok": bool(st.run.ok),
+    }
+
+
+def peak_mib(config: Any, events: list) -> float:
+    gc.collect()
+    tracemalloc.start()
+    st = initial_state(config)
+    for ev in events:
+        st, _ = step(st, ev)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return round(peak / 2**20, 2)
+
+
+def _median(rows: list[dict], key: str) -> Any:
+    vals = [r[key] for r in rows if r[key] is not None]
+    return round(statistics.median(vals), 3) if vals else None
+
+
+def summarise(rows: list[dict], events: int, peak: Optional[float]) -> dict[str, Any]:
+    core_s = statistics.median(r["core_s"] for r in rows)
+    return {
+        "events": events,
+        "replays_ok": all(r["ok"] for r in rows),
+        "core_s": round(core_s, 4),
+        "us_per_event": round(core_s / events * 1e6, 2),
+        "events_per_s": round(events / core_s),
+        "heartbeat_us": _median(rows, "heartbeat_us"),
+        "formation_ms": _median(rows, "formation_ms"),
+        "epoch_dispatch_ms": _median(rows, "epoch_dispatch_ms"),
+        "peak_mib": peak,
+    }
+
+
+def _peer_replays(peer: str, journal: str, repeats: int, memory: bool, budget_s: float) -> dict[str, Any]:
+    """Replay the pickled journal through the checkout at ``peer`` (a subprocess):
+    ``{"rows": [...], "peak_mib": ...}``, or ``{"over_budget": True}`` / ``{"error": ...}``."""
+    paths = [peer, os.path.join(peer, "coordinator"), os.path.join(peer, "worker")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    cmd = [sys.executable, os.path.abspath(__file__), "--replay", journal, "--repeats", str(repeats)]
+    if not memory:
+        cmd.append("--no-memory")
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=budget_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"over_budget": True}
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]}
+    return json.loads(done.stdout)
+
+
+class Budget:
+    """Seconds left for one size's own work (simulation, our replays): ``with budget:``
+    raises ``OverBudget`` inside the block once they run out (SIGALRM)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.left = seconds
+
+    def __enter__(self) -> "Budget":
+        if self.left <= 0:
+            raise OverBudget()
+        self._t0 = time.perf_counter()
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.setitimer(signal.ITIMER_REAL, self.left)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        self.left -= time.perf_counter() - self._t0
+
+
+def measure(n: int, policy: str, args: argparse.Namespace, peer: str) -> dict[str, Any]:
+    """Simulate, then replay ours and the peer's in turn (so both see the same load)."""
+    t0 = time.perf_counter()
+    budget = Budget(args.budget_s)
+    cfg = workload(n, policy, batches=args.batches, base_ms=args.base_ms, batch_size=args.batch_size)
+    ours: list[dict] = []
+    theirs: list[dict] = []
+    peer_peak: Optional[float] = None
+    peer_failed: dict[str, Any] = {}
+    journal = ""
+    try:
+        with budget:
+            res = simulate(cfg)
+        sim_s = time.perf_counter() - t0
+        config, events = res.state.config, res.events
+        if peer:
+            with tempfile.NamedTemporaryFile(suffix=".pickle", delete=False) as f:
+                pickle.dump((config, events), f)
+            journal = f.name
+        for i in range(args.repeats):
+            with budget:
+                ours.append(replay_timed(config, events))
+            if journal and not peer_failed:
+                got = _peer_replays(peer, journal, 1, args.memory and i == 0, args.budget_s)
+                if "rows" in got:
+                    theirs.extend(got["rows"])
+                    peer_peak = got["peak_mib"] if got.get("peak_mib") is not None else peer_peak
+                else:
+                    peer_failed = got
+        with budget:
+            peak = peak_mib(config, events) if args.memory else None
+    except OverBudget:
+        return {"n": n, "over_budget": True, "budget_s": args.budget_s}
+    finally:
+        if journal:
+            os.unlink(journal)
+    row: dict[str, Any] = {"n": n, "finished_ok": bool(res.finished and res.finished.ok)}
+    row.update(summarise(ours, len(events), peak))
+    row["sim_s"] = round(sim_s, 2)
+    if peer:
+        row["peer"] = summarise(theirs, len(events), peer_peak) if theirs and not peer_failed else peer_failed
+        if "us_per_event" in row["peer"]:
+            row["peer_over_ours"] = round(row["peer"]["us_per_event"] / row["us_per_event"], 2)
+    row["wall_s"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="16,64,256,1024,4096,16384", help="world sizes, comma-separated")
+    ap.add_argument("--policies", default="sync,cadence,async")
+    ap.add_argument("--repeats", type=int, default=3, help="replays per size (medians)")
+    ap.add_argument("--batches", type=int, default=8, help="batches per rank per epoch")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--base-ms", type=float, default=50.0, help="the fastest rank's ms per batch")
+    ap.add_argument("--budget-s", type=float, default=300.0,
+                    help="cut a size off (and end its curve) after this many seconds")  # fmt: skip
+    ap.add_argument("--peer", default="", help="another checkout to replay the same journals through")
+    ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the tracemalloc replay")
+    ap.add_argument("--quick", action="store_true", help="smoke run: N = 16, 64, one replay")
+    ap.add_argument("--replay", default="", help=argparse.SUPPRESS)  # the peer's side: one pickled journal
+    args = ap.parse_args()
+    if args.replay:
+        with open(args.replay, "rb") as f:
+            config, events = pickle.load(f)
+        rows = [replay_timed(config, events) for _ in range(args.repeats)]
+        print(json.dumps({"rows": rows, "peak_mib": peak_mib(config, events) if args.memory else None}))
+        return
+    if args.quick:
+        args.sizes, args.repeats, args.batches = "16,64", 1, 4
+    sizes = [int(s) for s in args.sizes.split(",")]
+    out: dict[str, Any] = {"bench": "core_scale", "sizes": sizes, "repeats": args.repeats,
+                           "batches_per_rank": args.batches, "base_ms": args.base_ms, "peer": args.peer or None,
+                           "policies": {}}  # fmt: skip
+    for policy in args.policies.split(","):
+        curve: list[dict] = []
+        skipped: list[int] = []
+        peer_skipped: list[int] = []
+        peer = args.peer
+        for n in sizes:
+            if skipped:
+                skipped.append(n)
+                continue
+            if not peer and args.peer:
+                peer_skipped.append(n)
+            row = measure(n, policy, args, peer)
+            curve.append(row)
+            print(json.dumps({"policy": policy, **row}), file=sys.stderr, flush=True)  # progress
+            if row.get("over_budget"):
+                skipped.append(-1)  # every larger size is skipped
+            elif peer and not row["peer"].get("us_per_event"):
+                peer = ""  # the peer's curve ends here (over budget or failed); ours goes on
+        out["policies"][policy] = {"curve": curve, "skipped": [n for n in skipped if n > 0],
+                                   "peer_skipped": peer_skipped}  # fmt: skip
+    rows = [r for p in out["policies"].values() for r in p["curve"] if not r.get("over_budget")]
+    out["ok"] = all(r["finished_ok"] and r["replays_ok"] for r in rows)
+    print(json.dumps(out, indent=2))
+    if not out["ok"]:
+        raise SystemExit("a simulated job or a replay did not finish cleanly (see finished_ok, replays_ok)")
+
+
+if __name__ == "__main__":
+    main()

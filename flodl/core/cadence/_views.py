@@ -1,0 +1,93 @@
+"""Cadence's incremental views: so that no batch walks every rank.
+
+Theory of operation
+-------------------
+A chunk completing used to wake every alive rank (``_dispatcher.wake``), the gate
+(``windows_done``) walked every alive rank on every event, and chunk sizing summed
+ElChe's counts over every rank per chunk: O(N) per event, O(N^2) per window. Three
+views in ``CadenceState`` make each O(1) amortised (O(log N) where a heap orders them):
+
+* ``wakeable``: every ACTIVE rank a wake could serve now -- a superset. A wake looks
+  only at these, in rank order (and not at all while every pool is empty), and drops
+  each it looks at, served or not. A rank comes back when what held it can have changed:
+  its chunk completed (``on_batch``), its throttle was lifted (``release_throttle``), its
+  steps were folded or it became ACTIVE (the rank index's ``released``, absorbed by
+  ``absorb_released``: a mid-run join is covered), or ``rearm``.
+* ``open_windows``: a lazy min-heap (``in_open``: its members) of the ranks that may
+  block the gate -- window open, not throttled, not quiesced. The gate pops those that
+  no longer block and stops at the lowest that does, the rank a walk in order would
+  name. A rank comes back on the same events, and when it takes a chunk (``may_block``:
+  a taker is not quiesced any more).
+* ``alive_counts``: ElChe's counts with the ranks that are not ACTIVE zeroed, their sum,
+  and "calibrated or speed-hinted" (``counts_view``), keyed by the rank index's
+  ``alive_version`` and dropped where the counts move (``counts_changed``: a finished
+  round's feedback, a dispatch's callback slack).
+
+``rearm`` is for what can release many ranks at once -- a trigger (window marks move), a
+finished round (counts, budgets, throttles), a dispatch or an opened epoch, a death or a
+refused window (a pool refills): every ACTIVE rank goes back into both views, O(N) once
+per such event. ``flodl.core.view_drift`` recomputes the views from scratch (the
+stateful property tests assert it after every step).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from .._phases import ACTIVE
+from .._state import CadenceState, CoordinatorState
+
+__all__ = ["counts_view", "counts_changed", "may_block", "absorb_released", "rearm"]
+
+
+def _cad(st: CoordinatorState) -> CadenceState:
+    cad = st.cadence
+    assert cad is not None, "a Cadence view of a run without a Cadence policy"
+    return cad
+
+
+def counts_view(st: CoordinatorState) -> tuple[int, list[int], int, bool]:
+    """(alive_version, the alive ranks' counts, their sum, ElChe calibrated or
+    speed-hinted), cached until the ACTIVE set changes or ``counts_changed`` (callers must
+    not change the list)."""
+    cad, version = _cad(st), st.index.alive_version
+    view = cad.alive_counts
+    if view is None or view[0] != version:
+        el = cad.elche
+        counts = [c if rec.phase is ACTIVE else 0 for c, rec in zip(el.batch_counts, st.ranks)]
+        view = cad.alive_counts = (version, counts, sum(counts), el.calibrated or el.has_speed_hint())
+    return view
+
+
+def counts_changed(st: CoordinatorState) -> None:
+    """ElChe's counts may have moved (feedback, callback slack): drop the cached view."""
+    _cad(st).alive_counts = None
+
+
+def may_block(cad: CadenceState, rank: int) -> None:
+    """The rank may block the gate (again)."""
+    if rank not in cad.in_open:
+        heapq.heappush(cad.open_windows, rank)
+        cad.in_open.add(rank)
+
+
+def absorb_released(st: CoordinatorState) -> None:
+    """Ranks that became ACTIVE or had their steps folded (the rank index's ``released``)
+    may be served again and may block the gate."""
+    released = st.index.drain_released()
+    if released:
+        cad = _cad(st)
+        cad.wakeable |= released
+        for r in released:
+            may_block(cad, r)
+
+
+def rearm(st: CoordinatorState) -> None:
+    """Something that can release many ranks at once happened (module doc): every ACTIVE
+    rank may be served and may block the gate."""
+    cad = _cad(st)
+    st.index.drain_released()
+    alive = st.index.alive()
+    cad.wakeable.update(alive)
+    cad.in_open.update(alive)
+    cad.open_windows = sorted(cad.in_open)  # a sorted list is a heap

@@ -1,0 +1,46 @@
+"""bench/control_scale.py's fake ranks speak the real protocol: a short run completes.
+
+The load generator is only worth its numbers if its ranks do what real ones do: here
+six of them (the real rank machine on real DEALER sockets) train a cadence run against
+the real service to the end, every sample once, nothing dropped; and the round-trigger
+latency is computed from the right frames.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+from flodl_coordinator.settings import load_settings
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "bench"))
+import control_scale  # noqa: E402
+import scale_ranks  # noqa: E402
+
+
+def test_fake_ranks_train_a_cadence_run_to_the_end(serve):
+    n, total = 6, 240
+    svc, ep, _ctx = serve(load_settings(env={}, flags={
+        "world_size": n, "bind": "tcp://127.0.0.1:0", "session": "scale", "epochs": 2, "batch_size": 1,
+        "policy": "cadence", "total_samples": total, "final_eval": False,
+    }))  # fmt: skip
+    out = scale_ranks.serve_ranks({"ranks": list(range(n)), "ms": [1.0, 2.0, 4.0] * 2, "world": n, "session": "scale",
+                                   "dataset_len": total, "timeout_s": 60, "connect": [ep]})  # fmt: skip
+    assert out["finished"] == n and out["exit_reasons"] == ["shutdown"], out["exit_reasons"]
+    assert out["batches"] == 2 * total  # batch size 1: every sample of both epochs, once
+    assert out["drops"] == {}
+    assert svc.finished is not None and svc.finished.ok, svc.finished
+    assert dict(svc.dropped) == {}
+    assert out["requests"] and all(arrival >= sent > 0 for _c, arrival, sent in out["requests"])
+    assert 0.0 <= out["idle_s"] and out["train_s"] > 0
+
+
+def test_round_trigger_is_the_latest_frame_before_the_first_request_arrived():
+    # cycle 1: ranks sent at t=1.0 and 1.5; the first RequestParams arrived at 2.0, the
+    # other at 2.5 -> latencies 0.5 s and 1.0 s from the 1.5 s frame. Cycle 2: one rank
+    # was still sending after the round opened (3.2 > 3.1): not a candidate trigger.
+    reqs = [(1, 2.0, 1.0), (1, 2.5, 1.5), (2, 3.1, 3.0), (2, 3.3, 3.2)]
+    lat = sorted(control_scale.decision_latencies(reqs))
+    assert lat == pytest.approx([0.1e6, 0.3e6, 0.5e6, 1.0e6])

@@ -1,0 +1,84 @@
+"""The core's incremental views (``_rank_index``, Cadence's wake/gate views, the pools'
+kept sums) against a recount: ``view_drift`` stays empty through whole runs with deaths,
+and names a view that a write went around."""
+
+from __future__ import annotations
+
+import pytest
+
+from flodl.core import DEAD, JOINING, view_drift
+from flodl.core._rank_index import RankIndex
+
+from .cluster import Cluster
+
+
+def _run_checked(c: Cluster, max_iters: int = 5000) -> None:
+    """Pump the cluster to its end, asserting no drift after every step."""
+    for _ in range(max_iters):
+        assert view_drift(c.state) == []
+        if c.finished is not None or not c.pump_once():
+            break
+    assert view_drift(c.state) == []
+
+
+@pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
+def test_views_agree_with_a_recount_through_a_run_with_deaths(policy):
+    c = Cluster(policy=policy, world_size=5, total=400, batch_size=4, epochs=2, speeds=[10, 20, 40, 10, 20])
+    c.join_all()
+    while c.ranks[2].step < 3:  # mid-epoch, then two deaths
+        assert c.pump_once() and view_drift(c.state) == []
+    assert c.finished is None
+    c.kill(3)
+    c.kill(0)
+    _run_checked(c)
+    assert c.finished is not None and c.finished.ok, c.finished
+    st = c.state
+    assert st.alive_ranks() == [rec.rank for rec in st.ranks if rec.phase.__name__ == "ACTIVE"]
+    assert st.index.count(DEAD) == 2
+
+
+def test_drift_names_a_phase_written_around_the_index():
+    c = Cluster(policy="sync", world_size=3)
+    c.join_all()
+    object.__setattr__(c.state.ranks[1], "phase", DEAD)  # a write that bypasses the record's hook
+    drift = view_drift(c.state)
+    assert any("phase ACTIVE" in d for d in drift) and any("phase DEAD" in d for d in drift), drift
+
+
+def test_drift_names_a_pool_whose_kept_sum_moved():
+    c = Cluster(policy="cadence", world_size=3)
+    c.join_all()
+    pool = next(iter(c.state.cadence.pools.values()))
+    pool._unassigned += 1
+    assert any("kept sums" in d for d in view_drift(c.state))
+
+
+def test_drift_names_a_servable_rank_missing_from_wakeable():
+    c = Cluster(policy="cadence", world_size=3, total=400, batch_size=4, epochs=1)
+    c.join_all()
+    st = c.state
+    r = 0
+    st.cadence.in_flight.pop(r)  # as if its chunk completed ...
+    assert any(f"rank {r} could be served" in d for d in view_drift(st))  # ... but nobody told the views
+
+
+def test_index_seen_floor_only_bounds_from_below_and_ticks_skip_the_walk():
+    c = Cluster(policy="sync", world_size=4, liveness_timeout_s=10.0)
+    c.join_all()
+    index = c.state.index
+    c.advance(1.0)  # a Tick: the walk sets the floor
+    floor = index.seen_floor
+    assert floor is not None and all(rec.last_seen >= floor for rec in c.state.ranks)
+    c.advance(1.0)
+    assert index.seen_floor == floor  # within the timeout: no walk, the bound stays
+    c.silence(2)
+    c.advance(12.0)  # rank 2 is stale: the walk finds it
+    assert c.state.ranks[2].phase is DEAD and view_drift(c.state) == []
+
+
+def test_index_from_records_and_queries():
+    c = Cluster(policy="sync", world_size=3)
+    c.hello(0)
+    c.hello(2)
+    index = RankIndex(c.state.ranks)
+    assert index.count(JOINING) == 2 and index.addressable() == [0, 2] and index.alive() == []
