@@ -34,6 +34,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from typing import Callable, NoReturn
 
 __all__ = ["death_signal_hook", "exit_now", "process_age_s", "PR_SET_PDEATHSIG"]
@@ -74,8 +75,13 @@ def exit_now(code: int) -> NoReturn:
     logging.shutdown()
     # The teardown would have flushed files the user's code left open (a log opened at
     # module level, never closed): flush every one that is still open, stdio last.
-    for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase) and obj not in (sys.stdout, sys.stderr):
+    # isinstance on every live object trips deprecation shims (torch.distributed's
+    # reduce_op warns on any attribute access): a healthy exit must not print them.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        files = [obj for obj in gc.get_objects() if isinstance(obj, io.IOBase)]
+    for obj in files:
+        if obj not in (sys.stdout, sys.stderr):
             _flush(obj)
     for stream in (sys.stdout, sys.stderr):
         _flush(stream)

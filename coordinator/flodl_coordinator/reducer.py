@@ -39,6 +39,15 @@ default) turns the consensus into the global the ranks receive.
 A round whose accepted mass is 0 answers ``weight = 0`` with elided tensors: every
 receiver keeps its local parameters (nothing was realized).
 
+Buffers (reference feature 23). The last ``RoundHeader.buffer_tensors`` tensors of a
+frame are the model's f32 buffers (BatchNorm running stats), pre-scaled by their own
+*mover* mass (1 per rank that stepped, 0 for an idle one; a folded frame: the sum) in
+``buffer_weight``. They are summed with the parameters and divided once by the summed
+mover mass of the accepted frames: an equal-weight mean over the ranks that moved,
+never gamma-weighted. The outer optimizer and the ``too_far`` check see the parameters
+only; a frame whose mover mass is not 0 or 1 per rank (0 exactly when its weight is 0)
+is refused as ``weight``.
+
 Refused contributions (issue 9). A frame that belongs to the open round (its cycle, an
 expected rank not counted yet) but that the reducer will not sum -- tensors that fail to
 decode or are not finite (``bad_tensor`` / ``non_finite``), shapes unlike the cohort's
@@ -182,6 +191,7 @@ class _Part:
     ranks: tuple[int, ...]  # one rank, or the ranks a relay folded
     weight: float
     arrays: list[np.ndarray] | None  # None when the weight is 0 (nothing to add)
+    buffer_weight: float = 0.0  # the mover mass of its f32 buffers (the last tensors)
 
 
 @dataclass
@@ -194,6 +204,7 @@ class _Open:
     excluded: set[int] = field(default_factory=set)  # alive, but their folded frame left
     via: dict[int, tuple] = field(default_factory=dict)  # rank -> relay whose folded frame carried it
     shapes: tuple[tuple[int, ...], ...] | None = None
+    buffers: int = 0  # how many of the tensors are f32 buffers (the cohort's, like shapes)
     floor: dict[int, int] | None = None  # rank -> unfolded steps at the trigger (OpenRound.steps)
     refused: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (code, reason)
 
@@ -223,6 +234,7 @@ class BusReducer:
         self._open: _Open | None = None
         self._last: list[np.ndarray] | None = None  # the last consensus sent (ratio check)
         self._shapes: tuple | None = None  # the cohort's tensor shapes, once a round saw them
+        self._buffers = 0  # and how many of them are f32 buffers
         self.rounds_completed = 0
         self.bytes_in = 0
         self.bytes_out = 0
@@ -338,13 +350,16 @@ class BusReducer:
             code = "non_finite" if "non-finite" in str(e) else "bad_tensor"
             self._refuse(o, ranks, code, f"{who}: {e}")
         shapes = tuple(a.shape for a in arrays)
-        if o.shapes is not None and shapes != o.shapes:
+        if o.shapes is not None and (shapes != o.shapes or header.buffer_tensors != o.buffers):
             self._refuse(o, ranks, "shape", f"{who}: tensor shapes differ from the cohort's")
         if o.shapes is None:
-            o.shapes = shapes
+            o.shapes, o.buffers = shapes, header.buffer_tensors
         w = float(header.weight)
         self._check_weight(o, ranks, w, who)
-        o.parts[ranks] = _Part(ranks, w, arrays if w > 0 else None)
+        bw = float(header.buffer_weight) if header.buffer_tensors else 0.0
+        if header.buffer_tensors and not (bw == int(bw) and (bw == 0) == (w == 0) and bw <= len(ranks)):
+            self._refuse(o, ranks, "weight", f"{who}: buffer weight {bw:g} is not 1 per rank that moved")
+        o.parts[ranks] = _Part(ranks, w, arrays if w > 0 else None, bw)
         for r in ranks:
             o.counted[r] = ranks
         self.bytes_in += sum(len(b) for b in blobs)
@@ -384,11 +399,12 @@ class BusReducer:
         weighted = [p for _, p in sorted(o.parts.items()) if p.arrays is not None and p.weight > 0]
         if rho <= 0 or not weighted:
             return []
+        nparams = len(weighted[0].arrays) - o.buffers  # the buffers are not the model's point
         points = {
-            p.ranks: [a / np.float32(p.weight) for a in p.arrays] for p in weighted
+            p.ranks: [a / np.float32(p.weight) for a in p.arrays[:nparams]] for p in weighted
         }
         ref = self._last
-        if ref is not None and tuple(a.shape for a in ref) != o.shapes:
+        if ref is not None and tuple(a.shape for a in ref) != o.shapes[:nparams]:
             ref = None
         if ref is None:
             if len(points) < 3:
@@ -430,20 +446,25 @@ class BusReducer:
         excluded = tuple(sorted(o.excluded))
         to = tuple(sorted(set(contributors) | o.excluded | set(o.refused)))
         total = float(sum(p.weight for p in o.parts.values()))
+        btotal = float(sum(p.buffer_weight for p in o.parts.values()))
         weighted = [p for _, p in sorted(o.parts.items()) if p.arrays is not None]
         nonfinite = False
+        if o.shapes is None:  # every frame refused undecoded: the schema of an earlier round
+            o.shapes, o.buffers = self._shapes, self._buffers
+        nparams = len(o.shapes or ()) - o.buffers
         if total > 0 and weighted:
-            # f32 accumulation in rank order (deterministic), one division at the end.
+            # f32 accumulation in rank order (deterministic), one division at the end:
+            # parameters by the summed mass, f32 buffers by the summed mover mass.
             consensus = [np.array(t, dtype=np.float32, copy=True) for t in weighted[0].arrays]
             with np.errstate(over="ignore", invalid="ignore"):
                 for p in weighted[1:]:
                     for acc, t in zip(consensus, p.arrays):
                         acc += t
-                inv = np.float32(total)
-                for acc in consensus:
-                    acc /= inv
+                inv, binv = np.float32(total), np.float32(btotal if btotal > 0 else 1.0)
+                for i, acc in enumerate(consensus):
+                    acc /= inv if i < nparams else binv
             if _finite(consensus):
-                consensus = self._outer_step(o.cycle, consensus)
+                consensus = self._outer_step(o.cycle, consensus[:nparams]) + consensus[nparams:]
             else:
                 nonfinite = True
                 self.nonfinite_rounds += 1
@@ -451,20 +472,20 @@ class BusReducer:
                     "cycle %d: the average of ranks %s is not finite: not sent; every rank keeps its "
                     "local parameters (weight 0)", o.cycle, list(contributors),
                 )
-        if o.shapes is None:  # every frame refused undecoded: the schema of an earlier round
-            o.shapes = self._shapes
-        self._shapes = o.shapes
+        self._shapes, self._buffers = o.shapes, o.buffers
         if nonfinite or not (total > 0 and weighted):
-            total = 0.0
+            total = btotal = 0.0
             consensus = [np.zeros(s, dtype=np.float32) for s in (o.shapes or ())]
         elif self.max_contribution_ratio > 0:
-            self._last = consensus
+            self._last = consensus[:nparams]
         header, blobs = pack_round(
             consensus,
             cycle=o.cycle,
             weight=total,
             bf16=self.bf16_wire,
             contributing_ranks=contributors,
+            buffers=o.buffers,
+            buffer_weight=btotal,
         )
         groups: dict[tuple, list[int]] = {}
         for r in to:

@@ -41,7 +41,8 @@ Finish (``finish_due``/``finish``, §5.4-5.5): once every participant still ACTI
 are excused -- the reducer was told by ``ForgetRank``), ``version += 1``,
 ``global_step += window``; the dispatcher's ``on_round_finished`` runs the policy's
 feedback and returns each rank's folded next chunk; ``Update{version, cycle,
-next_plan?}`` to each surviving participant, then ``SetGlobalStep``; the step
+next_plan?}`` to each surviving participant, then ``SetGlobalStep{global_step,
+samples_committed}`` (the run's progress, for the ranks' LR schedules); the step
 then elects roles, makes a checkpoint deferred to this round
 (``_checkpointing.on_round_finished``), and calls the dispatcher's ``after_round`` (wake
 idle ranks). A round pending longer than ``reduce_stall_s`` is a stall (``stall_due``):
@@ -256,5 +257,6 @@ def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> 
         if r in plans:
             upd.next_plan.CopyFrom(plans[r])
         st.send(out, r, update=upd)
+    committed = _coverage.committed_samples(st.coverage)  # the ranks' LR schedules follow it
     for r in alive:
-        st.send(out, r, set_global_step=pb.Control.SetGlobalStep(global_step=rs.global_step))
+        st.send(out, r, set_global_step=pb.Control.SetGlobalStep(global_step=rs.global_step, samples_committed=committed))

@@ -173,5 +173,10 @@ def epoch_summary(ec: EpochCoverage) -> dict[str, Any]:
     }
 
 
+def committed_samples(cov: CoverageState) -> int:
+    """Distinct positions committed, summed over every epoch (the run's progress)."""
+    return sum(ec.unique for ec in cov.epochs.values())
+
+
 def summary(cov: CoverageState) -> list[dict[str, Any]]:
     return [epoch_summary(cov.epochs[e]) for e in sorted(cov.epochs)]

@@ -43,6 +43,7 @@ from typing import Any, Optional
 
 from flodl.wire import pb
 
+from . import _coverage
 from ._commands import Command, ForgetRank, Notice, Reply
 from ._events import RankHello
 from ._phases import (
@@ -148,6 +149,8 @@ def run_spec(st: CoordinatorState, dataset_len: int) -> pb.RunSpec:
         heartbeat_interval_s=cfg.heartbeat_interval_s,
         liveness_timeout_s=cfg.liveness_timeout_s,
         start_epoch=0,
+        global_step=st.rounds.global_step,  # the run's progress so far: LR schedules start there
+        samples_committed=_coverage.committed_samples(st.coverage),
     )
 
 

@@ -132,6 +132,7 @@ class RankMachine:
         self.steps_since_avg = 0
         self.folded_step = 0  # snapshot step of the last consensus holding this rank's work
         self.global_step = 0
+        self.samples_committed = 0  # run-wide, at the last SetGlobalStep (LR schedules)
         self.snapshots: dict[int, Snapshot] = {}
         # Checkpoint duty: the last consensus applied, and the local step right after it.
         self.applied_cycle = 0
@@ -208,11 +209,30 @@ class RankMachine:
         self.in_hand = TrainBatch(epoch=cur.epoch, offset=offset, count=count)
         return self.in_hand
 
+    def upcoming(self, n: int) -> list[tuple[int, int, int]]:
+        """The next ``n`` batches ``(epoch, offset, count)`` that ``next_action`` will hand
+        out if no plan arrives in between (plans only ever queue behind): read-only, for
+        the shell's data prefetch."""
+        if self.spec is None or n <= 0:
+            return []
+        out: list[tuple[int, int, int]] = []
+        chunks = ([self.current] if self.current is not None else []) + list(self.plans)
+        for ch in chunks:
+            for off, size in ch.held():
+                while size > 0 and len(out) < n:
+                    count = min(self.spec.batch_size, size)
+                    out.append((ch.epoch, off, count))
+                    off, size = off + count, size - count
+                if len(out) >= n:
+                    return out
+        return out
+
     # -- admission and batches ----------------------------------------------------------
 
     def _admitted(self, ev: Admitted, out: list[Command]) -> None:
         self.spec = ev.spec
-        self.global_step = ev.global_step
+        self.global_step = max(ev.global_step, ev.spec.global_step)  # the run's progress at admission
+        self.samples_committed = ev.spec.samples_committed
         if ev.hello_resent and self.incarnation is not None:
             # The first answer may have been lost with a coordinator that restarted: this
             # one then comes from the new process, which already counts the rank as a
@@ -326,6 +346,7 @@ class RankMachine:
 
     def _set_global_step(self, c: pb.Control, out: list[Command]) -> None:
         self.global_step = c.set_global_step.global_step
+        self.samples_committed = c.set_global_step.samples_committed
 
     def _shutdown(self, c: pb.Control, out: list[Command]) -> None:
         self.exited = True

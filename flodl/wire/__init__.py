@@ -30,7 +30,7 @@ from ._errors import (
     WireError,
     WrongSession,
 )
-from ._tensors import bf16_to_f32, f32_to_bf16, pack_round, unpack_round
+from ._tensors import bf16_to_f32, f32_to_bf16, pack_round, split_buffers, unpack_round
 
 __all__ = [
     "pb",
@@ -56,6 +56,7 @@ __all__ = [
     "Oversized",
     "pack_round",
     "unpack_round",
+    "split_buffers",
     "f32_to_bf16",
     "bf16_to_f32",
 ]

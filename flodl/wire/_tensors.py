@@ -15,7 +15,7 @@ import numpy as np
 from . import flodl_pb2 as pb
 from ._errors import BadTensor
 
-__all__ = ["pack_round", "unpack_round", "f32_to_bf16", "bf16_to_f32", "MAX_TENSOR_DIMS"]
+__all__ = ["pack_round", "unpack_round", "split_buffers", "f32_to_bf16", "bf16_to_f32", "MAX_TENSOR_DIMS"]
 
 MAX_TENSOR_DIMS = 16
 _ELEM = {pb.DTYPE_F32: 4, pb.DTYPE_BF16: 2}
@@ -53,13 +53,22 @@ def pack_round(
     bf16: bool = False,
     elide_zero_weight: bool = True,
     contributing_ranks: Sequence[int] = (),
+    buffers: int = 0,
+    buffer_weight: float = 0.0,
 ) -> tuple[pb.RoundHeader, list]:
     """Describe ``arrays`` in a RoundHeader and return the blob frames (no copy for f32).
 
     With ``weight == 0`` and ``elide_zero_weight`` every tensor is elided: the header
     alone tells the receiver the schema and that this contribution carries no mass.
+    ``buffers``: the last that many arrays are f32 model buffers with their own mass
+    ``buffer_weight`` (``RoundHeader.buffer_tensors``).
     """
-    header = pb.RoundHeader(cycle=cycle, phase=phase, kind=kind, weight=float(weight))
+    if not 0 <= buffers <= len(arrays):
+        raise ValueError(f"buffers={buffers} must be within the {len(arrays)} arrays")
+    header = pb.RoundHeader(
+        cycle=cycle, phase=phase, kind=kind, weight=float(weight),
+        buffer_tensors=buffers, buffer_weight=float(buffer_weight),
+    )  # fmt: skip
     header.contributing_ranks.extend(contributing_ranks)
     dtype = pb.DTYPE_BF16 if (bf16 and kind == pb.ROUND_KIND_MODEL) else pb.DTYPE_F32
     blobs: list = []
@@ -117,4 +126,14 @@ def unpack_round(header: pb.RoundHeader, blobs: Sequence) -> list[np.ndarray]:
         out.append(arr)
     if not np.isfinite(header.weight) or header.weight < 0:
         raise BadTensor(f"round weight {header.weight} must be finite and >= 0")
+    if not np.isfinite(header.buffer_weight) or header.buffer_weight < 0:
+        raise BadTensor(f"round buffer_weight {header.buffer_weight} must be finite and >= 0")
+    if header.buffer_tensors > len(out):
+        raise BadTensor(f"buffer_tensors {header.buffer_tensors} exceeds the round's {len(out)} tensors")
     return out
+
+
+def split_buffers(header: pb.RoundHeader, arrays: list) -> tuple[list, list]:
+    """(parameters, f32 buffers) of a decoded round (``RoundHeader.buffer_tensors``)."""
+    n = len(arrays) - header.buffer_tensors
+    return arrays[:n], arrays[n:]

@@ -155,7 +155,7 @@ class RankHello(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_sig: _Optional[bytes] = ..., dataset_len: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., bf16_wire: _Optional[bool] = ..., task: _Optional[str] = ..., agent_token: _Optional[bytes] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from")
+    __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from", "global_step", "samples_committed")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,8 @@ class RunSpec(_message.Message):
     LIVENESS_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     START_EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     total_samples: int
     batch_size: int
@@ -184,7 +186,9 @@ class RunSpec(_message.Message):
     liveness_timeout_s: float
     start_epoch: int
     resume_from: str
-    def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ...) -> None: ...
+    global_step: int
+    samples_committed: int
+    def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ..., global_step: _Optional[int] = ..., samples_committed: _Optional[int] = ...) -> None: ...
 
 class HelloAck(_message.Message):
     __slots__ = ("accepted", "reason", "run", "deferred")
@@ -335,10 +339,12 @@ class Control(_message.Message):
         __slots__ = ()
         def __init__(self) -> None: ...
     class SetGlobalStep(_message.Message):
-        __slots__ = ("global_step",)
+        __slots__ = ("global_step", "samples_committed")
         GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+        SAMPLES_COMMITTED_FIELD_NUMBER: _ClassVar[int]
         global_step: int
-        def __init__(self, global_step: _Optional[int] = ...) -> None: ...
+        samples_committed: int
+        def __init__(self, global_step: _Optional[int] = ..., samples_committed: _Optional[int] = ...) -> None: ...
     class Checkpoint(_message.Message):
         __slots__ = ("version", "target_rank", "path", "cycle")
         VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -677,7 +683,7 @@ class TensorMeta(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., elided: _Optional[bool] = ..., blob_index: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class RoundHeader(_message.Message):
-    __slots__ = ("cycle", "phase", "kind", "weight", "tensors", "contributing_ranks", "deliver_to")
+    __slots__ = ("cycle", "phase", "kind", "weight", "tensors", "contributing_ranks", "deliver_to", "buffer_tensors", "buffer_weight")
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -685,6 +691,8 @@ class RoundHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTING_RANKS_FIELD_NUMBER: _ClassVar[int]
     DELIVER_TO_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     cycle: int
     phase: RoundPhase
     kind: RoundKind
@@ -692,7 +700,9 @@ class RoundHeader(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     contributing_ranks: _containers.RepeatedScalarFieldContainer[int]
     deliver_to: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cycle: _Optional[int] = ..., phase: _Optional[_Union[RoundPhase, str]] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., weight: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., contributing_ranks: _Optional[_Iterable[int]] = ..., deliver_to: _Optional[_Iterable[int]] = ...) -> None: ...
+    buffer_tensors: int
+    buffer_weight: float
+    def __init__(self, cycle: _Optional[int] = ..., phase: _Optional[_Union[RoundPhase, str]] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., weight: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., contributing_ranks: _Optional[_Iterable[int]] = ..., deliver_to: _Optional[_Iterable[int]] = ..., buffer_tensors: _Optional[int] = ..., buffer_weight: _Optional[float] = ...) -> None: ...
 
 class RelayMsg(_message.Message):
     __slots__ = ("hello", "rank_exit", "declare_dead", "fold_open", "fold_drop")

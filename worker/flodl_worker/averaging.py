@@ -2,9 +2,17 @@
 
 Theory of operation
 -------------------
-``RequestParams{cycle}``: deep-copy the parameters (the snapshot), n = steps since the
-last applied average, weight = n**gamma (0 when n <= 0: the idle guard), send ``round``
-with params x weight (tensors elided when the weight is 0; bf16 when the RunSpec says).
+``RequestParams{cycle}``: deep-copy the parameters and the f32 buffers (the snapshot:
+one flat host array, ``flodl_worker.staging``), n = steps since the last applied
+average, weight = n**gamma (0 when n <= 0: the idle guard), send ``round`` with params x
+weight followed by the f32 buffers x their mover mass (1 if the rank stepped, else 0:
+``flodl_worker.buffers``), tensors elided when the weight is 0, bf16 when the RunSpec
+says.
+
+Buffers are overwritten by the consensus's (its ``buffer_weight`` > 0; reference: always
+overwritten, never blended nor shifted by the steps since the snapshot -- a running
+variance shifted by a difference could turn negative); non-f32 buffers keep their
+local value.
 
 The consensus ``round{cycle}`` comes back with the total weight and the ranks whose
 contributions it holds (``contributing_ranks``):
@@ -39,9 +47,11 @@ import numpy as np
 import torch
 
 from flodl.rank import ApplyConsensus, TakeSnapshot
-from flodl.wire import WireError, pack_round, pb, unpack_round
+from flodl.wire import WireError, pack_round, pb, split_buffers, unpack_round
 
+from .buffers import mover_mass
 from .params import as_tensor, f32, l2_norm
+from .staging import FlatStaging
 
 __all__ = ["BusAverager", "Snapshot"]
 
@@ -52,8 +62,10 @@ log = logging.getLogger("flodl.rank")
 class Snapshot:
     n: int  # steps since the last applied average, at the snapshot
     step_count: int  # local step counter at the snapshot
-    pre: list  # deep-copied f32 parameters (for the divergence triple)
+    pre: list  # deep-copied f32 parameters (for the divergence triple): views of ``flat``
     weight: float
+    bufs: list  # deep-copied f32 buffers: views of ``flat``
+    flat: np.ndarray  # the one host copy: parameters then f32 buffers
 
 
 class BusAverager:
@@ -68,6 +80,14 @@ class BusAverager:
     def __init__(self, rank) -> None:
         self.rank = rank
         self.snapshots: dict[int, Snapshot] = {}
+        self._staging: FlatStaging | None = None
+
+    @property
+    def staging(self) -> FlatStaging:
+        """The flat layout of parameters + f32 buffers (built once the model is)."""
+        if self._staging is None:
+            self._staging = FlatStaging(list(self.rank.params) + list(self.rank.buffers))
+        return self._staging
 
     @property
     def folded_step(self) -> int:
@@ -76,15 +96,30 @@ class BusAverager:
     def take(self, cmd: TakeSnapshot) -> None:
         """``TakeSnapshot``: deep-copy the parameters and send the weighted round."""
         r, w = self.rank, cmd.weight
-        pre = self._snapshot(cmd)
-        scaled = [a * np.float32(w) for a in pre] if w > 0 else pre
-        header, blobs = pack_round(scaled, cycle=cmd.cycle, weight=w, bf16=r.spec.bf16_wire)
+        snap = self._snapshot(cmd)
+        st = self.staging
+        flat = snap.flat
+        if w > 0:  # one flat scaled frame: params x w, then buffers x 1 (the mover mass)
+            flat = np.empty_like(snap.flat)
+            n = st.offsets[len(snap.pre)]
+            np.multiply(snap.flat[:n], np.float32(w), out=flat[:n])
+            flat[n:] = snap.flat[n:]
+        header, blobs = pack_round(
+            st.views(flat), cycle=cmd.cycle, weight=w, bf16=r.spec.bf16_wire,
+            buffers=len(snap.bufs), buffer_weight=mover_mass(w),
+        )  # fmt: skip
         r._send("round", header, blobs)
 
-    def _snapshot(self, cmd: TakeSnapshot) -> list:
-        pre = [f32(p).copy() for p in self.rank.params]  # deep copy: never a torn/aliased view
-        self.snapshots[cmd.cycle] = Snapshot(n=cmd.n, step_count=cmd.step_count, pre=pre, weight=cmd.weight)
-        return pre
+    def _snapshot(self, cmd: TakeSnapshot) -> Snapshot:
+        st = self.staging
+        flat = st.gather()  # deep copy: never a torn/aliased view
+        views = st.views(flat)
+        n = len(self.rank.params)
+        snap = Snapshot(
+            n=cmd.n, step_count=cmd.step_count, pre=views[:n], weight=cmd.weight, bufs=views[n:], flat=flat
+        )
+        self.snapshots[cmd.cycle] = snap
+        return snap
 
     def settle(self) -> None:
         """Before a coordinator restart is handled: finish what already completed (bus: nothing)."""
@@ -111,8 +146,10 @@ class BusAverager:
         if header.weight == 0 and not header.tensors:
             # Nothing was accepted and the reducer never saw the schema (every frame of the
             # round refused undecoded): the same answer as a weight-0 consensus.
-            arrays = [np.zeros(tuple(p.shape), dtype=np.float32) for p in r.params]
-        if len(arrays) != len(r.params) or any(tuple(a.shape) != tuple(p.shape) for a, p in zip(arrays, r.params)):
+            header = pb.RoundHeader(cycle=header.cycle, buffer_tensors=len(r.buffers))
+            arrays = [np.zeros(s, dtype=np.float32) for s in self.staging.shapes]
+        params, bufs = split_buffers(header, arrays)
+        if not (_fits(params, r.params) and _fits(bufs, r.buffers)):
             r._drop("bad_tensor", f"consensus for cycle {header.cycle} does not match the model's schema")
             return
         included = header.weight > 0 and (
@@ -120,7 +157,9 @@ class BusAverager:
         )
         if not included and header.weight > 0:
             log.info("cycle %d: this rank's contribution is not in the consensus; keeping local parameters", header.cycle)
-        r.consensus_ready(header.cycle, arrays if included else None)
+        # The buffers ride along only when realized (some rank moved): else kept local.
+        consensus = (params + bufs if header.buffer_weight > 0 else params) if included else None
+        r.consensus_ready(header.cycle, consensus)
 
     def apply(self, cmd: ApplyConsensus) -> None:
         """``ApplyConsensus``: apply ``cmd.arrays`` against the snapshot and ack the cycle.
@@ -151,7 +190,11 @@ class BusAverager:
         alpha = r.spec.easgd_alpha
         blend = r.spec.policy == pb.POLICY_ASYNC and 0.0 < alpha < 1.0
         consensus = []
+        n = len(r.params)
+        arrays, bufs = arrays[:n], arrays[n:]
         with torch.no_grad():
+            for b, a in zip(r.buffers, bufs):  # always overwritten (module doc)
+                b.copy_(as_tensor(a).to(device=b.device, dtype=b.dtype))
             for p, a, pre in zip(r.params, arrays, snap.pre):
                 t = as_tensor(a).to(device=p.device, dtype=p.dtype)
                 if blend:
@@ -164,3 +207,7 @@ class BusAverager:
                 consensus.append(f32(t))
         # Divergence is snapshot vs consensus, as without overlap (not vs theta now).
         return [f32(p) for p in r.params] if blend else consensus
+
+
+def _fits(arrays: list, tensors: list) -> bool:
+    return len(arrays) == len(tensors) and all(tuple(a.shape) == tuple(t.shape) for a, t in zip(arrays, tensors))

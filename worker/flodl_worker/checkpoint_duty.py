@@ -5,8 +5,9 @@ c = the consensus of averaging cycle c. That one is saved right after it is appl
 (the save is *armed* when the command comes first), or at once if c is the last
 consensus the rank applied -- even after steps since: the rank *holds* the consensus
 arrays of its last applied cycle (the machine's ``held``; one parameter-sized
-copy, dropped when the next consensus lands) and saves those parameters, with the
-model's other state (buffers) and the optimizer's state as they are now. That is the
+copy, dropped when the next consensus lands) and saves those parameters and f32
+buffers (when that round averaged buffers), with the model's other state (integer
+buffers) and the optimizer's state as they are now. That is the
 normal case: the coordinator asks after the round finished (its acks committed the
 batches the meta covers), and under Cadence the rank trains on meanwhile. A cycle older
 than the last applied one is no longer held: the answer is an error naming it, and the
@@ -47,9 +48,10 @@ class CheckpointDuty:
         self._save(cmd.command, params=cmd.params)
 
     def _consensus_state(self, arrays: list) -> dict:
-        """The model's state dict with its parameters replaced by ``arrays`` (CPU copies)."""
+        """The model's state dict with its parameters (then f32 buffers, when ``arrays``
+        has them) replaced by ``arrays`` (CPU copies)."""
         r = self.rank
-        by_id = {id(p): a for p, a in zip(r.params, arrays)}
+        by_id = {id(t): a for t, a in zip(list(r.params) + list(r.buffers), arrays)}
         out = {}
         for k, v in r.model.state_dict(keep_vars=True).items():
             a = by_id.get(id(v))

@@ -24,14 +24,18 @@ A ``RequestParams`` belongs to the latest generation announced before it (the co
 announces a generation before any request in it, and one peer's frames arrive in
 order). On it the rank snapshots exactly like the bus (n = steps since the last applied
 average, w = n**gamma, a deep f32 copy), and, once its generation's group is formed,
-launches an *asynchronous* all-reduce (SUM) of one flat f32 buffer ``[w*theta..., w]``
-and goes back to training. ``wait`` (called by the rank's pump instead of a plain socket
+launches an *asynchronous* all-reduce (SUM) of one flat f32 buffer
+``[w*theta..., m*buffers..., w, m]`` (``m`` = the mover mass, 1 if the rank stepped:
+the f32 buffers are an equal-weight mean over the ranks that moved,
+``flodl_worker.buffers``) and goes back to training. With NCCL and a model on the GPU
+the buffer is copied to the device once (one flat transfer) and reduced there. ``wait`` (called by the rank's pump instead of a plain socket
 poll) watches the socket and a wake-up fd that the all-reduce's completion callback
 writes, so a finished reduce is handled at once even while the rank is blocked waiting
 for a plan or an ``Update``. On completion: W = the summed weights; consensus = sum / W;
 handed to the machine (``rank.consensus_ready``), applied and acked exactly as a bus
 consensus (theta <- consensus +
-(theta - snapshot); EASGD blend under Async). W = 0 (nobody stepped): keep local.
+(theta - snapshot); EASGD blend under Async; buffers = their sum / M, overwritten).
+W = 0 (nobody stepped): keep local.
 
 Failure. A failed or abandoned all-reduce is a round this rank's work is not in: it
 keeps its parameters and credit and acks the cycle with its last folded step (commits
@@ -98,6 +102,7 @@ from flodl.wire import pb
 from flodl.rank import TakeSnapshot
 
 from .averaging import BusAverager
+from .buffers import mover_mass
 
 __all__ = ["CollectiveAverager", "BACKENDS", "STORE_PREFIX", "new_group"]
 
@@ -298,10 +303,12 @@ class CollectiveAverager(BusAverager):
 
     def _launch(self, cycle: int, gen: _Generation) -> None:
         snap = self.snapshots[cycle]
-        device = torch.device("cpu")
-        if gen.backend == "nccl" and self.rank.params and self.rank.params[0].is_cuda:
-            device = self.rank.params[0].device
-        buf = _flatten(snap.pre, snap.weight, device)
+        buf = _flatten(snap.flat, self.staging.offsets[len(snap.pre)], snap.weight)
+        live = self.staging.tensors
+        if gen.backend == "nccl" and live and live[0].is_cuda:
+            # The snapshot's values (the launch may come steps after it, once the group
+            # formed), reduced on the GPU: one flat host-to-device copy.
+            buf = buf.to(live[0].device)
         work = gen.group.allreduce([buf])
         future = work.get_future()
         self.ops.append(_Op(cycle, gen.number, work, future, buf, gen.group, time.perf_counter()))
@@ -327,8 +334,8 @@ class CollectiveAverager(BusAverager):
         self.stats.reduced += 1
         self.stats.reduce_s += time.perf_counter() - op.launched
         out = op.buf.detach().to("cpu").numpy()
-        total = float(out[-1])
-        arrays = _unflatten(out, snap.pre) if total > 0 else None
+        total = float(out[-2])
+        arrays = _unflatten(out, self.staging, len(snap.pre)) if total > 0 else None
         self.rank.consensus_ready(op.cycle, arrays)
 
     def _broken(self, generation: int, cycle: int, reason: str) -> None:
@@ -477,28 +484,33 @@ def _form(f: _Forming, addr: str, own: Any, backend: str, rank: int, size: int, 
         wake()
 
 
-def _flatten(pre: list, weight: float, device: torch.device) -> torch.Tensor:
-    """One f32 buffer ``[w * theta..., w]`` (zeros and 0 for an idle rank)."""
-    n = sum(a.size for a in pre)
-    buf = np.empty(n + 1, dtype=np.float32)
+def _flatten(flat: np.ndarray, nparams: int, weight: float) -> torch.Tensor:
+    """One f32 buffer ``[w * theta..., m * buffers..., w, m]`` from the snapshot's flat
+    host copy (``nparams`` of its elements are parameters); zeros and 0, 0 when idle."""
+    n = flat.size
+    buf = np.empty(n + 2, dtype=np.float32)
+    mover = mover_mass(weight)
     if weight > 0:
-        np.concatenate([a.ravel() for a in pre], out=buf[:-1])
-        buf[:-1] *= np.float32(weight)
+        np.multiply(flat[:nparams], np.float32(weight), out=buf[:nparams])
+        buf[nparams:n] = flat[nparams:]  # x mover = 1
     else:
-        buf[:-1] = 0.0
-    buf[-1] = weight
-    t = torch.from_numpy(buf)
-    return t if device.type == "cpu" else t.to(device)
+        buf[:n] = 0.0
+    buf[n], buf[n + 1] = weight, mover
+    return torch.from_numpy(buf)
 
 
-def _unflatten(buf: np.ndarray, like: list) -> list:
-    """Divide the reduced sum once by the summed weight; split into ``like``'s shapes."""
-    flat = buf[:-1] / np.float32(buf[-1])
-    out, off = [], 0
-    for a in like:
-        out.append(flat[off : off + a.size].reshape(a.shape))
-        off += a.size
-    return out
+def _unflatten(buf: np.ndarray, staging, nparams: int) -> list:
+    """Divide the reduced sums once: parameters by the summed weight W, f32 buffers by
+    the summed mover mass M (left out when M = 0: kept local); split into the layout."""
+    total, movers = buf[-2], buf[-1]
+    k = staging.offsets[nparams]
+    flat = np.empty(buf.size - 2, dtype=np.float32)
+    np.divide(buf[:k], total, out=flat[:k])
+    views = staging.views(flat)
+    if movers <= 0:
+        return views[:nparams]
+    np.divide(buf[k:-2], movers, out=flat[k:])
+    return views
 
 
 def _abort(group: Any) -> None:

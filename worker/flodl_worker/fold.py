@@ -18,7 +18,8 @@ Pure state, no sockets: the relay loop (``relay``) hands it the coordinator's
   (the coordinator saw the rank die) removes exactly that rank's part and the rest then
   flushes: a death mid-fold never blocks the round.
 * Flush: parts in rank order, decoded with ``unpack_round`` (f32 or bf16 on the wire),
-  summed in f32 (each part already carries params x w); one frame with weight = sum w
+  summed in f32 (each part already carries params x w, then its f32 buffers x its mover
+  mass); one frame with weight = sum w, ``buffer_weight`` = sum of the mover masses
   and ``contributing_ranks`` = the ranks folded, in the parts' wire dtype (bf16 stays
   bf16: the sum is rounded once more on the way up, accumulation is still f32). A
   part that does not decode is forwarded raw instead (the coordinator refuses it with
@@ -74,7 +75,8 @@ class _Fold:
 
 
 def _shapes(header: pb.RoundHeader) -> tuple:
-    return tuple(tuple(m.shape) for m in header.tensors)
+    """The schema a fold's parts must share: tensor shapes, and how many are buffers."""
+    return tuple(tuple(m.shape) for m in header.tensors), header.buffer_tensors
 
 
 class Folder:
@@ -235,6 +237,7 @@ class Folder:
         acc: Optional[list[np.ndarray]] = None
         ranks: list[int] = []
         weights: list[float] = []
+        buffer_weights: list[float] = []
         bf16 = False
         for r in sorted(f.parts):
             part = f.parts[r]
@@ -258,12 +261,17 @@ class Folder:
                 continue
             ranks.append(r)
             weights.append(float(h.weight))
+            buffer_weights.append(float(h.buffer_weight) if h.weight > 0 else 0.0)  # an idle part moved nothing
         if not ranks:
             return out
         total = math.fsum(weights)
+        shapes, nbuf = f.shapes or ((), 0)
         if acc is None:  # every folded rank did no work: the schema alone, elided
-            acc = [np.broadcast_to(np.float32(0), s) for s in f.shapes or ()]
-        header, blobs = pack_round(acc, cycle=f.cycle, weight=total, bf16=bf16, contributing_ranks=ranks)
+            acc = [np.broadcast_to(np.float32(0), s) for s in shapes]
+        header, blobs = pack_round(
+            acc, cycle=f.cycle, weight=total, bf16=bf16, contributing_ranks=ranks,
+            buffers=nbuf, buffer_weight=math.fsum(buffer_weights),
+        )  # fmt: skip
         out.append(self.endpoint.frames("round", header, blobs))
         self.folds_sent += 1
         self.ranks_folded += len(ranks)

@@ -25,7 +25,8 @@ one the simulator drives: this module decodes frames into its events (``Incarnat
 2. Plans (the machine's): ``StartEpoch``/``Update.next_plan`` queue a range of
    positions of the epoch permutation, FIFO; ``ExtendPartition`` appends a segment.
 3. Averaging (``flodl_worker.averaging``): ``RequestParams{cycle}`` snapshots and sends
-   the weighted parameters; the consensus ``round{cycle}`` is applied and acked. On the
+   the weighted parameters and f32 buffers (``flodl_worker.buffers``); the consensus
+   ``round{cycle}`` is applied and acked. On the
    collective plane (``RunSpec.plane``) ``flodl_worker.collective`` all-reduces instead,
    in the process group the ``Rendezvous`` commands form; the pump also wakes on a
    finished all-reduce.
@@ -37,11 +38,16 @@ one the simulator drives: this module decodes frames into its events (``Incarnat
 6. ``ExecuteEval`` for this rank runs ``eval_fn`` and answers ``eval_result``;
    ``EpochAggregated`` runs ``epoch_fn`` on the rank ``SetEpochCallbackRole`` named and
    answers ``epoch_fn_elapsed``.
-7. ``Shutdown``/``ShutdownWithSave`` -> ``timing.exiting{sha256 of the f32 params,
-   steps}``, exit 0. ``Exiting`` is never sent on an error exit.
+7. ``Shutdown``/``ShutdownWithSave`` -> ``timing.exiting{sha256 of the f32 params and
+   f32 buffers, steps}``, exit 0. ``Exiting`` is never sent on an error exit.
 8. A frame of another coordinator incarnation (the coordinator restarted on its
    journal): ``timing.resync`` first, with what the new process may have lost
    (``flodl_worker.resync``); training goes on.
+
+Around each step: the batch of the machine's ``TrainBatch`` comes from
+``flodl_worker.loader`` (inline, or worker processes prefetching along the plans), is
+moved to the rank's device (``flodl_worker.device``: the model is built there), and the
+LR schedule, if any, is set from the run's progress (``flodl_worker.run_progress``).
 
 Exit codes: 0 clean shutdown; 1 failure (the coordinator went silent or unreachable,
 the user's code raised); 2 configuration error or refused at hello.
@@ -93,10 +99,14 @@ from flodl.wire import (
 
 from ._env import EnvError, RankEnv
 from .averaging import BusAverager
+from .buffers import averaged_buffers
 from .collective import CollectiveAverager
 from .checkpoint import CheckpointLoadError, load_model_file
 from .checkpoint_duty import CheckpointDuty
+from .device import DeviceError, choose_device, to_device
+from .loader import BatchLoader
 from .params import gamma_mass, model_signature, param_digest
+from .run_progress import Progress, ProgressClock
 from .shell import MachineShell
 
 __all__ = [
@@ -156,7 +166,18 @@ class _Abort(Exception):
 
 
 class _Rank(MachineShell):
-    def __init__(self, cfg: RankEnv, model_fn, optimizer_fn, step_fn, dataset, eval_fn, task: str, epoch_fn=None):
+    def __init__(
+        self, cfg: RankEnv, model_fn, optimizer_fn, step_fn, dataset, eval_fn, task: str, epoch_fn=None, *,
+        lr_schedule=None, device="auto", num_workers: int = 0, prefetch: int | None = None,
+    ):  # fmt: skip
+        try:
+            self.device = choose_device(device, cfg.local_rank)
+        except DeviceError as e:
+            raise _Refused(str(e)) from None
+        if num_workers < 0 or (prefetch is not None and prefetch < 1):
+            raise _Refused(f"num_workers={num_workers} must be >= 0 and prefetch={prefetch} >= 1")
+        self.num_workers, self.prefetch = num_workers, prefetch
+        self.loader: BatchLoader | None = None  # started once admitted (the permutation's seed)
         self.cfg = cfg
         self.model_fn, self.optimizer_fn, self.step_fn = model_fn, optimizer_fn, step_fn
         self.dataset, self.eval_fn, self.task = dataset, eval_fn, task
@@ -192,6 +213,7 @@ class _Rank(MachineShell):
         self.model: torch.nn.Module | None = None
         self.optimizer = None
         self.params: list[torch.Tensor] = []
+        self.buffers: list[torch.Tensor] = []  # the f32 buffers rounds average (flodl_worker.buffers)
         self.heartbeat_s = DEFAULT_HEARTBEAT_S
         self.liveness_s = DEFAULT_LIVENESS_S
         self.last_heard = time.monotonic()
@@ -200,11 +222,16 @@ class _Rank(MachineShell):
         self.averager = BusAverager(self)
         self.collective: CollectiveAverager | None = None  # the averager too, on the collective plane
         self.checkpoints = CheckpointDuty(self)
-        self.perm: tuple[int, np.ndarray] | None = None  # (epoch, permutation) cache
+        # epoch -> permutation, the last two (a prefetch reaches into the next epoch).
+        self.perms: dict[int, np.ndarray] = {}
         self.trace = None
+        self.lr_trace = None  # every LR the schedule set (tests audit that ranks end alike)
         if cfg.trace_dir:
             os.makedirs(cfg.trace_dir, exist_ok=True)
             self.trace = open(os.path.join(cfg.trace_dir, f"rank{cfg.rank}.trace"), "a", encoding="ascii")
+            if lr_schedule is not None:
+                self.lr_trace = open(os.path.join(cfg.trace_dir, f"rank{cfg.rank}.lr"), "a", encoding="ascii")
+        self.clock = ProgressClock(self.m, lambda: self.optimizer, lr_schedule, self.lr_trace)
 
     @property
     def local_step(self) -> int:
@@ -362,9 +389,15 @@ class _Rank(MachineShell):
         self.liveness_s = spec.liveness_timeout_s if spec.liveness_timeout_s > 0 else DEFAULT_LIVENESS_S
         self.sock.setsockopt(zmq.SNDTIMEO, int(self.liveness_s * 1000))
         global_step = self.build()  # now, so that frames queued behind the ack see a built model
+        self.loader = BatchLoader(
+            self.dataset, self._samples, self.m.upcoming,
+            num_workers=self.num_workers, prefetch=self.prefetch, seed=spec.seed + 1 + self.cfg.rank,
+        )  # fmt: skip
+        self.loader.start()  # before any background thread (the collective's) exists: workers fork
         if spec.plane == pb.PLANE_COLLECTIVE:
             self.averager = self.collective = CollectiveAverager(self)
         self.feed(Admitted(spec=spec, global_step=global_step, hello_resent=self._hello_resent))
+        self.clock.tick()  # the schedule's LR at the run's progress (0, or a resume's global step)
         log.info(
             "admitted: world %d, %d samples, batch %d, %d epochs, seed %d, gamma %g",
             spec.world_size, spec.total_samples, spec.batch_size, spec.num_epochs, spec.seed, spec.gamma,
@@ -375,7 +408,7 @@ class _Rank(MachineShell):
         assert self.spec is not None
         global_step = 0
         torch.manual_seed(self.spec.seed)
-        self.model = self.model_fn()
+        self.model = self.model_fn().to(self.device)  # before the optimizer: it holds these tensors
         self.optimizer = self.optimizer_fn(self.model)
         if self.spec.resume_from:
             try:
@@ -385,6 +418,7 @@ class _Rank(MachineShell):
             global_step = int(info.get("global_step", 0))
             log.info("resumed model and optimizer from %s (checkpoint v%s)", self.spec.resume_from, info.get("version"))
         self.params = list(self.model.parameters())
+        self.buffers = averaged_buffers(self.model)
         self.model.train()
         # Identical weights everywhere, distinct random streams (dropout...) per rank.
         torch.manual_seed((self.spec.seed + 1 + self.cfg.rank) % (1 << 63))
@@ -400,6 +434,8 @@ class _Rank(MachineShell):
             self._drop("before_admission", f"{kind} before hello_ack")
         elif kind == "control":
             self.feed(ControlReceived(control=env.control))
+            if env.control.WhichOneof("cmd") == "set_global_step":
+                self.clock.tick()  # the run's progress moved: the schedule follows it
         elif kind == "round":
             # Acked first (the round finishes without waiting for the disk); an armed
             # checkpoint is saved before the next step: the file holds exactly this consensus.
@@ -454,18 +490,12 @@ class _Rank(MachineShell):
     # -- training -----------------------------------------------------------------------
 
     def _samples(self, epoch: int, offset: int, count: int) -> np.ndarray:
-        if self.perm is None or self.perm[0] != epoch:
-            self.perm = (epoch, epoch_permutation(self.spec.seed, epoch, self.spec.total_samples))
-        return self.perm[1][offset : offset + count]
-
-    def _gather(self, ids: np.ndarray):
-        tensors = getattr(self.dataset, "tensors", None)
-        if tensors is not None:
-            idx = torch.from_numpy(ids)
-            return [t[idx] for t in tensors]
-        from torch.utils.data import default_collate
-
-        return default_collate([self.dataset[int(i)] for i in ids])
+        perm = self.perms.get(epoch)
+        if perm is None:
+            perm = self.perms[epoch] = epoch_permutation(self.spec.seed, epoch, self.spec.total_samples)
+            for old in sorted(self.perms)[:-2]:
+                del self.perms[old]
+        return perm[offset : offset + count]
 
     def _lr(self) -> float:
         groups = getattr(self.optimizer, "param_groups", None)
@@ -478,8 +508,9 @@ class _Rank(MachineShell):
         """One optimizer step on the batch the machine handed out, reported to it."""
         t0 = time.perf_counter()
         ids = self._samples(b.epoch, b.offset, b.count)
-        batch = self._gather(ids)
-        t1 = time.perf_counter()
+        batch = to_device(self.loader.get(b.epoch, b.offset, b.count), self.device)
+        t1 = time.perf_counter()  # data_ms: waiting for the batch (inline: loading it)
+        self.clock.tick()
         loss = self.step_fn(self.model, self.optimizer, batch)
         if self.cfg.emulated_ms > 0:
             time.sleep(self.cfg.emulated_ms / 1e3)  # emulated device speed (FLODL_SLOWDOWN)
@@ -512,11 +543,15 @@ class _Rank(MachineShell):
                 self._train(act)
 
     def say_exiting(self) -> None:
-        self._timing(exiting=pb.Timing.Exiting(param_digest=param_digest(self.params), steps=self.m.local_step))
+        digest = param_digest(self.params + self.buffers)  # the f32 buffers are averaged too
+        self._timing(exiting=pb.Timing.Exiting(param_digest=digest, steps=self.m.local_step))
 
     def close(self) -> None:
-        if self.trace is not None:
-            self.trace.close()
+        if self.loader is not None:
+            self.loader.close()
+        for f in (self.trace, self.lr_trace):
+            if f is not None:
+                f.close()
         if self.collective is not None:
             self.collective.close()
         self.sock.close()  # LINGER_MS bounds the flush of what is still queued
@@ -541,6 +576,10 @@ def rank_main(
     eval_fn: Callable[[torch.nn.Module], float] | None = None,
     epoch_fn: Callable[[torch.nn.Module, int, dict], Any] | None = None,
     task: str = "",
+    lr_schedule: Callable[[Progress], float] | None = None,
+    device: str | torch.device = "auto",
+    num_workers: int = 0,
+    prefetch: int | None = None,
     env: Mapping[str, str] = os.environ,
 ) -> int:
     """Run one rank to the end and return its exit code (see ``run_rank``)."""
@@ -552,7 +591,10 @@ def rank_main(
     _setup_logging(cfg.rank)
     r: _Rank | None = None
     try:
-        r = _Rank(cfg, model_fn, optimizer_fn, step_fn, train_dataset, eval_fn, task, epoch_fn)
+        r = _Rank(
+            cfg, model_fn, optimizer_fn, step_fn, train_dataset, eval_fn, task, epoch_fn,
+            lr_schedule=lr_schedule, device=device, num_workers=num_workers, prefetch=prefetch,
+        )  # fmt: skip
         r.run()
     except _Shutdown as s:
         r.say_exiting()
@@ -585,6 +627,10 @@ def run_rank(
     eval_fn: Callable[[torch.nn.Module], float] | None = None,
     epoch_fn: Callable[[torch.nn.Module, int, dict], Any] | None = None,
     task: str = "",
+    lr_schedule: Callable[[Progress], float] | None = None,
+    device: str | torch.device = "auto",
+    num_workers: int = 0,
+    prefetch: int | None = None,
     env: Mapping[str, str] = os.environ,
 ) -> NoReturn:
     """Be one rank of a flodl run, then end the process (``SystemExit``).
@@ -603,7 +649,26 @@ def run_rank(
       after each epoch is aggregated; ``metrics`` has ``avg_loss`` and ``epoch_ms``. Its
       time is reported and the coordinator gives that rank a shorter next window so the
       others do not wait (callback slack). An exception is logged, not fatal.
-    - ``train_dataset`` needs ``__len__`` and either ``.tensors`` or ``__getitem__``.
+    - ``train_dataset`` needs ``__len__`` and either ``.tensors`` or ``__getitem__`` (a
+      map-style ``Dataset``; per-sample transforms run in ``__getitem__``).
+    - ``lr_schedule(progress) -> lr`` (optional) sets every parameter group's LR before
+      each step and whenever the coordinator's progress arrives (after each averaging
+      round). ``progress`` is a ``flodl_worker.Progress``: the run's ``global_step``,
+      ``samples`` committed, ``total_samples``, ``epoch`` (fractional) and ``fraction``
+      in [0, 1], the run's, not this rank's (``flodl_worker.progress``): a schedule of
+      ``fraction`` ends at the same LR on every rank. Each step's LR is reported to the
+      coordinator (``Timing.Batch.lr``, its LR meta-controller's input).
+      ``flodl_worker.progress()`` returns the same value anywhere inside the rank.
+    - ``device``: ``"auto"`` (default: ``cuda:FLODL_LOCAL_RANK`` when CUDA is visible,
+      else the CPU), ``"cpu"``, ``"cuda[:N]"`` or a ``torch.device``. The model is
+      built, moved there, then handed to ``optimizer_fn``; every batch is moved there
+      before ``step_fn``; ``eval_fn``/``epoch_fn`` get the model on it (move held-out
+      data to ``next(model.parameters()).device``).
+    - ``num_workers`` (default 0: inline) worker processes load batches: they run
+      ``train_dataset[i]`` and collate, ``prefetch`` batches ahead (default 2 per
+      worker) along the plans the coordinator gave (``flodl_worker.loader``); for a
+      map-style dataset with costly items (a TensorDataset indexes fastest inline). The
+      time a step waits for its batch is reported as ``data_ms``.
 
     Identity and emulation come from ``env`` (see ``flodl_worker._env``). Exit codes:
     0 clean shutdown, 1 failure, 2 configuration error or refused admission.
@@ -614,6 +679,7 @@ def run_rank(
     """
     exit_now(
         rank_main(
-            model_fn, optimizer_fn, step_fn, train_dataset, eval_fn=eval_fn, epoch_fn=epoch_fn, task=task, env=env
+            model_fn, optimizer_fn, step_fn, train_dataset, eval_fn=eval_fn, epoch_fn=epoch_fn, task=task,
+            lr_schedule=lr_schedule, device=device, num_workers=num_workers, prefetch=prefetch, env=env,
         )
     )

@@ -49,6 +49,7 @@ def test_sync_cycle_request_throttle_then_update_and_global_step():
         update, gstep = c.ranks[r].received[-2:]
         assert (update.update.version, update.update.cycle) == (1, 1)
         assert gstep.set_global_step.global_step == 2
+        assert gstep.set_global_step.samples_committed == 8  # both ranks' batch of 4: the LR schedules' clock
     assert c.state.rounds.phase is IDLE and c.state.rounds.version == 1
 
 

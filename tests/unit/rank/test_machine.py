@@ -195,3 +195,37 @@ def test_evals_roles_rendezvous_and_shutdown():
     assert m.global_step == 12
     assert m.handle(ctl(shutdown_with_save=pb.Control.ShutdownWithSave())) == [Exit(reason="shutdown_with_save", steps=0)]
     assert m.handle(plan(0, 0, 8)) == []  # gone: nothing more is decided
+
+
+def test_upcoming_lists_the_batches_next_action_will_hand_out_without_taking_them():
+    m = machine()
+    m.handle(plan(0, 0, 20))
+    m.handle(ctl(extend_partition=pb.Control.ExtendPartition(epoch=0, partition_offset=90, partition_size=5)))
+    m.handle(ctl(update=pb.Control.Update(next_plan=pb.EpochPlan(epoch=1, partition_offset=40, partition_size=9))))
+    ahead = m.upcoming(10)
+    assert ahead == [(0, 0, 8), (0, 8, 8), (0, 16, 4), (0, 90, 5), (1, 40, 8), (1, 48, 1)]
+    assert m.upcoming(2) == ahead[:2] and m.upcoming(0) == []
+    handed = []
+    while True:
+        act = m.next_action(0.0)
+        if isinstance(act, SendMetrics):
+            continue
+        if not isinstance(act, TrainBatch):
+            break
+        assert m.upcoming(10) == ahead[len(handed) + 1 :]  # in hand: no longer upcoming
+        m.handle(BatchTrained(epoch=act.epoch, offset=act.offset, samples=act.count))
+        handed.append((act.epoch, act.offset, act.count))
+    assert handed == ahead
+
+
+def test_set_global_step_carries_the_runs_committed_samples():
+    m = machine()
+    m.handle(ctl(set_global_step=pb.Control.SetGlobalStep(global_step=12, samples_committed=96)))
+    assert (m.global_step, m.samples_committed) == (12, 96)
+
+
+def test_admission_starts_the_runs_progress_where_the_coordinator_is():
+    m = RankMachine(0)
+    spec = pb.RunSpec(total_samples=100, batch_size=8, gamma=1.0, global_step=40, samples_committed=320)
+    m.handle(Admitted(spec=spec, global_step=35))  # a resume's checkpoint said 35; the run is at 40
+    assert (m.global_step, m.samples_committed) == (40, 320)

@@ -16,6 +16,7 @@ import torch
 from flodl.rank import Admitted, BatchTrained, ControlReceived, RankMachine
 from flodl.wire import pb
 from flodl_worker.averaging import BusAverager
+from flodl_worker.buffers import averaged_buffers
 from flodl_worker.checkpoint_duty import CheckpointDuty
 from flodl_worker.shell import MachineShell
 
@@ -26,6 +27,7 @@ class FakeRank(MachineShell):
         self.model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
         self.params = list(self.model.parameters())
+        self.buffers = averaged_buffers(self.model)
         self.cfg = SimpleNamespace(rank=0)
         self.spec = pb.RunSpec(policy=pb.POLICY_CADENCE, gamma=1.0, total_samples=100, batch_size=8)
         self.m = RankMachine(0)
@@ -93,6 +95,23 @@ def test_the_consensus_asked_after_steps_since_is_saved_exactly(tmp_path):
     assert len(saved["optimizer"]["state"]) == len(r.params)
     # the model itself is untouched by the save
     assert not np.allclose(r.params[0].detach().numpy(), c1[0])
+
+
+def test_a_consensus_with_buffers_saves_the_averaged_f32_buffers_and_the_local_counter(tmp_path):
+    r = FakeRank()
+    r.step()
+    rng = np.random.default_rng(3)
+    bufs = [rng.random(tuple(b.shape)).astype(np.float32) + 0.5 for b in r.buffers]
+    c1 = consensus_for(r, 1) + bufs  # params, then the f32 buffers (running_mean, running_var)
+    r.apply(1, c1)
+    assert [b.numpy().tolist() for b in r.buffers] == [a.tolist() for a in bufs]  # applied: overwritten
+    r.step()  # trains on: the running stats move again, the held consensus does not
+    res = ask(r, 8, 1, tmp_path / "d" / "model.pt")
+    assert not res.HasField("error"), res.error
+    saved = torch.load(tmp_path / "d" / "model.pt", map_location="cpu", weights_only=True)["model"]
+    assert saved["1.running_mean"].numpy().tolist() == bufs[0].tolist()
+    assert saved["1.running_var"].numpy().tolist() == bufs[1].tolist()
+    assert int(saved["1.num_batches_tracked"]) == 2  # an integer buffer: the rank's own
 
 
 def test_a_cycle_no_longer_held_is_refused_by_name(tmp_path):

@@ -29,10 +29,11 @@ DEADLINE_S = 60.0  # thread start + gloo rendezvous on a loaded machine: seconds
 class FakeRank(MachineShell):
     """What the averager uses of ``flodl_worker.rank._Rank``: the rank machine and the shell."""
 
-    def __init__(self, ctx, rank: int, params: list[np.ndarray], steps: int, gamma: float = 1.0):
+    def __init__(self, ctx, rank: int, params: list[np.ndarray], steps: int, gamma: float = 1.0, buffers=()):
         self.cfg = SimpleNamespace(rank=rank, store_host="127.0.0.1", fault_exit_cycle=None)
         self.spec = pb.RunSpec(gamma=gamma, policy=pb.POLICY_CADENCE, plane=pb.PLANE_COLLECTIVE, total_samples=1)
         self.params = [torch.nn.Parameter(torch.from_numpy(a.copy())) for a in params]
+        self.buffers = [torch.from_numpy(b.copy()) for b in buffers]  # f32 buffers (BN running stats)
         self.m = RankMachine(rank)
         self.m.handle(Admitted(spec=self.spec))
         for _ in range(steps):
@@ -85,8 +86,10 @@ def _params(seed: int) -> list[np.ndarray]:
     return [g.standard_normal((3, 4)).astype(np.float32), g.standard_normal(5).astype(np.float32)]
 
 
-def _cluster(ctx, steps):
-    ranks = [FakeRank(ctx, r, _params(r), n) for r, n in enumerate(steps)]
+def _cluster(ctx, steps, gamma=1.0, buffers=None):
+    ranks = [
+        FakeRank(ctx, r, _params(r), n, gamma, buffers(r) if buffers else ()) for r, n in enumerate(steps)
+    ]
     avs = [CollectiveAverager(r) for r in ranks]
     for r, av in zip(ranks, avs):
         r.averager = r.collective = av
@@ -173,6 +176,27 @@ def test_consensus_is_the_work_weighted_average_and_steps_since_the_snapshot_are
             for p, e in zip(r.params, want):
                 np.testing.assert_allclose(p.detach().numpy(), e, rtol=1e-5, atol=1e-6)
         assert all(av.stats.reduced == 2 for av in avs)
+    finally:
+        _close(avs)
+
+
+def test_f32_buffers_are_an_equal_weight_mean_over_the_ranks_that_moved(ctx):
+    # gamma 1, steps 1/3/0: the parameters are work-weighted, the buffers are not; the
+    # idle rank 2 neither counts in the buffers' mean nor keeps its own.
+    bufs = lambda r: [np.full(4, float(r + 1) * 10, np.float32), np.full((2, 2), float(r), np.float32)]  # noqa: E731
+    ranks, avs = _cluster(ctx, steps=[1, 3, 0], buffers=bufs)
+    try:
+        _form(ranks, avs, 1, [0, 1, 2])
+        for av in avs:
+            _request(av, 1)
+        _until(avs, lambda: all(_acks(r, 1) for r in ranks), "cycle 1 acked everywhere")
+        for r in ranks:
+            np.testing.assert_allclose(r.buffers[0].numpy(), np.full(4, 15.0))  # (10 + 20) / 2, not (10 + 60) / 4
+            np.testing.assert_allclose(r.buffers[1].numpy(), np.full((2, 2), 0.5))
+        want = [(1.0 * _params(0)[i] + 3.0 * _params(1)[i]) / 4.0 for i in range(2)]
+        for p, e in zip(ranks[2].params, want):
+            np.testing.assert_allclose(p.detach().numpy(), e, rtol=1e-5, atol=1e-6)
+        assert ranks[0].buffers[0].numpy().tobytes() == ranks[2].buffers[0].numpy().tobytes()
     finally:
         _close(avs)
 

@@ -31,3 +31,11 @@ def test_exit_now_runs_atexit_joins_threads_flushes_files_and_keeps_the_code(tmp
     assert "logged" in p.stderr
     assert out.read_text().splitlines() == ["thread", "atexit"]
     assert (tmp_path / "left-open.txt").read_text() == "kept"
+
+
+def test_exit_now_prints_no_deprecation_warning_of_the_objects_it_scans():
+    """A collective rank (torch.distributed imported) exited with a FutureWarning about
+    ``reduce_op``: the scan for open files touched every live object."""
+    script = "import torch.distributed\nfrom flodl.procutil import exit_now\nexit_now(0)\n"
+    p = subprocess.run([sys.executable, "-W", "default", "-c", script], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "Warning" not in p.stderr, p.stderr

@@ -26,7 +26,8 @@ def classification_step(model: nn.Module, optimizer: torch.optim.Optimizer, batc
 
 def accuracy_fn(x: torch.Tensor, y: torch.Tensor):
     def evaluate(model: nn.Module) -> float:
-        return float((model(x).argmax(dim=1) == y).float().mean())
+        dev = next(model.parameters()).device  # the rank's device (run_rank(device=...))
+        return float((model(x.to(dev)).argmax(dim=1).cpu() == y).float().mean())
 
     return evaluate
 
