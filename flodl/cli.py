@@ -191,7 +191,7 @@ LAUNCHER_KEYS = {
     "curve_allowed_keys": "--curve",
 }
 # Paths the coordinator is handed absolute (the same files, whatever its working directory).
-_PATH_KEYS = ("checkpoint_dir", "resume", "output")
+_PATH_KEYS = ("checkpoint_dir", "resume", "output", "dashboard_out", "status_out")
 
 
 def _settings_module():
@@ -290,6 +290,20 @@ def _check(args):
     return settings
 
 
+def _final_view_flags(args) -> list[str]:
+    """The coordinator's last status and dashboard go beside the launcher's --summary (the
+    coordinator's own summary lives in a temporary directory), unless placed elsewhere."""
+    if not args.summary:
+        return []
+    stem = os.path.abspath(args.summary[: -len(".json")] if args.summary.endswith(".json") else args.summary)
+    out = []
+    if not args.dashboard_out:
+        out += ["--dashboard-out", f"{stem}.dashboard.html"]
+    if not args.status_out:
+        out += ["--status-out", f"{stem}.status.json"]
+    return out
+
+
 class _Console:
     """Where the children's lines go: those at or above the log level, to stdout -- above
     the live view's progress bar once it runs (``view``)."""
@@ -340,6 +354,7 @@ def _run_local(args) -> int:
         "--summary", summary_path,
         "--log-level", args.log_level,
         *coordinator_flags(args),
+        *_final_view_flags(args),
     ]  # fmt: skip
     if not settings.http:  # the live view reads /status; port 0: the coordinator says which one
         coord_cmd += ["--http", "127.0.0.1:0"]

@@ -86,9 +86,9 @@ from flodl.wire import (
     split_routing,
 )
 
-from flodl import strictjson
+from flodl import sdnotify, strictjson
 
-from . import recovery
+from . import dashboard, recovery
 from .agents import AgentBook
 from .checkpointing import Checkpointing
 from .curve import CurveServer, load_server_keys
@@ -100,6 +100,7 @@ from .output import ModelOutput
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings, SettingsError
 from .status import StatusBoard
+from .timeline import FINAL_PAGE_SPANS, Timeline
 
 __all__ = ["CoordinatorService"]
 
@@ -143,7 +144,10 @@ class CoordinatorService:
         self.config = settings.core_config()
         self.curve_keys = load_server_keys(settings)  # None: no CURVE; a bad key file: SettingsError
         # An unfinished run in the journal is rebuilt by replay (``recovery``); else a fresh one.
-        self.recovered = recovery.recover(settings, self.checkpointing)
+        self.timeline = Timeline(self.config.world_size, self.config.num_epochs)  # the dashboard's lanes
+        self.recovered = recovery.recover(settings, self.checkpointing, observe=self.timeline.observe)
+        if self.recovered is None:  # (a finished run's journal moved aside: its timeline goes with it)
+            self.timeline = Timeline(self.config.world_size, self.config.num_epochs)
         self.state = self.recovered.state if self.recovered else initial_state(self.config, self.checkpointing.point)
         self.clock = recovery.continuing(clock, self.recovered)
         self.held = recovery.HeldSends(self.recovered.hops()) if self.recovered else None
@@ -187,6 +191,8 @@ class CoordinatorService:
         self.status = StatusBoard(book)
         if self.recovered:
             book.members_known(self.state)
+        self.status.timeline = self.timeline
+        self._stop_event = threading.Event()  # ends the status linger after the run (request_stop)
         self._status_stale = True
         self._next_publish = 0.0  # time.monotonic() before which /status is not rebuilt (_publish_status)
         self._events_stepped = 0
@@ -210,6 +216,7 @@ class CoordinatorService:
     def request_stop(self) -> None:
         """Ask the loop to stop gracefully (safe from a signal handler or another thread)."""
         self._stop_signals += 1
+        self._stop_event.set()
         try:
             self._wake_w.send(b"x")
         except OSError:
@@ -264,6 +271,7 @@ class CoordinatorService:
         if self._journal_error is not None:  # e.g. a full disk at start: stop before deciding anything
             self.finished = RunFinished(False, self._journal_error, {})
         self._ready(ep)
+        sdnotify.notify("READY=1", f"STATUS=serving {ep}")  # Type=notify units (no-op elsewhere)
         if self.recovered is not None and self.finished is None:  # the ranks resync when they hear the new incarnation
             for meta in self.recovered.pending_metas:
                 self.checkpointing.stage(meta)
@@ -272,6 +280,17 @@ class CoordinatorService:
         poller.register(sock, zmq.POLLIN)
         poller.register(wake_r.fileno(), zmq.POLLIN)
         next_tick = self.clock()
+        try:
+            return self._loop(poller, sock, wake_r, next_tick, http, curve, ctx)
+        finally:
+            sdnotify.notify("STOPPING=1")
+            for s, h in old.items():
+                signal.signal(s, h)
+            if http is not None:  # served until here: through the status linger (_linger)
+                http.shutdown()
+                http.server_close()
+
+    def _loop(self, poller, sock, wake_r, next_tick, http, curve, ctx) -> int:
         try:
             while self.finished is None or self.checkpointing.lingering(self.clock()):
                 timeout_ms = max(0.0, (next_tick - self.clock()) * 1000.0)
@@ -294,10 +313,6 @@ class CoordinatorService:
         finally:
             for dl in (self._drop_log, *self._hello_logs.values()):
                 dl.close(self.clock())
-            for s, h in old.items():
-                signal.signal(s, h)
-            if http is not None:
-                http.shutdown()
             sock.close(linger=LINGER_MS)
             if curve is not None:
                 curve.stop()  # closes the ZAP socket before the context terminates
@@ -306,7 +321,20 @@ class CoordinatorService:
             self._wake_w.close()
             if self._journal:
                 self._journal.close()
-        return self._finish()
+        rc = self._finish()
+        self._linger(http)
+        return rc
+
+    def _linger(self, http) -> None:
+        """The run is over; its final status and dashboard stay served ``status_linger_s``
+        (an operator or a script reads how it ended) unless a stop signal comes first."""
+        wait = self.settings.status_linger_s
+        if http is None or wait <= 0 or self._stop_event.is_set():
+            return
+        sdnotify.notify(f"STATUS=run finished; serving its final status for {wait:g}s")
+        log.info("run over: serving the final /status and dashboard on %s:%s for %gs (SIGTERM ends it)",
+                 *self.status.http_address, wait)
+        self._stop_event.wait(wait)
 
     def _bind(self, ctx, sock, curve):
         """Bind the ROUTER, then the HTTP status port (returned, or None). Either failing
@@ -367,6 +395,23 @@ class CoordinatorService:
                 b,
             )
 
+    def _write_final_view(self) -> None:
+        """The last /status and the dashboard with its data, beside the summary (or where
+        asked): the run stays readable after the process is gone. A file that cannot be
+        written is named in the log; the run's outcome stands."""
+        status_path, page_path = dashboard.final_paths(self.settings)
+        status = self.status.snapshot()
+        for path, text in ((status_path, lambda: strictjson.dumps(status, indent=2, sort_keys=True, default=str)),
+                           (page_path, lambda: dashboard.page({"status": status, "timeline": self.timeline.snapshot(FINAL_PAGE_SPANS)}))):
+            if not path:
+                continue
+            try:
+                dashboard.write_final(path, text())
+            except OSError as e:
+                log.error("%s", describe_write_error(e, path, "dashboard_out" if path == page_path else "status_out"))
+            else:
+                log.info("wrote %s", path)
+
     def _finish(self) -> int:
         self._publish_status(force=True)  # the end of the run is visible too
         f = self.finished
@@ -410,7 +455,9 @@ class CoordinatorService:
                 os.replace(tmp, self.settings.summary)
             except OSError as e:  # e.g. on the same full disk as the journal: say so, still exit
                 log.error("cannot write the summary: %s", describe_write_error(e, self.settings.summary, "summary"))
+        self._write_final_view()
         log.info("run finished: ok=%s reason=%s", ok, reason)
+        sdnotify.notify(f"STATUS=run finished: ok={ok} reason={reason}"[:400])
         if self._journal_error is not None:
             return 2  # not restarted by systemd: a restart could not recover what was not journaled
         return 0 if ok else 1
@@ -731,6 +778,7 @@ class CoordinatorService:
                 self.dropped["rank_violation"] += 1
                 log.warning("refused %s: %s", type(ev).__name__, e.reason)
                 continue
+            self.timeline.observe(ev, commands)
             for cmd in commands:
                 self._execute(cmd)
         self._status_stale = True  # republished once per tick (_publish_status), not per event

@@ -78,14 +78,34 @@ class ServiceKeys:
         "rank of the final eval: the model the summary's accuracy measures) and `model.json` (run, epochs, "
         "accuracy, coverage, policy, world, sha256). Empty: the directory of `summary`; neither: not written",
     )  # fmt: skip
-    http: str = setting("", per_process=True, help="serve /status and /metrics on host:port (port 0 = any)",
-                        doc="`host:port` for `/status` (JSON) and `/metrics` (Prometheus), docs/status.md; "
-                        "port 0 = any (named on the ready line)")  # fmt: skip
+    http: str = setting("", per_process=True, help="serve /status, /metrics and the dashboard (/) on host:port (port 0 = any)",
+                        doc="`host:port` for `/status` (JSON, docs/status.md), `/metrics` (Prometheus) and the live "
+                        "dashboard (`/`, with its `/timeline` JSON); port 0 = any (named on the ready line)")  # fmt: skip
     metrics_rank_labels: int = setting(
         64, per_process=True,
         help="/metrics: per-rank series (rank label) for ranks below this; the rest are summed as rank=other",
         doc="`/metrics`: ranks below this get their own `rank` label; counters and rates of the others are "
         "summed under `rank=\"other\"` (bounded cardinality on a large world; 0 = all under `other`)",
+    )  # fmt: skip
+    dashboard_out: str = setting(
+        "", per_process=True,
+        help="write the dashboard, with the run's data in it, to this HTML file at the end (default: beside "
+        "the summary, NAME.dashboard.html)",
+        doc="at the end of the run, the dashboard page (`/`) with the run's data embedded: one self-contained "
+        "HTML file that opens offline. Default: beside `summary` (`NAME.json` → `NAME.dashboard.html`); "
+        "none without a summary",
+    )  # fmt: skip
+    status_out: str = setting(
+        "", per_process=True,
+        help="write the last /status JSON to this file at the end (default: beside the summary, NAME.status.json)",
+        doc="at the end of the run, the last `/status` as JSON. Default: beside `summary` "
+        "(`NAME.json` → `NAME.status.json`); none without a summary",
+    )  # fmt: skip
+    status_linger_s: float = setting(
+        0.0, per_process=True,
+        help="after the run ends, keep serving /status, /timeline and the dashboard this long (SIGTERM ends it)",
+        doc="after the run ends, keep the HTTP listener serving the final `/status`, `/timeline` and dashboard "
+        "this many seconds before the process exits (SIGTERM ends the wait at once; the exit code is the run's)",
     )  # fmt: skip
     tick_interval_s: float = setting(
         0.05, per_process=True,
@@ -355,6 +375,8 @@ def load_settings(
         )
     if not s.bind.startswith(("tcp://", "ipc://", "inproc://")):
         raise SettingsError(f"config error: bind {s.bind!r} must start with tcp://, ipc:// or inproc://")
+    if not (s.status_linger_s >= 0 and math.isfinite(s.status_linger_s)):
+        raise SettingsError("config error: status_linger_s must be a finite number >= 0 (0 = exit at once)")
     if s.tick_interval_s <= 0:
         raise SettingsError("config error: tick_interval_s must be > 0")
     if max_message_bytes_problem(s.max_message_bytes):

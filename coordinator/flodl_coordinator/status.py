@@ -1,4 +1,5 @@
-"""Operator view: ``/status`` (JSON, docs/status.md) and ``/metrics`` (Prometheus) over HTTP.
+"""Operator view: ``/status`` (JSON, docs/status.md), ``/metrics`` (Prometheus), the dashboard
+page (``/``) and its ``/timeline`` (JSON, ``flodl_coordinator.timeline``) over HTTP.
 
 The loop thread publishes an immutable snapshot once per tick (``update``); the HTTP
 thread only reads the latest one (a reference swap), never the core's state or a
@@ -17,13 +18,16 @@ import time
 from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
+from urllib.parse import parse_qs
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from flodl import strictjson
 from flodl.core import status_view
 
+from . import dashboard
 from .metrics import CAUSES, GOODPUT_CAUSES, RunBook, new_registry
+from .timeline import POLL_SPANS
 
 __all__ = ["StatusBoard", "SCHEMA_VERSION", "status_document"]
 
@@ -46,6 +50,7 @@ class StatusBoard:
         self._recent: deque[dict] = deque(maxlen=RECENT_EPOCHS)
         self._events = 0
         self.http_address: tuple | None = None
+        self.timeline = None  # a Timeline (flodl_coordinator.timeline), read by /timeline
 
     def notice(self, cmd) -> None:
         if cmd.kind == "epoch":
@@ -79,12 +84,23 @@ class StatusBoard:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server API
-                if self.path.startswith("/metrics"):
+                path, _, query = self.path.partition("?")
+                if path in ("/", "/index.html"):
+                    body, ctype = dashboard.page().encode(), "text/html; charset=utf-8"
+                elif path == "/timeline":
+                    try:
+                        limit = int(parse_qs(query).get("max_spans", [POLL_SPANS])[0])
+                    except ValueError:
+                        self.send_error(400, "max_spans must be an integer (0: every span)")
+                        return
+                    data = board.timeline.snapshot(max(0, limit)) if board.timeline is not None else {}
+                    body, ctype = dashboard.to_json(data).encode(), "application/json"
+                elif self.path.startswith("/metrics"):
                     body, ctype = board.prometheus(), CONTENT_TYPE_LATEST
                 elif self.path.startswith("/status"):
                     body, ctype = strictjson.dumps(board.snapshot(), default=str).encode(), "application/json"
                 else:
-                    self.send_error(404, "try /status or /metrics")
+                    self.send_error(404, "try /, /status, /timeline or /metrics")
                     return
                 self.send_response(200)
                 self.send_header("Content-Type", ctype)
