@@ -32,6 +32,7 @@ bench: setup
 	$(BIN)/python bench/hetero.py
 	$(BIN)/python bench/planes.py
 	$(BIN)/python bench/faults.py
+	$(BIN)/python bench/timeline_overhead.py
 
 proto: setup
 	mkdir -p build/proto

@@ -33,6 +33,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import secrets
 import select
 import shutil
@@ -42,10 +43,13 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 
-from flodl import strictjson
+from flodl import statustable, strictjson
 
+from .liveview import LiveView
 from .procutil import death_signal_hook
 
 __all__ = ["main"]
@@ -58,6 +62,45 @@ TASKS = {
 
 class LaunchError(Exception):
     pass
+
+
+DEFAULT_STATUS_HTTP = "127.0.0.1:8080"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_LEVEL_RX = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+
+
+def shown(line: str, level: str) -> bool:
+    """Whether a child's log line is at or above ``level`` (a line naming no level -- a
+    traceback, a print -- always is)."""
+    m = _LEVEL_RX.search(line)
+    if m is None:
+        return True
+    order = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    return order.index(m.group(1)) >= order.index(level)
+
+
+def fetch_status(hostport: str, timeout: float = 5.0) -> dict:
+    """GET http://HOSTPORT/status; a coordinator that cannot be reached is a LaunchError saying why."""
+    host = hostport.removeprefix("http://").rstrip("/")
+    url = f"http://{host}/status"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read().decode())
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        why = getattr(e, "reason", e)
+        raise LaunchError(f"cannot read {url}: {why} (is the coordinator running with --http {host}?)") from None
+
+
+def _status(args) -> int:
+    doc = fetch_status(args.http, args.timeout)
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return 0
+    try:
+        print(statustable.render(doc))
+    except statustable.StatusSchemaError as e:
+        raise LaunchError(str(e)) from None
+    return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +151,39 @@ def _slowdowns(text: str, ranks: int) -> list[float]:
     return vals
 
 
+class RankSpan:
+    """``--ranks N`` (a fixed world of N) or ``--ranks MIN:MAX`` (torchrun's ``--nnodes
+    MIN:MAX``): the world forms with at least MIN ranks and holds at most MAX. The local
+    agent starts MIN ranks; slots MIN..MAX-1 stay open for agents started by hand."""
+
+    __slots__ = ("lo", "hi")
+
+    def __init__(self, text: str) -> None:
+        head, sep, tail = str(text).partition(":")
+        try:
+            lo = int(head)
+            hi = int(tail) if sep else lo
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX (e.g. 3, or 2:4)") from None
+        if not 1 <= lo <= hi:
+            raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX")
+        self.lo, self.hi = lo, hi
+
+    @property
+    def elastic(self) -> bool:
+        return self.lo < self.hi
+
+    def __repr__(self) -> str:
+        return f"{self.lo}:{self.hi}" if self.elastic else str(self.lo)
+
+
 # Settings the launcher sets itself, from its own flags (key -> how). Every other key of
 # the coordinator's settings schema (flodl_coordinator.settings.SCHEMA) is a `flodl run`
 # flag too, derived from the schema and forwarded to `flodl-coordinator serve` as given:
 # the defaults, checks and --help text are the coordinator's.
 LAUNCHER_KEYS = {
-    "world_size": "--ranks",
+    "world_size": "--ranks (MAX of MIN:MAX)",
+    "min_ranks": "--ranks (MIN of MIN:MAX)",
     "bind": "--port (on 127.0.0.1)",
     "session": "a fresh one per run",
     "summary": "--summary (the launcher's report: the coordinator's summary plus the launcher's fields)",
@@ -121,7 +191,7 @@ LAUNCHER_KEYS = {
     "curve_allowed_keys": "--curve",
 }
 # Paths the coordinator is handed absolute (the same files, whatever its working directory).
-_PATH_KEYS = ("checkpoint_dir", "resume", "output")
+_PATH_KEYS = ("checkpoint_dir", "resume", "output", "dashboard_out", "status_out")
 
 
 def _settings_module():
@@ -144,7 +214,10 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a training job", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     r.add_argument("--local", action="store_true", required=True, help="all processes on this machine")
-    r.add_argument("--ranks", type=int, default=3, help="number of ranks (default 3; the world size)")
+    r.add_argument("--ranks", type=RankSpan, default=RankSpan("3"),
+                   help="N: a world of N ranks (default 3); MIN:MAX: an elastic world (torchrun's --nnodes "
+                   "MIN:MAX) that forms once MIN are in and join_timeout_s passed, holding at most MAX; this "
+                   "machine starts MIN ranks, agents started by hand may take the other slots")  # fmt: skip
     r.add_argument("--task", choices=sorted(TASKS), default=None,
                    help="a bundled example instead of a command after -- (default digits)")
     r.add_argument("--slowdown", default="1", help="per-rank emulated slowdown factors, e.g. 1,2,4")
@@ -155,11 +228,16 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--summary", help="write the run summary JSON to this path")
     r.add_argument("--trace-dir", help="ranks write the sample ids they train here (coverage audit)")
     r.add_argument("--no-fold", action="store_true", help="the relay forwards averaging rounds unfolded")
+    r.add_argument("--max-restarts", type=int, default=0,
+                   help="the agent starts a failed rank again, up to N times (it rejoins the running world)")
     r.add_argument("--curve", action="store_true",
                    help="CURVE on the coordinator's socket with throwaway keys made in the run's temp dir "
                    "(the agent and its relay get a client key; loopback needs none, this exercises it)")
     r.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     r.add_argument("--quiet", action="store_true", help="only print the summary")
+    r.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                   help="show the processes' log lines at or above this level (default WARNING: a healthy "
+                   "run shows its progress, one line per epoch and the summary; INFO: every decision)")
     g = r.add_argument_group(
         "coordinator settings",
         "forwarded to flodl-coordinator serve (README, Configuration); also read from FLODL_<KEY>",
@@ -168,12 +246,21 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("task_args", nargs=argparse.REMAINDER, metavar="-- COMMAND | -- TASK-ARGS",
                    help="-- python train.py ARGS (or -m module): what each rank runs; or, with --task, "
                    "arguments for that example (-- --hidden 32)")
+    st = sub.add_parser("status", help="show a running coordinator's /status as a table",
+                        description="Read a coordinator's /status (docs/status.md) and print it as a table.")
+    st.add_argument("--http", default=os.environ.get("FLODL_HTTP") or DEFAULT_STATUS_HTTP,
+                    help=f"the coordinator's http host:port (its --http setting; default FLODL_HTTP or "
+                    f"{DEFAULT_STATUS_HTTP})")
+    st.add_argument("--json", action="store_true", help="print the raw /status document")
+    st.add_argument("--timeout", type=float, default=5.0, help="HTTP timeout in seconds (5)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
+        if args.cmd == "status":
+            return _status(args)
         return _run_local(args)
     except LaunchError as e:
         print(f"flodl: {e}", file=sys.stderr)
@@ -191,12 +278,11 @@ def coordinator_flags(args) -> list[str]:
 
 def _check(args):
     """The run's settings, checked with the coordinator's own rules before anything starts."""
-    if args.ranks < 1:
-        raise LaunchError(f"--ranks must be >= 1, got {args.ranks}")
     mod = _settings_module()
     given = {k: getattr(args, k) for k in forwarded_keys()}
+    span = {"world_size": args.ranks.hi, "min_ranks": args.ranks.lo if args.ranks.elastic else None}
     try:
-        settings = mod.load_settings(env=os.environ, flags={**given, "world_size": args.ranks})
+        settings = mod.load_settings(env=os.environ, flags={**given, **span})
     except mod.SettingsError as e:
         raise LaunchError(str(e)) from None
     if settings.plane != "collective" and (args.collective_backend or args.collective_timeout_s is not None):
@@ -204,18 +290,50 @@ def _check(args):
     return settings
 
 
-def _pump(stream, prefix: str, quiet: bool, sink=None) -> None:
+def _final_view_flags(args) -> list[str]:
+    """The coordinator's last status and dashboard go beside the launcher's --summary (the
+    coordinator's own summary lives in a temporary directory), unless placed elsewhere."""
+    if not args.summary:
+        return []
+    stem = os.path.abspath(args.summary[: -len(".json")] if args.summary.endswith(".json") else args.summary)
+    out = []
+    if not args.dashboard_out:
+        out += ["--dashboard-out", f"{stem}.dashboard.html"]
+    if not args.status_out:
+        out += ["--status-out", f"{stem}.status.json"]
+    return out
+
+
+class _Console:
+    """Where the children's lines go: those at or above the log level, to stdout -- above
+    the live view's progress bar once it runs (``view``)."""
+
+    def __init__(self, quiet: bool, level: str) -> None:
+        self.quiet, self.level = quiet, level
+        self.view: LiveView | None = None
+
+    def say(self, line: str) -> None:
+        if self.quiet or not shown(line, self.level):
+            return
+        view = self.view
+        if view is not None:
+            view.emit(line)
+        else:
+            print(line, flush=True)
+
+
+def _pump(stream, prefix: str, console: _Console, sink=None) -> None:
     for raw in iter(stream.readline, ""):
         line = raw.rstrip("\n")
         if sink is not None:
             sink.append(line)
-        if not quiet:
-            print(f"{prefix}{line}", flush=True)
+        console.say(f"{prefix}{line}")
 
 
 def _run_local(args) -> int:
     settings = _check(args)
-    slow = _slowdowns(args.slowdown, args.ranks)
+    local = args.ranks.lo  # an elastic world: this machine brings the quorum
+    slow = _slowdowns(args.slowdown, local)
     py = sys.executable
     command = rank_command(args.task, args.task_args, py)
     session = "local-" + secrets.token_hex(6)
@@ -231,10 +349,15 @@ def _run_local(args) -> int:
         py, "-m", "flodl_coordinator", "serve",
         "--bind", endpoint,
         "--session", session,
-        "--world-size", str(args.ranks),
+        "--world-size", str(args.ranks.hi),
+        *(["--min-ranks", str(args.ranks.lo)] if args.ranks.elastic else []),
         "--summary", summary_path,
+        "--log-level", args.log_level,
         *coordinator_flags(args),
+        *_final_view_flags(args),
     ]  # fmt: skip
+    if not settings.http:  # the live view reads /status; port 0: the coordinator says which one
+        coord_cmd += ["--http", "127.0.0.1:0"]
     agent_curve: list[str] = []
     if args.curve:
         coord_curve, agent_curve = _throwaway_keys(workdir)
@@ -250,12 +373,14 @@ def _run_local(args) -> int:
     pumps: list[threading.Thread] = []
     agent_tail: collections.deque = collections.deque(maxlen=20)  # for an agent that fails to start ranks
     rc, ranks_first = 1, False
+    view: LiveView | None = None
+    console = _Console(args.quiet, args.log_level)
     try:
         agent_cmd = [
-            py, "-m", "flodl_worker", "agent",
+            py, "-m", "flodl_worker", "--log-level", args.log_level, "agent",
             "--coordinator", endpoint,
-            "--ranks", str(args.ranks),
-            "--world-size", str(args.ranks),
+            "--ranks", str(local),
+            "--world-size", str(args.ranks.hi),
             "--session", session,
             "--slowdown", ",".join(f"{s:g}" for s in slow),
             "--base-ms", f"{args.base_ms:g}",
@@ -265,18 +390,26 @@ def _run_local(args) -> int:
             agent_cmd += ["--trace-dir", args.trace_dir]
         if args.no_fold:
             agent_cmd += ["--no-fold"]
+        if args.max_restarts:
+            agent_cmd += ["--max-restarts", str(args.max_restarts)]
         agent_cmd += agent_curve
         agent_cmd += ["--", *command.argv]
         # The agent dials the coordinator's address while it comes up (ZeroMQ retries).
         agent = subprocess.Popen(agent_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **spawn)
         procs.append(agent)
-        pump_args = (agent.stdout, "[agent] ", args.quiet, agent_tail)
+        pump_args = (agent.stdout, "[agent] ", console, agent_tail)
         pumps.append(threading.Thread(target=_pump, args=pump_args, daemon=True))
         pumps[-1].start()
         # Still awaited: a coordinator that cannot start is reported, and the agent stopped.
-        ready = _await_ready(coord, "COORDINATOR_READY", deadline=t0 + 60, stop=stop)
-        pumps.append(threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", args.quiet), daemon=True))
+        ready, http = _await_ready(coord, "COORDINATOR_READY", deadline=t0 + 60, stop=stop)
+        if http and not args.quiet:  # its /status feeds the live view (progress, one line per epoch)
+            console.view = view = LiveView(http).start()
+        pumps.append(threading.Thread(target=_pump, args=(coord.stderr, "[coordinator] ", console), daemon=True))
         pumps[-1].start()
+        if ready is not None and args.ranks.elastic:
+            print(f"flodl: elastic world {args.ranks!r}: slots {local}..{args.ranks.hi - 1} are open to "
+                  f"flodl-worker agent --coordinator {ready} --session {session} --rank-offset {local} "
+                  f"--world-size {args.ranks.hi} --ranks K -- ...", flush=True)  # fmt: skip
         if ready is not None:
             rc, ranks_first = _wait_all(procs, t0 + args.timeout, stop, _ExitWatch(exit_log))
     finally:
@@ -292,7 +425,7 @@ def _run_local(args) -> int:
     wall = time.monotonic() - t0
     exits = _read_exits(exit_log)
     ended = _RanksEnded(exits, list(agent_tail), procs[-1].returncode) if ranks_first else None
-    return _report(args, settings, command, summary_path, rc, wall, coord_started, exits, ended)
+    return _report(args, settings, command, summary_path, rc, wall, coord_started, exits, ended, view)
 
 
 # After a stop signal: the coordinator asks the ranks to shut down and writes its summary
@@ -383,11 +516,12 @@ def _throwaway_keys(workdir: str) -> tuple[list[str], list[str]]:
     return coord, agent
 
 
-def _await_ready(proc, token: str, deadline: float, stop: _StopSignals) -> str | None:
-    """The endpoint the coordinator prints once bound; None if a stop signal came first."""
+def _await_ready(proc, token: str, deadline: float, stop: _StopSignals) -> tuple[str | None, str | None]:
+    """(endpoint, http host:port or None) the coordinator prints once bound; (None, None)
+    if a stop signal came first."""
     while time.monotonic() < deadline:
         if stop.signum is not None:
-            return None
+            return None, None
         ready, _, _ = select.select([proc.stdout], [], [], 0.2)
         if not ready:
             continue
@@ -396,7 +530,9 @@ def _await_ready(proc, token: str, deadline: float, stop: _StopSignals) -> str |
             err = proc.stderr.read() if proc.poll() is not None else ""
             raise LaunchError(f"coordinator exited before it was ready: {err.strip()[-2000:]}")
         if line.startswith(token):
-            return line.split()[1]
+            words = line.split()
+            http = next((w.removeprefix("http=") for w in words[2:] if w.startswith("http=")), None)
+            return words[1], http
     raise LaunchError("coordinator did not become ready within 60 s")
 
 
@@ -502,15 +638,19 @@ def _read_exits(path: str) -> list[dict]:
 
 
 def _report(args, settings, command: RankCommand, summary_path: str, rc: int, wall: float, coord_started: float,
-            exits: list[dict], ended: _RanksEnded | None) -> int:  # fmt: skip
+            exits: list[dict], ended: _RanksEnded | None, view: LiveView | None = None) -> int:  # fmt: skip
     if ended is not None:
         print(ended.details(), file=sys.stderr, flush=True)
     try:
         with open(summary_path, encoding="utf-8") as fh:
             summary = json.load(fh)
     except (OSError, json.JSONDecodeError):
+        if view is not None:
+            view.finish(None)
         print(f"flodl: the run produced no summary (coordinator exit code {rc})", file=sys.stderr)
         return rc or 1
+    if view is not None:  # the epochs the live view had not shown yet
+        view.finish(summary, settings.epochs)
     if ended is not None or any(e.get("code") != 0 for e in exits):  # who ended how
         summary["rank_exits"] = exits
     if ended is not None:
@@ -541,12 +681,17 @@ def _print_summary(s: dict) -> None:
     print("\n=== flodl run summary ===")
     print(f"ok: {s.get('ok')}  ({s.get('reason')})")
     acc = s.get("accuracy")
-    print(f"task: {s.get('task')}  policy: {s.get('policy')}  plane: {s.get('plane')}  ranks: {s.get('world_size')}  slowdown: {s.get('slowdown')}")
+    el = s.get("elastic")
+    ranks = s.get("world_size") if not el else f"{len(el['formed_with'])} of {el['max_ranks']} (min {el['min_ranks']})"
+    print(f"task: {s.get('task')}  policy: {s.get('policy')}  plane: {s.get('plane')}  ranks: {ranks}  slowdown: {s.get('slowdown')}")
     print(f"wall: {s.get('wall_s')} s   samples/s: {s.get('samples_per_s')}   averages: {s.get('averages')}")
     print(f"launcher: {s.get('launcher_wall_s')} s   time to first batch: {s.get('time_to_first_batch_s')} s   "
           f"teardown: {s.get('teardown_s')} s")
     print(f"accuracy: {acc if acc is None else round(acc, 4)}")
     for r in s.get("ranks", []):
+        if r.get("phase") == "VACANT":
+            print(f"  rank {r.get('rank')}: never joined (open slot)")
+            continue
         print(f"  rank {r.get('rank')}: samples {r.get('samples')}  batches {r.get('batches')}")
     cov = s.get("coverage", [])
     exact = all(c.get("duplicates") == 0 and c.get("missing") == 0 for c in cov) and bool(cov)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import IO, Optional
 
 from flodl.fsutil import describe_write_error
@@ -55,17 +56,28 @@ class Journal:
         self._fh: Optional[IO[str]] = os.fdopen(fd, "a", encoding="utf-8")
         self.dirty = False  # records written since the last fsync
         self.fsyncs = 0
+        # What /metrics shows (flodl_coordinator.metrics): size, records, durability lag.
+        self.bytes = os.fstat(fd).st_size
+        self.records = 0  # appended by this process
+        self.unsynced = 0  # records not fsynced yet
+        self.unsynced_since: Optional[float] = None  # time.monotonic() of the oldest of them
 
     def write(self, record: dict) -> None:
         """Append one record and hand it to the kernel (survives the process, not the host)."""
         if self._fh is None:
             return
+        line = json.dumps(record, sort_keys=True) + "\n"
         try:
-            self._fh.write(json.dumps(record, sort_keys=True) + "\n")
+            self._fh.write(line)
             self._fh.flush()
         except OSError as e:
             raise JournalError(describe_write_error(e, self.path, "journal")) from None
         self.dirty = True
+        self.bytes += len(line.encode())
+        self.records += 1
+        self.unsynced += 1
+        if self.unsynced_since is None:
+            self.unsynced_since = time.monotonic()
 
     def sync(self) -> None:
         """Make every record written so far durable (one fsync; nothing to do if clean)."""
@@ -78,6 +90,7 @@ class Journal:
             raise JournalError(describe_write_error(e, self.path, "journal")) from None
         self.dirty = False
         self.fsyncs += 1
+        self.unsynced, self.unsynced_since = 0, None
 
     def close(self) -> None:
         fh, self._fh = self._fh, None

@@ -69,7 +69,8 @@ log = logging.getLogger("flodl.coordinator")
 # Settings that may differ between the run's first process and a restarted one.
 SERVICE_KEYS = frozenset(
     {"bind", "journal", "summary", "output", "http", "tick_interval_s", "allow_insecure", "checkpoint_keep",
-     "rotate_journal", "curve_secret_key", "curve_allowed_keys", "max_message_bytes"}  # keys may be rotated across a restart
+     "rotate_journal", "curve_secret_key", "curve_allowed_keys", "max_message_bytes",  # keys may be rotated across a restart
+     "metrics_rank_labels", "dashboard_out", "status_out", "status_linger_s"}
 )
 # Frames held for one peer that has not reconnected, at most (beacons, a few commands).
 HELD_LIMIT = 10_000
@@ -162,8 +163,10 @@ def _rotate(path: str) -> str:
     return f"{path}.{n}"
 
 
-def recover(settings: Settings, checkpointing) -> Optional[Recovered]:
-    """Rebuild an unfinished run from ``settings.journal``; None to start a fresh run."""
+def recover(settings: Settings, checkpointing, observe=None) -> Optional[Recovered]:
+    """Rebuild an unfinished run from ``settings.journal``; None to start a fresh run.
+    ``observe(event, commands)``, if given, sees every replayed step (the dashboard's
+    timeline: a restarted coordinator still shows the run from its start)."""
     path = settings.journal
     if not path or not os.path.exists(path) or os.path.getsize(path) == 0:
         return None
@@ -209,6 +212,8 @@ def recover(settings: Settings, checkpointing) -> Optional[Recovered]:
             continue  # refused when it happened too: it changed nothing
         except LocalViolation as e:
             raise SettingsError(f"journal {path}: replay failed at record {i}: {e.reason}") from None
+        if observe is not None:
+            observe(ev, cmds)
         for c in cmds:
             if isinstance(c, StageCheckpoint):
                 metas[c.version] = c

@@ -242,6 +242,20 @@ class BusReducer:
         self.folds_discarded = 0  # folded frames dropped because one of their ranks died
         self.refused_frames = 0  # frames that left their round refused
         self.nonfinite_rounds = 0  # rounds whose average was not finite (weight-0 fallback)
+        # Elastic membership: the latest consensus sent, as the seed frame a rank admitted
+        # into the running world starts from (``RoundHeader.seed``); None until a round
+        # with mass finished in this process.
+        self.seed: tuple[pb.RoundHeader, list] | None = None
+        self.seeds_sent = 0
+        self.seed_bytes = 0
+
+    def seed_frame(self) -> tuple[pb.RoundHeader, list] | None:
+        """(header, blobs) of the latest consensus as a joiner's seed, counted as sent."""
+        if self.seed is None:
+            return None
+        self.seeds_sent += 1
+        self.seed_bytes += sum(len(b) for b in self.seed[1])
+        return self.seed
 
     def abandon(self) -> None:
         """Forget the open round and the folds in flight (a relay restarted: contributions
@@ -487,6 +501,12 @@ class BusReducer:
             buffers=o.buffers,
             buffer_weight=btotal,
         )
+        if total > 0:
+            seed = pb.RoundHeader()
+            seed.CopyFrom(header)
+            del seed.contributing_ranks[:]
+            seed.seed = True
+            self.seed = (seed, blobs)
         groups: dict[tuple, list[int]] = {}
         for r in to:
             relay = o.via.get(r)

@@ -60,6 +60,7 @@ from flodl.core import (
     RankViolation,
     Reply,
     RunFinished,
+    SeedJoiner,
     Send,
     SendFailed,
     StopRequested,
@@ -85,19 +86,21 @@ from flodl.wire import (
     split_routing,
 )
 
-from flodl import strictjson
+from flodl import sdnotify, strictjson
 
-from . import recovery
+from . import dashboard, recovery
 from .agents import AgentBook
 from .checkpointing import Checkpointing
 from .curve import CurveServer, load_server_keys
 from .droplog import DropLog
 from .inbound import recv_frames as _recv_frames, recv_message
 from .journal import Journal, JournalError
+from .metrics import RunBook, journal_stats
 from .output import ModelOutput
 from .reducer import BusReducer, RoundRefused
 from .settings import Settings, SettingsError
 from .status import StatusBoard
+from .timeline import FINAL_PAGE_SPANS, Timeline
 
 __all__ = ["CoordinatorService"]
 
@@ -115,6 +118,10 @@ LINGER_MS = 2_000
 # its agent says it is restarting it (then until it says "ready"): long enough for the
 # agent's notice, short enough that a host that is gone costs little more than before.
 RELAY_GRACE_S = 3.0
+# /status and /metrics are rebuilt at most this often, and at most 1/PUBLISH_COST_SHARE of
+# the loop's time goes to them (_publish_status).
+PUBLISH_MIN_S = 0.25
+PUBLISH_COST_SHARE = 20
 # How many frames one pass drains before it runs timers again (fairness bound).
 DRAIN_BATCH = 256
 
@@ -133,11 +140,14 @@ class CoordinatorService:
         self.output = ModelOutput(settings)  # an unwritable output dir: SettingsError, now
         self.settings = settings
         self.clock = clock
-        self._ready = ready or (lambda ep: print(f"COORDINATOR_READY {ep}", flush=True))
+        self._ready = ready or self._announce
         self.config = settings.core_config()
         self.curve_keys = load_server_keys(settings)  # None: no CURVE; a bad key file: SettingsError
         # An unfinished run in the journal is rebuilt by replay (``recovery``); else a fresh one.
-        self.recovered = recovery.recover(settings, self.checkpointing)
+        self.timeline = Timeline(self.config.world_size, self.config.num_epochs)  # the dashboard's lanes
+        self.recovered = recovery.recover(settings, self.checkpointing, observe=self.timeline.observe)
+        if self.recovered is None:  # (a finished run's journal moved aside: its timeline goes with it)
+            self.timeline = Timeline(self.config.world_size, self.config.num_epochs)
         self.state = self.recovered.state if self.recovered else initial_state(self.config, self.checkpointing.point)
         self.clock = recovery.continuing(clock, self.recovered)
         self.held = recovery.HeldSends(self.recovered.hops()) if self.recovered else None
@@ -164,6 +174,7 @@ class CoordinatorService:
             self.agents.restore(record)
         self._peer_key = ""  # the CURVE client key (ZAP User-Id) of the frame being handled
         self.finished: RunFinished | None = None
+        self._pending_seeds: list[int] = []  # joiners waiting for a consensus this process has not seen yet
         self._hello_logs = {  # refused / deferred hellos, rate-limited per kind of reason
             "refused": DropLog(log, first="hello refused (from %s)", more="%d more hellos refused for %r in the last %.0fs (last from %s)"),
             "deferred": DropLog(log, level=logging.INFO, first="hello deferred (from %s)",
@@ -174,8 +185,16 @@ class CoordinatorService:
         self._born = time.monotonic() - process_age_s()
         self._first_batch_at: float | None = None
         self._finished_at: float | None = None
-        self.status = StatusBoard()
+        # /metrics' own book (flodl_coordinator.metrics); this process is restart N+1 of a recovered run.
+        restarts = self.recovered.restarts + 1 if self.recovered else 0
+        book = RunBook(settings.session, settings.metrics_rank_labels, coordinator_restarts=restarts)
+        self.status = StatusBoard(book)
+        if self.recovered:
+            book.members_known(self.state)
+        self.status.timeline = self.timeline
+        self._stop_event = threading.Event()  # ends the status linger after the run (request_stop)
         self._status_stale = True
+        self._next_publish = 0.0  # time.monotonic() before which /status is not rebuilt (_publish_status)
         self._events_stepped = 0
         self._journal = _open_journal(settings.journal) if settings.journal else None
         self._journal_error: str | None = None  # set once the journal cannot be written: the run stops
@@ -185,12 +204,19 @@ class CoordinatorService:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        self._publish_status(force=True)  # /status is a whole document from its first request on
 
     # -- lifecycle ---------------------------------------------------------------
+
+    def _announce(self, ep: str) -> None:
+        """The ready line on stdout; with ``http``, the bound status address as a third token."""
+        h = self.status.http_address
+        print(f"COORDINATOR_READY {ep}" + (f" http={h[0]}:{h[1]}" if h else ""), flush=True)
 
     def request_stop(self) -> None:
         """Ask the loop to stop gracefully (safe from a signal handler or another thread)."""
         self._stop_signals += 1
+        self._stop_event.set()
         try:
             self._wake_w.send(b"x")
         except OSError:
@@ -245,6 +271,7 @@ class CoordinatorService:
         if self._journal_error is not None:  # e.g. a full disk at start: stop before deciding anything
             self.finished = RunFinished(False, self._journal_error, {})
         self._ready(ep)
+        sdnotify.notify("READY=1", f"STATUS=serving {ep}")  # Type=notify units (no-op elsewhere)
         if self.recovered is not None and self.finished is None:  # the ranks resync when they hear the new incarnation
             for meta in self.recovered.pending_metas:
                 self.checkpointing.stage(meta)
@@ -253,6 +280,17 @@ class CoordinatorService:
         poller.register(sock, zmq.POLLIN)
         poller.register(wake_r.fileno(), zmq.POLLIN)
         next_tick = self.clock()
+        try:
+            return self._loop(poller, sock, wake_r, next_tick, http, curve, ctx)
+        finally:
+            sdnotify.notify("STOPPING=1")
+            for s, h in old.items():
+                signal.signal(s, h)
+            if http is not None:  # served until here: through the status linger (_linger)
+                http.shutdown()
+                http.server_close()
+
+    def _loop(self, poller, sock, wake_r, next_tick, http, curve, ctx) -> int:
         try:
             while self.finished is None or self.checkpointing.lingering(self.clock()):
                 timeout_ms = max(0.0, (next_tick - self.clock()) * 1000.0)
@@ -275,10 +313,6 @@ class CoordinatorService:
         finally:
             for dl in (self._drop_log, *self._hello_logs.values()):
                 dl.close(self.clock())
-            for s, h in old.items():
-                signal.signal(s, h)
-            if http is not None:
-                http.shutdown()
             sock.close(linger=LINGER_MS)
             if curve is not None:
                 curve.stop()  # closes the ZAP socket before the context terminates
@@ -287,7 +321,20 @@ class CoordinatorService:
             self._wake_w.close()
             if self._journal:
                 self._journal.close()
-        return self._finish()
+        rc = self._finish()
+        self._linger(http)
+        return rc
+
+    def _linger(self, http) -> None:
+        """The run is over; its final status and dashboard stay served ``status_linger_s``
+        (an operator or a script reads how it ended) unless a stop signal comes first."""
+        wait = self.settings.status_linger_s
+        if http is None or wait <= 0 or self._stop_event.is_set():
+            return
+        sdnotify.notify(f"STATUS=run finished; serving its final status for {wait:g}s")
+        log.info("run over: serving the final /status and dashboard on %s:%s for %gs (SIGTERM ends it)",
+                 *self.status.http_address, wait)
+        self._stop_event.wait(wait)
 
     def _bind(self, ctx, sock, curve):
         """Bind the ROUTER, then the HTTP status port (returned, or None). Either failing
@@ -348,8 +395,25 @@ class CoordinatorService:
                 b,
             )
 
+    def _write_final_view(self) -> None:
+        """The last /status and the dashboard with its data, beside the summary (or where
+        asked): the run stays readable after the process is gone. A file that cannot be
+        written is named in the log; the run's outcome stands."""
+        status_path, page_path = dashboard.final_paths(self.settings)
+        status = self.status.snapshot()
+        for path, text in ((status_path, lambda: strictjson.dumps(status, indent=2, sort_keys=True, default=str)),
+                           (page_path, lambda: dashboard.page({"status": status, "timeline": self.timeline.snapshot(FINAL_PAGE_SPANS)}))):
+            if not path:
+                continue
+            try:
+                dashboard.write_final(path, text())
+            except OSError as e:
+                log.error("%s", describe_write_error(e, path, "dashboard_out" if path == page_path else "status_out"))
+            else:
+                log.info("wrote %s", path)
+
     def _finish(self) -> int:
-        self._publish_status()  # the end of the run is visible too
+        self._publish_status(force=True)  # the end of the run is visible too
         f = self.finished
         if f is None:
             return 1
@@ -381,6 +445,8 @@ class CoordinatorService:
         summary["bus"].update(
             rounds=self.reducer.rounds_completed, bytes_in=self.reducer.bytes_in, bytes_out=self.reducer.bytes_out
         )
+        if self.reducer.seeds_sent:  # joiners seeded with the latest consensus
+            summary["bus"].update(seeds_sent=self.reducer.seeds_sent, seed_bytes=self.reducer.seed_bytes)
         if self.settings.summary:
             tmp = self.settings.summary + ".tmp"
             try:
@@ -389,7 +455,9 @@ class CoordinatorService:
                 os.replace(tmp, self.settings.summary)
             except OSError as e:  # e.g. on the same full disk as the journal: say so, still exit
                 log.error("cannot write the summary: %s", describe_write_error(e, self.settings.summary, "summary"))
+        self._write_final_view()
         log.info("run finished: ok=%s reason=%s", ok, reason)
+        sdnotify.notify(f"STATUS=run finished: ok={ok} reason={reason}"[:400])
         if self._journal_error is not None:
             return 2  # not restarted by systemd: a restart could not recover what was not journaled
         return 0 if ok else 1
@@ -464,10 +532,14 @@ class CoordinatorService:
             # A relay's folded round: the relay is a route of one hop (its own DEALER).
             if len(route) != 1:
                 raise RouteMismatch("a folded round must come from a relay's own route")
+            if env.round.HasField("relay_stats"):  # the relay's fold / fan-out counters (/metrics)
+                self.status.book.relay_stats(env.sender.host, env.sender.incarnation, env.round.relay_stats)
             return self._on_round(None, env.round, d.blobs, relay=route)
         if kind in ("timing", "metrics", "round"):
             rank = self._owned_rank(route, env, d)
             if kind == "timing":
+                if env.timing.HasField("time_account"):  # goodput / badput by cause (/metrics)
+                    self.status.book.time_account(rank, env.sender.incarnation, env.timing.time_account)
                 if self._first_batch_at is None and env.timing.WhichOneof("event") == "batch":
                     self._first_batch_at = time.monotonic()
                 if env.timing.WhichOneof("event") == "checkpoint_result":
@@ -514,7 +586,7 @@ class CoordinatorService:
             why = self.agents.report_refusal(route, r.rank, r.token, self._peer_key)
             if why:  # a forged (or misrouted) report: the rank lives on, its own frames decide
                 raise RouteMismatch(why)
-            self._feed(RankExitReported(now=now, rank=r.rank, code=r.code))
+            self._feed(RankExitReported(now=now, rank=r.rank, code=r.code, restart_count=r.restart_count))
         elif which == "relay_restarting":
             self._on_relay_restarting(now, route, msg.relay_restarting)
         elif which == "abort":  # the agent gives its host up (its relay died), before its ranks' exits
@@ -699,23 +771,30 @@ class CoordinatorService:
                 self._journal_write(to_record(ev))
             try:
                 self.state, commands = step(self.state, ev)
+                self.status.book.stepped(self.state)  # times a round that just finished
             except RankViolation as e:
                 # A peer's illegal frame: the core validated before changing anything, so
                 # the state is intact (replay skips the same record). Drop it and go on.
                 self.dropped["rank_violation"] += 1
                 log.warning("refused %s: %s", type(ev).__name__, e.reason)
                 continue
+            self.timeline.observe(ev, commands)
             for cmd in commands:
                 self._execute(cmd)
         self._status_stale = True  # republished once per tick (_publish_status), not per event
 
-    def _publish_status(self) -> None:
-        """The status view walks every rank: build it once per tick when something
-        changed (an operator polls in seconds), not after every event on the hot path."""
-        if self._status_stale:
+    def _publish_status(self, *, force: bool = False) -> None:
+        """The status view walks every rank: build it at most once per tick when something
+        changed (an operator polls in seconds), not after every event on the hot path, and
+        no more often than keeps its cost under 1/PUBLISH_COST_SHARE of the loop's time (a
+        world of thousands of ranks costs tens of ms per build)."""
+        now = time.monotonic()
+        if self._status_stale and (force or now >= self._next_publish):
             self._status_stale = False
             self.status.update(self.state, self.dropped, self.reducer, checkpoints=self.checkpointing.status(self.state),
-                               events=self._events_stepped)
+                               events=self._events_stepped, journal=journal_stats(self._journal, time.monotonic))
+            cost = time.monotonic() - now
+            self._next_publish = now + max(PUBLISH_MIN_S, cost * PUBLISH_COST_SHARE)
 
     def _execute(self, cmd) -> None:
         if isinstance(cmd, Send):
@@ -748,6 +827,8 @@ class CoordinatorService:
             if fold_drop is not None:  # its relay stops waiting for it; the rest flush
                 self._send_frames(self.endpoint.frames("relay", fold_drop[1], route=fold_drop[0]))
             self._send_round(self.reducer.drop(cmd.rank))
+        elif isinstance(cmd, SeedJoiner):
+            self._seed_joiner(cmd.rank)
         elif isinstance(cmd, StageCheckpoint):  # an order to stage a meta, before the notices
             self.checkpointing.stage(cmd)
         elif isinstance(cmd, Notice):
@@ -755,6 +836,28 @@ class CoordinatorService:
         elif isinstance(cmd, RunFinished):
             self.finished = cmd
             self._finished_at = time.monotonic()
+
+    def _seed_joiner(self, rank: int) -> None:
+        """A rank admitted into the running world gets the latest consensus (the seed); a
+        service that has sent none yet (it restarted since) seeds it with the next one."""
+        frame = self.reducer.seed_frame()
+        route = self.state.route_of(rank)
+        if route is None:
+            return  # gone meanwhile (the core heard)
+        if frame is None:
+            log.info("rank %d joins at the next consensus (this coordinator has not sent one yet)", rank)
+            if rank not in self._pending_seeds:
+                self._pending_seeds.append(rank)
+            return
+        header, blobs = frame
+        log.info("rank %d seeded with the consensus of cycle %d (%d bytes)", rank, header.cycle,
+                 sum(len(b) for b in blobs))  # fmt: skip
+        self._send_frames(self.endpoint.frames("round", header, blobs, route=tuple(route)))
+
+    def _flush_seeds(self) -> None:
+        pending, self._pending_seeds = self._pending_seeds, []
+        for rank in pending:
+            self._seed_joiner(rank)
 
     def _log_refusal(self, route: tuple, ack: pb.HelloAck) -> None:
         """Every refused (or deferred) hello is counted and said, with its reason; a peer
@@ -790,6 +893,8 @@ class CoordinatorService:
                 continue
             frames = self.endpoint.frames("round", result.header_for(rank), result.blobs, route=tuple(route))
             self._send_frames(frames)
+        if self._pending_seeds and self.reducer.seed is not None:
+            self._flush_seeds()
 
     def _send_frames(self, frames, failed: tuple | None = None) -> bool:
         """Send ``frames`` once the journal that decided them is durable (write-ahead,

@@ -49,7 +49,8 @@ class ServiceKeys:
     bind: str = setting(
         "tcp://127.0.0.1:5555", per_process=True,
         help="ZeroMQ endpoint to bind (port 0 = any)",
-        doc="ZeroMQ endpoint (port 0 = any; the chosen one is printed as `COORDINATOR_READY <endpoint>`)",
+        doc="ZeroMQ endpoint (port 0 = any; the chosen one is printed as `COORDINATOR_READY <endpoint>`, "
+        "followed by `http=HOST:PORT` when `http` is set)",
     )  # fmt: skip
     session: str = setting(
         "flodl", help="run id every peer must name; frames of another session are refused",
@@ -77,8 +78,35 @@ class ServiceKeys:
         "rank of the final eval: the model the summary's accuracy measures) and `model.json` (run, epochs, "
         "accuracy, coverage, policy, world, sha256). Empty: the directory of `summary`; neither: not written",
     )  # fmt: skip
-    http: str = setting("", per_process=True, help="serve /status and /metrics on host:port",
-                        doc="`host:port` for `/status` (JSON) and `/metrics` (Prometheus)")  # fmt: skip
+    http: str = setting("", per_process=True, help="serve /status, /metrics and the dashboard (/) on host:port (port 0 = any)",
+                        doc="`host:port` for `/status` (JSON, docs/status.md), `/metrics` (Prometheus) and the live "
+                        "dashboard (`/`, with its `/timeline` JSON); port 0 = any (named on the ready line)")  # fmt: skip
+    metrics_rank_labels: int = setting(
+        64, per_process=True,
+        help="/metrics: per-rank series (rank label) for ranks below this; the rest are summed as rank=other",
+        doc="`/metrics`: ranks below this get their own `rank` label; counters and rates of the others are "
+        "summed under `rank=\"other\"` (bounded cardinality on a large world; 0 = all under `other`)",
+    )  # fmt: skip
+    dashboard_out: str = setting(
+        "", per_process=True,
+        help="write the dashboard, with the run's data in it, to this HTML file at the end (default: beside "
+        "the summary, NAME.dashboard.html)",
+        doc="at the end of the run, the dashboard page (`/`) with the run's data embedded: one self-contained "
+        "HTML file that opens offline. Default: beside `summary` (`NAME.json` → `NAME.dashboard.html`); "
+        "none without a summary",
+    )  # fmt: skip
+    status_out: str = setting(
+        "", per_process=True,
+        help="write the last /status JSON to this file at the end (default: beside the summary, NAME.status.json)",
+        doc="at the end of the run, the last `/status` as JSON. Default: beside `summary` "
+        "(`NAME.json` → `NAME.status.json`); none without a summary",
+    )  # fmt: skip
+    status_linger_s: float = setting(
+        0.0, per_process=True,
+        help="after the run ends, keep serving /status, /timeline and the dashboard this long (SIGTERM ends it)",
+        doc="after the run ends, keep the HTTP listener serving the final `/status`, `/timeline` and dashboard "
+        "this many seconds before the process exits (SIGTERM ends the wait at once; the exit code is the run's)",
+    )  # fmt: skip
     tick_interval_s: float = setting(
         0.05, per_process=True,
         help="the service's poll period: a Tick (the core's clock) at least this often, traffic or not",
@@ -178,8 +206,13 @@ class Key:
 
     @property
     def flags(self) -> list[str]:
-        """The flag, and for a key in seconds (``*_s``) the same without ``-s``."""
-        return [self.flag, self.flag[:-2]] if self.name.endswith("_s") else [self.flag]
+        """The flag, and for a key in seconds (``*_s``) the same without ``-s``; then the
+        same for each alias (``--max-ranks`` for ``world_size``)."""
+        out = []
+        for name in (self.name, *self.meta.aliases):
+            flag = "--" + name.replace("_", "-")
+            out += [flag, flag[:-2]] if name.endswith("_s") else [flag]
+        return out
 
     @property
     def required(self) -> bool:
@@ -223,6 +256,8 @@ def _schema() -> dict[str, Key]:
 
 
 SCHEMA: dict[str, Key] = _schema()
+# Another spelling of a key -> the key (``Setting.aliases``: ``max_ranks`` is ``world_size``).
+ALIASES: dict[str, str] = {a: k.name for k in SCHEMA.values() for a in k.meta.aliases}
 # Settings that may differ between a run's first process and a restarted one.
 PER_PROCESS_KEYS = frozenset(k.name for k in SCHEMA.values() if k.meta.per_process)
 
@@ -282,8 +317,13 @@ def _did_you_mean(key: str, prefix: str = "") -> str:
 
 
 def _merge(base: dict, items: Mapping[str, Any], source: str) -> None:
+    seen: dict[str, str] = {}  # key -> the spelling this source used for it
     for key, value in items.items():
         k = key.replace("-", "_")
+        k = ALIASES.get(k, k)
+        if k in seen and seen[k] != key:
+            raise SettingsError(f"config error: {seen[k]!r} and {key!r} in {source} are the same setting; give one")
+        seen[k] = key
         if k not in SCHEMA:
             known = ", ".join(sorted(SCHEMA))
             raise SettingsError(f"config error: unknown key {key!r} in {source}{_did_you_mean(k)} (known: {known})")
@@ -298,7 +338,7 @@ def _env_items(env: Mapping[str, str]) -> dict[str, str]:
         if not name.startswith(ENV_PREFIX):
             continue
         key = name[len(ENV_PREFIX):].lower()
-        if key in SCHEMA:
+        if key in SCHEMA or key in ALIASES:
             items[key] = value
         elif name not in WORKER_ENV:
             raise SettingsError(
@@ -335,10 +375,14 @@ def load_settings(
         )
     if not s.bind.startswith(("tcp://", "ipc://", "inproc://")):
         raise SettingsError(f"config error: bind {s.bind!r} must start with tcp://, ipc:// or inproc://")
+    if not (s.status_linger_s >= 0 and math.isfinite(s.status_linger_s)):
+        raise SettingsError("config error: status_linger_s must be a finite number >= 0 (0 = exit at once)")
     if s.tick_interval_s <= 0:
         raise SettingsError("config error: tick_interval_s must be > 0")
     if max_message_bytes_problem(s.max_message_bytes):
         raise SettingsError(f"config error: max_message_bytes {max_message_bytes_problem(s.max_message_bytes)}")
+    if s.metrics_rank_labels < 0:
+        raise SettingsError("config error: metrics_rank_labels must be >= 0 (flag --metrics-rank-labels)")
     if s.checkpoint_every < 0 or s.checkpoint_keep < 0:
         raise SettingsError("config error: checkpoint_every and checkpoint_keep must be >= 0")
     if s.checkpoint_every > 0 and not s.checkpoint_dir:
@@ -430,7 +474,8 @@ def markdown_table() -> str:
     for k in SCHEMA.values():
         if "|" in k.meta.doc or "\n" in k.meta.doc:
             raise ValueError(f"{k.name}: its doc text must be one table cell (no '|' or newline)")
-        rows.append(f"| `{k.name}` | {shown_default(k, markdown=True)} | {k.meta.doc} |")
+        name = " / ".join(f"`{n}`" for n in (k.name, *k.meta.aliases))
+        rows.append(f"| {name} | {shown_default(k, markdown=True)} | {k.meta.doc} |")
     return "\n".join(rows) + "\n"
 
 

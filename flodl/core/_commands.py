@@ -18,6 +18,7 @@ __all__ = [
     "Reply",
     "OpenRound",
     "ForgetRank",
+    "SeedJoiner",
     "Notice",
     "StageCheckpoint",
     "RunFinished",
@@ -67,6 +68,15 @@ class OpenRound(Command):
     cycle: int
     ranks: tuple[int, ...]
     steps: tuple[int, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SeedJoiner(Command):
+    """Bus plane: send ``rank`` (admitted into a running world) the latest consensus the
+    reducer sent -- a ``RoundHeader{seed}`` frame; with none yet (the service restarted
+    since), the next one. The rank answers ``Timing.seeded`` (``JoinerSeeded``)."""
+
+    rank: int
 
 
 @dataclass(frozen=True, slots=True)

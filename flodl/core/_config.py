@@ -55,18 +55,37 @@ class Setting:
     key: str = ""
     choices: tuple[str, ...] = ()
     per_process: bool = False
+    aliases: tuple[str, ...] = ()  # other spellings of the key, accepted everywhere (torchrun / issue 12 names)
 
 
 def setting(default: Any = MISSING, *, help: str, doc: str = "", key: str = "", choices: tuple[str, ...] = (),
-            per_process: bool = False) -> Any:  # fmt: skip
+            per_process: bool = False, aliases: tuple[str, ...] = ()) -> Any:  # fmt: skip
     """A dataclass field declared as a setting (``Setting``); no default: required."""
-    meta = {"setting": Setting(help=help, doc=doc or help, key=key, choices=choices, per_process=per_process)}
+    meta = {"setting": Setting(help=help, doc=doc or help, key=key, choices=choices, per_process=per_process,
+                               aliases=aliases)}  # fmt: skip
     return field(metadata=meta) if default is MISSING else field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoreConfig:
-    world_size: int = setting(help="number of ranks in the world (required)", doc="number of ranks")
+    # Elastic membership (``_membership``, ``_run``): ``world_size`` is the capacity (slots),
+    # ``min_ranks`` the quorum. Unset, the quorum is the capacity: today's fixed world.
+    world_size: int = setting(
+        help="capacity: the most ranks the run holds (required; alias max_ranks)", aliases=("max_ranks",),
+        doc="capacity: the most ranks the run holds, rank ids `0 .. world_size-1` (alias `max_ranks`). With "
+        "`min_ranks` unset the world is fixed: it forms once all `world_size` ranks are in",
+    )  # fmt: skip
+    min_ranks: Optional[int] = setting(
+        None, help="quorum: the world may form once this many ranks are in; 0 = world_size (a fixed world)",
+        doc="quorum: the world forms with at least this many ranks (0 = `world_size`, a fixed world). Once "
+        "the quorum is in, formation waits up to `join_timeout_s` for more (at `world_size` it forms at once); "
+        "the slots still empty stay open capacity",
+    )  # fmt: skip
+    join_timeout_s: float = setting(
+        30.0, help="with a quorum in, wait this long (from the first event) for more ranks before forming",
+        doc="the join window: with the quorum in, formation waits this long (from the service's first event) "
+        "for more ranks; a full world forms at once. Only matters when `min_ranks` < `world_size`",
+    )  # fmt: skip
     batch_size: int = setting(32, help="samples per step on every rank")
     num_epochs: int = setting(10, key="epochs", help="epochs to train")
     seed: int = setting(
@@ -131,10 +150,11 @@ class CoreConfig:
         doc="an averaging round pending this long ends the run",
     )  # fmt: skip
     form_timeout_s: float = setting(
-        300.0,
-        help="the world must form (every slot admitted) within this long, or the run fails naming who is "
-        "missing; 0 = wait forever",
-        doc="the world must form (every slot admitted) within this long of the service's first event, or "
+        300.0, aliases=("max_join_timeout_s",),
+        help="the world must form (the quorum admitted) within this long, or the run fails naming who is "
+        "missing; 0 = wait forever (alias max_join_timeout_s)",
+        doc="the hard cap of the join window (alias `max_join_timeout_s`): the world must form (the quorum "
+        "admitted) within this long of the service's first event, or "
         "the run fails (exit 1) naming each missing slot and why: its last refusal (`refused: world_size 4 "
         "differs ...`), how it was lost before the start, or `never said hello`; 0 = wait forever. Every "
         "refused hello is also logged with its reason when it happens",
@@ -204,9 +224,10 @@ class CoreConfig:
     # service: whether it has a checkpoint_dir). Not a setting.
     checkpoint_on_failure: bool = False
     max_failure: str = setting(
-        "", help="end the run (ShutdownWithSave) once this many ranks died: N, or P% of world_size; "
-        "empty = never",
-        doc="end the run (ShutdownWithSave) once this many ranks died: `N` or `P%` of world_size",
+        "", help="end the run (ShutdownWithSave) once this many ranks are dead at once: N, or P% of "
+        "world_size; empty = never",
+        doc="end the run (ShutdownWithSave) once this many ranks are dead at once: `N` or `P%` of world_size. "
+        "It counts ranks down now: a slot a restarted rank took again no longer counts",
     )  # fmt: skip
     # -- callback roles (``_roles``) ----------------------------------------------------
     epoch_callback_policy: str = setting(
@@ -245,6 +266,15 @@ class CoreConfig:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if not self.form_timeout_s >= 0:
             raise ValueError(f"form_timeout_s must be >= 0 (0: no deadline), got {self.form_timeout_s}")
+        if self.min_ranks is not None and not 1 <= self.min_ranks <= self.world_size:
+            raise ValueError(f"min_ranks must be in [1, world_size={self.world_size}], got {self.min_ranks}")
+        if not self.join_timeout_s >= 0:
+            raise ValueError(f"join_timeout_s must be >= 0, got {self.join_timeout_s}")
+        if self.elastic and self.form_timeout_s > 0 and self.join_timeout_s > self.form_timeout_s:
+            raise ValueError(
+                f"join_timeout_s ({self.join_timeout_s:g}) must not exceed the hard cap form_timeout_s "
+                f"(max_join_timeout_s, {self.form_timeout_s:g}): raise the cap or shorten the window"
+            )
         if self.model_signature and len(self.model_signature) != 32:
             raise ValueError(f"model_signature must be 32 bytes (sha256), got {len(self.model_signature)}")
         max_failure_limit(self.max_failure, self.world_size)
@@ -266,6 +296,16 @@ class CoreConfig:
             raise ValueError(f"max_batch_diff must be >= 0, got {self.max_batch_diff}")
         if self.guard not in GUARDS:
             raise ValueError(f"guard must be one of {GUARDS}, got {self.guard!r}")
+
+    @property
+    def quorum(self) -> int:
+        """The fewest ranks the world forms with (``min_ranks``, else the whole capacity)."""
+        return self.min_ranks or self.world_size
+
+    @property
+    def elastic(self) -> bool:
+        """The world may form (and run) with fewer ranks than its capacity."""
+        return self.quorum < self.world_size
 
     @property
     def batch_diff_cap(self) -> Optional[int]:

@@ -211,6 +211,8 @@ class Dispatcher(Protocol):
 
     def on_epoch_aggregated(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None: ...
 
+    def on_join(self, st: CoordinatorState, rank: int, out: list[Command]) -> None: ...
+
 
 class SyncDispatcher:
     """Equal contiguous partitions per epoch; a lost rank's remainder is split equally."""
@@ -236,6 +238,12 @@ class SyncDispatcher:
 
     def on_epoch_aggregated(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
         pass  # Sync has no windows to make room in
+
+    def on_join(self, st: CoordinatorState, rank: int, out: list[Command]) -> None:
+        """A joiner in the middle of an epoch: the uncommitted remainder nobody is training
+        is only what a death left, and that went to the survivors already, so Sync's
+        joiner gets its equal share from the next epoch's partition on (it takes part in
+        every round from now: idle, it counts as ready)."""
 
     def plans_for_epoch(self, st: CoordinatorState, epoch: int) -> dict[int, tuple[int, int]]:
         cached = st.dispatch.plans.get(epoch)

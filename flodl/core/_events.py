@@ -41,6 +41,7 @@ __all__ = [
     "ContributionRefused",
     "CoordinatorRestarted",
     "RankResynced",
+    "JoinerSeeded",
     "EVENT_TYPES",
     "to_record",
     "from_record",
@@ -69,6 +70,7 @@ class RankHello(Event):
     host: str = ""
     pid: int = 0
     incarnation: int = 0
+    restart_count: int = 0  # FLODL_RESTART_COUNT: the agent started this rank again this many times
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -168,10 +170,12 @@ class IntentRaised(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankExitReported(Event):
-    """The host agent saw the rank's process end (``code`` < 0: killed by that signal)."""
+    """The host agent saw the rank's process end (``code`` < 0: killed by that signal).
+    ``restart_count``: which process of the rank (its ``FLODL_RESTART_COUNT``)."""
 
     rank: int
     code: int
+    restart_count: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -187,6 +191,15 @@ class StopRequested(Event):
     """The operator asked the service to stop (SIGTERM)."""
 
     reason: str = "stop requested"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinerSeeded(Event):
+    """A rank admitted into a running world holds the seed consensus of ``cycle``
+    (``Timing.seeded``): it becomes a member and gets work (``_membership.on_seeded``)."""
+
+    rank: int
+    cycle: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -283,6 +296,7 @@ EVENT_TYPES = {
         ContributionRefused,
         CoordinatorRestarted,
         RankResynced,
+        JoinerSeeded,
     )
 }
 

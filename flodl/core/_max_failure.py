@@ -1,7 +1,7 @@
 """max_failure: how many dead ranks end the run (reference §9.4, scenario 68).
 
 ``max_failure`` is a string: ``""`` (off), ``"N"`` (absolute: N dead ranks) or ``"P%"``
-(a share of the world: ``ceil(clamp(P/100, 0, 1) * world_size)``). Only DEAD ranks count;
+(a share of the world: ``ceil(clamp(P/100, 0, 1) * world_size)``). Only ranks DEAD now count (a slot a restarted rank took again counts no more);
 a rank that LEFT cleanly is not a failure. Percentages are computed exactly (decimal
 fractions, no float rounding), so ``"20%"`` of 10 is 2 and of 11 is 3.
 

@@ -10,9 +10,19 @@ refuses any move not in it with a ``LocalViolation`` naming the phase and trigge
     ACTIVE  --lost-->   DEAD                (silence, crash, unroutable)
     ACTIVE  --leave-->  LEFT                (clean exit)
 
-DEAD and LEFT are terminal: the slot is never addressed again (``CoordinatorState.send``
-refuses), and the shell is told once with ``ForgetRank``. Rejoining a running world is
-not supported; such a hello is refused with a reason.
+A DEAD or LEFT slot is never addressed again (``CoordinatorState.send`` refuses), and
+the shell is told once with ``ForgetRank``.
+
+Elastic membership (issue 12). While TRAINING (bus plane), a hello for a VACANT slot
+(capacity the world formed without) or a DEAD / LEFT one (a restarted rank, or another
+host taking the slot) is admitted: JOINING, ``joined_at`` set, and its ``RunSpec`` says
+``join_running``. A joiner gets no work and is in no round. At the next averaging
+boundary (no round open, a consensus exists: ``seed_due``) the step asks the shell to
+send it the latest consensus (``SeedJoiner``); the rank overwrites its parameters (its
+optimizer state is fresh: it was just built) and confirms (``JoinerSeeded``), and only
+then is it ACTIVE (``on_seeded``): the dispatcher's ``on_join`` hands it work, and the
+next round counts it. A live rank id (JOINING or ACTIVE under another route or
+incarnation) is still refused, and so is the very process that left.
 
 Admission (``refusal``) checks, in this order, each refusal naming its cause:
 rank range, world size, rank already admitted (another route or incarnation while the
@@ -44,12 +54,13 @@ from typing import Any, Optional
 from flodl.wire import pb
 
 from . import _coverage
-from ._commands import Command, ForgetRank, Notice, Reply
+from ._commands import Command, ForgetRank, Notice, Reply, SeedJoiner
 from ._events import RankHello
 from ._phases import (
     ACTIVE,
     DEAD,
     FORMING,
+    IDLE,
     JOINING,
     LEFT,
     MEMBERSHIP,
@@ -73,6 +84,12 @@ __all__ = [
     "cohort_conflict",
     "on_slot_reopened",
     "refuse_deferred",
+    "elastic_summary",
+    "seed_due",
+    "ask_seeds",
+    "on_seeded",
+    "reseed_after_restart",
+    "stale_exit_report",
 ]
 
 _POLICY = {"sync": pb.POLICY_SYNC, "cadence": pb.POLICY_CADENCE, "async": pb.POLICY_ASYNC}
@@ -94,8 +111,13 @@ def refusal(st: CoordinatorState, ev: RankHello) -> Optional[str]:
         return f"run is not admitting ranks ({st.run.phase!r})"
     if not 0 <= ev.rank < cfg.world_size:
         return f"rank {ev.rank} out of range [0, {cfg.world_size})"
-    if ev.world_size != cfg.world_size:
+    if not cfg.elastic and ev.world_size != cfg.world_size:
         return f"world_size {ev.world_size} differs from the coordinator's {cfg.world_size}"
+    if cfg.elastic and not cfg.quorum <= ev.world_size <= cfg.world_size:
+        return (
+            f"world_size {ev.world_size} is outside the coordinator's elastic range "
+            f"[{cfg.quorum}, {cfg.world_size}] (min_ranks, world_size)"
+        )
     rec = st.ranks[ev.rank]
     if rec.phase is JOINING or rec.phase is ACTIVE:
         if rec.route != ev.route or rec.incarnation != ev.incarnation:
@@ -104,8 +126,15 @@ def refusal(st: CoordinatorState, ev: RankHello) -> Optional[str]:
                 f" (incarnation {rec.incarnation}, host {rec.host or '?'})"
             )
         return None  # a retransmit of the admitted hello
-    if rec.phase is DEAD or rec.phase is LEFT:
-        return f"rank {ev.rank} already left the run ({rec.phase!r}: {rec.reason}); rejoin is not supported"
+    if (rec.phase is DEAD or rec.phase is LEFT) and st.run.phase is not TRAINING:
+        return f"rank {ev.rank} already left the run ({rec.phase!r}: {rec.reason}); a slot is refilled only while training"
+    if st.run.phase is TRAINING and cfg.plane != "bus":
+        return (
+            f"rank {ev.rank}: joining a running world needs plane = bus (the collective plane does not "
+            f"re-form its group with newcomers yet)"
+        )
+    if (rec.phase is DEAD or rec.phase is LEFT) and rec.incarnation == ev.incarnation and rec.route == ev.route:
+        return f"rank {ev.rank}: this process already left the run ({rec.phase!r}: {rec.reason}); a new process may rejoin"
     if cfg.model_signature and ev.model_sig != cfg.model_signature:
         return (
             f"model signature {_sig(ev.model_sig)} differs from the configured model_signature "
@@ -165,19 +194,81 @@ def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
         out.append(Reply(ev.route, pb.HelloAck(accepted=False, reason=reason)))
         return
     rec = st.ranks[ev.rank]
-    if rec.phase is VACANT:
+    if rec.phase is VACANT or rec.phase is DEAD or rec.phase is LEFT:
+        refill = rec.phase is not VACANT
         transition(rec, "admit")
         rec.route, rec.incarnation = ev.route, ev.incarnation
         rec.host, rec.pid, rec.reason = ev.host, ev.pid, ""
+        rec.restart_count = ev.restart_count
         rec.last_seen = ev.now
         if st.cohort_sig is None:
             st.cohort_sig, st.cohort_len = ev.model_sig, ev.dataset_len
         st.run.not_admitted.pop(ev.rank, None)
         st.run.cohort_votes.pop(ev.rank, None)
+        if st.run.phase is TRAINING:
+            rec.joined_at, rec.seeding, rec.refill = ev.now, False, refill
+            out.append(Notice("rank_admitted_running", {"rank": ev.rank, "host": ev.host, "refill": refill}))
     else:
         st.count_ignored("hello retransmit")
         touch(st, ev.rank, ev.now)
-    out.append(Reply(ev.route, pb.HelloAck(accepted=True, run=run_spec(st, ev.dataset_len))))
+    spec = run_spec(st, ev.dataset_len)
+    spec.join_running = rec.joined_at is not None and rec.phase is JOINING
+    out.append(Reply(ev.route, pb.HelloAck(accepted=True, run=spec)))
+
+
+# -- joining a running world ---------------------------------------------------------------
+
+
+def seed_due(st: CoordinatorState) -> tuple[bool, str]:
+    """A rank admitted into the running world waits for its seed: asked at an averaging
+    boundary (no round open) once a consensus exists (a round finished), so it starts
+    from the latest consensus, never from the initial parameters the others left."""
+    waiting = [rec.rank for rec in st.ranks if rec.phase is JOINING and rec.joined_at is not None and not rec.seeding]
+    if not waiting or st.run.phase is not TRAINING:
+        return False, ""
+    if st.rounds.phase is not IDLE:
+        return False, f"joiner(s) {waiting}: seeded at the next averaging boundary (round {st.rounds.cycle} open)"
+    if st.rounds.version == 0:
+        return False, f"joiner(s) {waiting}: seeded once the first consensus exists"
+    return True, f"seed joiner(s) {waiting} with the consensus of round {st.rounds.cycle}"
+
+
+def ask_seeds(st: CoordinatorState, out: list[Command]) -> None:
+    """``SeedJoiner`` for every joiner not asked yet (the shell sends the consensus)."""
+    for rec in st.ranks:
+        if rec.phase is JOINING and rec.joined_at is not None and not rec.seeding:
+            rec.seeding = True
+            out.append(SeedJoiner(rec.rank))
+
+
+def on_seeded(st: CoordinatorState, rank: int, cycle: int) -> bool:
+    """The joiner holds the seed (``JoinerSeeded``): it is a member now. False (counted)
+    when this rank is not a seeded joiner. Its step counters restart with the process."""
+    rec = st.ranks[rank]
+    if rec.phase is not JOINING or not rec.seeding:
+        st.count_ignored("JoinerSeeded from a rank that was not asked")
+        return False
+    transition(rec, "join")
+    st.run.joins.append(
+        {"rank": rank, "host": rec.host, "admitted_at": rec.joined_at, "joined_at": st.now, "cycle": cycle,
+         "refill": rec.refill, "restart_count": rec.restart_count}  # fmt: skip
+    )
+    rec.seeding, rec.joined_at = False, None
+    rec.last_step = rec.folded_step = 0  # a new process counts its steps from 0
+    return True
+
+
+def reseed_after_restart(st: CoordinatorState) -> None:
+    """The coordinator restarted: a seed in flight may have died with it; ask again."""
+    for rec in st.ranks:
+        if rec.phase is JOINING and rec.joined_at is not None:
+            rec.seeding = False
+
+
+def _world_mismatch(cfg: Any, ev: RankHello) -> bool:
+    if cfg.elastic:
+        return not cfg.quorum <= ev.world_size <= cfg.world_size
+    return ev.world_size != cfg.world_size
 
 
 def _deferred(st: CoordinatorState, ev: RankHello, reason: str, out: list[Command]) -> bool:
@@ -189,7 +280,7 @@ def _deferred(st: CoordinatorState, ev: RankHello, reason: str, out: list[Comman
     the ranks holding the cohort, the holders are evicted, the cohort is released and
     this hello is admitted. A holder that goes silent loses its slot to liveness. A
     configured ``model_signature`` pins the cohort instead."""
-    if st.run.phase is not FORMING or not 0 <= ev.rank < len(st.ranks) or ev.world_size != len(st.ranks):
+    if st.run.phase is not FORMING or not 0 <= ev.rank < len(st.ranks) or _world_mismatch(st.config, ev):
         return False
     rec = st.ranks[ev.rank]
     slot_taken = rec.phase is JOINING and (rec.route != ev.route or rec.incarnation != ev.incarnation)
@@ -271,6 +362,15 @@ def beacon(st: CoordinatorState, now: float, out: list[Command]) -> None:
         st.send(out, r, coord_heartbeat=pb.Control.CoordHeartbeat(beat=st.beats))
 
 
+def stale_exit_report(st: CoordinatorState, rank: int, restart_count: int) -> bool:
+    """An agent's exit report of an earlier process of the rank than the one admitted now
+    (the report and the new process's hello travel on different sockets): ignored, counted."""
+    if restart_count < st.ranks[rank].restart_count:
+        st.count_ignored("exit report of an earlier process of the rank")
+        return True
+    return False
+
+
 def exit_reason(st: CoordinatorState, rank: int, code: int) -> tuple[str, str]:
     """(trigger, reason) for an agent's exit report of an addressable rank."""
     if code < 0:
@@ -280,3 +380,14 @@ def exit_reason(st: CoordinatorState, rank: int, code: int) -> tuple[str, str]:
     if st.run.phase is SHUTTING_DOWN or st.run.phase is STOPPING:
         return "leave", "exited after Shutdown"
     return "lost", "exited without Shutdown (code 0)"
+
+
+def elastic_summary(st: CoordinatorState) -> dict[str, Any]:
+    """The run summary's ``elastic`` block: the range, who formed the world, who never came."""
+    return {
+        "min_ranks": st.config.quorum,
+        "max_ranks": len(st.ranks),
+        "formed_with": list(st.run.formed_with),
+        "vacant": [rec.rank for rec in st.ranks if rec.phase is VACANT],
+        "joins": [dict(j) for j in st.run.joins],
+    }

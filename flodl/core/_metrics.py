@@ -8,8 +8,11 @@ duplicate and ignored; one for an epoch already aggregated is late and counted).
 An epoch is *ready* when every ACTIVE rank that was assigned work in it (a plan or an
 extension) has reported at least one ``ChunkDone`` for it, and its coverage is
 complete (every position committed). Epochs aggregate in order; a ready epoch is
-aggregated exactly once: ``EpochAggregated{metrics}`` to every ACTIVE rank, a
-``Notice("epoch", ...)`` for the operator log, its coverage bitmap is released, and
+aggregated exactly once: ``EpochAggregated{metrics}`` to every ACTIVE rank -- the whole
+metrics to the epoch-callback role the ranks were last told of (the one rank that hands
+them to ``epoch_fn``), the cohort's values without the per-rank arrays to the others
+(a rank reads only the epoch from it: N ranks times N-long arrays was O(N^2) per epoch,
+115 kB to each of 4,096 ranks) -- a ``Notice("epoch", ...)`` for the operator log, its coverage bitmap is released, and
 a row is kept for the run summary. The notice carries the epoch, its loss, per-rank
 samples/s, wall time since dispatch, coverage and each rank's latest divergence.
 
@@ -161,8 +164,12 @@ def aggregate_next(st: CoordinatorState, out: list[Command]) -> int:
     epoch = _next_epoch(st)
     m = aggregate(epoch, st.metrics.chunks.pop(epoch, {}), st.config.world_size)
     metrics = to_pb(m)
+    cohort = pb.EpochMetrics(epoch=metrics.epoch, scalars=metrics.scalars, avg_loss=metrics.avg_loss,
+                             epoch_ms=metrics.epoch_ms)  # fmt: skip
+    role = st.dispatch.announced_role  # what the ranks believe: who runs epoch_fn with these
     for r in st.alive_ranks():
-        st.send(out, r, epoch_aggregated=pb.Control.EpochAggregated(metrics=metrics))
+        agg = pb.Control.EpochAggregated(metrics=metrics if r == role else cohort)
+        st.send(out, r, epoch_aggregated=agg)
     _coverage.freeze(st.coverage, epoch)
     st.metrics.last_aggregated = epoch
     row = {k: m[k] for k in ("epoch", "avg_loss", "epoch_ms", "per_rank_throughput")}

@@ -11,6 +11,8 @@ and refuses one that is not there with a ``LocalViolation`` (our bug, never a pe
     MEMBERSHIP (a rank slot)   VACANT --admit--> JOINING --form--> ACTIVE
                                JOINING --lost/leave--> VACANT
                                ACTIVE --lost--> DEAD     ACTIVE --leave--> LEFT
+                               JOINING --join--> ACTIVE  (admitted mid-run, seeded)
+                               DEAD/LEFT --admit--> JOINING  (the slot refilled mid-run)
     ROUND (averaging)          IDLE --trigger--> PENDING --finish/stall/abandon--> IDLE
     RUN                        FORMING --form--> TRAINING --final_eval--> FINAL_EVAL
                                TRAINING/FINAL_EVAL --shutdown--> SHUTTING_DOWN --finish--> FINISHED
@@ -68,8 +70,8 @@ class Sentinel(type):
 class VACANT(Sentinel, metaclass=Sentinel): """No admitted process holds this rank."""
 class JOINING(Sentinel, metaclass=Sentinel): """Admitted; waiting for the world to form."""
 class ACTIVE(Sentinel, metaclass=Sentinel): """In the formed world, alive."""
-class DEAD(Sentinel, metaclass=Sentinel): """Lost (silence, crash, unroutable). Terminal."""
-class LEFT(Sentinel, metaclass=Sentinel): """Exited cleanly. Terminal, not a failure."""
+class DEAD(Sentinel, metaclass=Sentinel): """Lost (silence, crash, unroutable). Only a new process may take the slot again."""
+class LEFT(Sentinel, metaclass=Sentinel): """Exited cleanly. Not a failure; only a new process may take the slot again."""
 
 
 # Averaging-round phases (ROUND).
@@ -93,6 +95,11 @@ MEMBERSHIP: dict[tuple[Any, str], Any] = {
     (JOINING, "leave"): VACANT,
     (ACTIVE, "lost"): DEAD,
     (ACTIVE, "leave"): LEFT,
+    # Elastic membership: a rank admitted into a running world joins once it holds the
+    # seed consensus; a slot whose rank died or left may be taken again (a restart).
+    (JOINING, "join"): ACTIVE,
+    (DEAD, "admit"): JOINING,
+    (LEFT, "admit"): JOINING,
 }
 
 ROUND: dict[tuple[Any, str], Any] = {

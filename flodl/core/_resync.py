@@ -172,7 +172,12 @@ def await_reports(
     rs.sent = {}
     for rec in st.ranks:
         if rec.phase is JOINING:
-            out.append(Reply(rec.route, pb.HelloAck(accepted=True, run=spec)))
+            run = spec
+            if spec is not None and rec.joined_at is not None:  # admitted into the running world
+                run = pb.RunSpec()
+                run.CopyFrom(spec)
+                run.join_running = True
+            out.append(Reply(rec.route, pb.HelloAck(accepted=True, run=run)))
     row = {
         "restart": rs.restarts,
         "cause": ev.cause,

@@ -9,16 +9,19 @@ The run's phase moves by this table (``_phases.RUN``)::
     SHUTTING_DOWN --finish--> FINISHED        (ok: every rank left or died)
     FORMING/TRAINING/FINAL_EVAL --stop--> STOPPING --finish--> FINISHED (not ok)
     TRAINING/FINAL_EVAL --fail--> FINISHED    (all ranks lost, reduce stall)
-    FORMING --fail--> FINISHED                (form_timeout_s passed)
+    FORMING --fail--> FINISHED                (form_timeout_s passed, quorum unmet)
 
 ``next_move`` is the ``due`` of the step's ``advance`` rule: it names the run's next
 move, if one is due (the step makes it: ``advance`` for the run's own moves; forming,
 a failed formation and a dispatch it composes with ``_membership`` and the dispatcher):
 
-* FORMING: when every slot is JOINING the world forms (all ACTIVE). When
-  ``form_timeout_s`` (> 0) has passed since the run's first event, the run fails
-  instead, naming each missing slot and why (``formation_report``: its last refusal,
-  how it was lost, or "never said hello"); the admitted ranks get ``Shutdown``.
+* FORMING (the join window, ``_forming_move``): when every slot is JOINING the world
+  forms (the admitted ranks ACTIVE). With ``min_ranks`` (the quorum) below the capacity,
+  the world also forms once the quorum is in and ``join_timeout_s`` has passed since the
+  run's first event; the slots still VACANT stay open capacity. When ``form_timeout_s``
+  (> 0; ``max_join_timeout_s``) has passed without the quorum, the run fails instead,
+  naming each missing slot and why (``formation_report``: its last refusal, how it was
+  lost, or "never said hello"); the admitted ranks get ``Shutdown``.
 * TRAINING, no round pending: dispatch the next epoch once the previous one has
   aggregated (epoch 0 right after forming). After the last epoch: while an ACTIVE rank
   still has unfolded steps (``tail_due``), nothing: the step's ``open_round`` rule opens a
@@ -104,14 +107,14 @@ def form(st: CoordinatorState, out: list[Command]) -> None:
     """The world forms (the step has moved every slot to ACTIVE first)."""
     _transition(st, "form")
     st.run.formed_at = st.now
-    hosts = [rec.host for rec in st.ranks]
+    members = st.alive_ranks()
+    st.run.formed_with = tuple(members)
+    hosts = [st.ranks[r].host for r in members]
     sig = (st.cohort_sig or b"").hex()  # what an operator pins as model_signature
-    out.append(
-        Notice(
-            "world_formed",
-            {"world_size": len(st.ranks), "total_samples": st.total_samples, "hosts": hosts, "model_signature": sig},
-        )
-    )
+    body = {"world_size": len(members), "total_samples": st.total_samples, "hosts": hosts, "model_signature": sig}
+    if st.config.elastic:
+        body.update(ranks=members, capacity=len(st.ranks), quorum=st.config.quorum)
+    out.append(Notice("world_formed", body))
 
 
 def formation_report(st: CoordinatorState) -> str:
@@ -126,8 +129,16 @@ def formation_report(st: CoordinatorState) -> str:
 
 
 def formation_failure(st: CoordinatorState) -> str:
-    """Why the run fails when ``form_timeout_s`` passed with slots still empty."""
-    return f"the world did not form within {st.config.form_timeout_s:g}s: {formation_report(st)}"
+    """Why the run fails when ``form_timeout_s`` passed with slots still empty (an
+    elastic world: with its quorum unmet)."""
+    cfg = st.config
+    if cfg.elastic:
+        admitted = sum(1 for rec in st.ranks if rec.phase is JOINING)
+        return (
+            f"the world did not form within {cfg.form_timeout_s:g}s (max_join_timeout_s): quorum unmet, "
+            f"{admitted} of min_ranks {cfg.quorum} admitted: {formation_report(st)}"
+        )
+    return f"the world did not form within {cfg.form_timeout_s:g}s: {formation_report(st)}"
 
 
 def shutdown_admitted(st: CoordinatorState, out: list[Command], reason: str) -> None:
@@ -146,7 +157,7 @@ def fail_formation(st: CoordinatorState, out: list[Command], reason: str) -> Non
 
 def _begin_shutdown(st: CoordinatorState, out: list[Command]) -> None:
     _transition(st, "shutdown")
-    for r in st.alive_ranks():
+    for r in st.addressable_ranks():  # a joiner not seeded yet leaves too
         st.send(out, r, shutdown=pb.Control.Shutdown(reason="completed"))
     out.append(Notice("shutdown", {"epochs_completed": len(st.metrics.history), "global_step": st.rounds.global_step}))
 
@@ -195,6 +206,27 @@ def tail_due(st: CoordinatorState) -> bool:
     if st.run.phase is not TRAINING or st.rounds.phase is PENDING or next_epoch(st) < st.config.num_epochs:
         return False
     return st.any_unfolded()
+
+
+def _forming_move(st: CoordinatorState) -> tuple[Optional[str], str]:
+    """The join window (reference §1.8): a full world forms at once; with the quorum in,
+    the world forms once ``join_timeout_s`` passed; the hard cap ``form_timeout_s``
+    (``max_join_timeout_s``) passing with the quorum unmet fails the run."""
+    cfg = st.config
+    admitted = st.index.count(JOINING)  # O(1): this runs on every event while forming
+    if admitted == len(st.ranks):
+        return "form", "every slot joined"
+    if st.run.forming_since is None:
+        st.run.forming_since = st.now
+    waited = st.now - st.run.forming_since
+    if admitted >= cfg.quorum and waited >= cfg.join_timeout_s:
+        return "form", f"quorum {cfg.quorum} met ({admitted} of {len(st.ranks)}), join window closed"
+    limit = cfg.form_timeout_s
+    if limit > 0 and waited > limit:
+        return "fail_formation", "form_timeout_s passed"
+    if admitted >= cfg.quorum:
+        return None, f"quorum met ({admitted} of {len(st.ranks)}): the join window is open"
+    return None, "waiting for every slot" if not cfg.elastic else f"waiting for the quorum ({admitted} of {cfg.quorum})"
 
 
 def _training_move(st: CoordinatorState) -> tuple[Optional[str], str]:
@@ -255,14 +287,7 @@ def next_move(st: CoordinatorState) -> tuple[Optional[str], str]:
     ``form_timeout_s`` clock (``forming_since``)."""
     ph = st.run.phase
     if ph is FORMING:
-        if st.index.count(JOINING) == len(st.ranks):
-            return "form", "every slot joined"
-        if st.run.forming_since is None:
-            st.run.forming_since = st.now
-        limit = st.config.form_timeout_s
-        if limit > 0 and st.now - st.run.forming_since > limit:
-            return "fail_formation", "form_timeout_s passed"
-        return None, "waiting for every slot"
+        return _forming_move(st)
     if ph is TRAINING:
         return _training_move(st)
     if ph is FINAL_EVAL:

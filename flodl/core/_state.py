@@ -107,7 +107,14 @@ class RankRecord:
     pid: int = 0
     last_seen: float = 0.0
     reason: str = ""  # why DEAD or LEFT (or why last vacated)
-    # Training counters (monotone; never reset).
+    # Elastic membership: admitted into a running world and the seed consensus asked for
+    # it (``SeedJoiner``), not confirmed yet (``JoinerSeeded``).
+    seeding: bool = False
+    joined_at: Optional[float] = None  # admitted mid-run (JOINING while TRAINING): when
+    refill: bool = False  # ... into a slot a DEAD or LEFT rank held (a restart)
+    restart_count: int = 0  # the admitted process's FLODL_RESTART_COUNT (its hello)
+    # Training counters (monotone; last_step and folded_step restart at 0 with a process that
+    # takes the slot again mid-run, ``_membership.on_seeded``; the totals never reset).
     last_step: int = 0  # highest step_count reported by a BatchDone
     folded_step: int = 0  # highest step_count folded into a consensus (SyncAcked)
     batches: int = 0
@@ -213,6 +220,8 @@ class RunState:
     forming_since: Optional[float] = None
     not_admitted: dict[int, str] = field(default_factory=dict)
     cohort_votes: dict[int, tuple] = field(default_factory=dict)  # rank -> ((sig, len), route) of its deferred hello
+    joins: list[dict[str, Any]] = field(default_factory=list)  # mid-run joins: {rank, host, admitted_at, joined_at, cycle, refill, restart_count}
+    formed_with: tuple[int, ...] = ()  # the ranks the world formed with (elastic: maybe fewer than the slots)
 
 
 def _plain(x: Any) -> Any:

@@ -56,9 +56,12 @@ def status_view(st: CoordinatorState) -> dict[str, Any]:
     per_epoch = st.total_samples
     total = per_epoch * cfg.num_epochs
     committed = sum(ec.unique for ec in st.coverage.epochs.values())
+    windows = list(st.cadence.elche.batch_counts) if st.cadence is not None else []
     return {
         "now": _num(st.now),
         "world_size": cfg.world_size,
+        "policy": cfg.policy,
+        "plane": cfg.plane,
         "run": {
             "phase": _name(run.phase),
             "formed_at": _num(run.formed_at),
@@ -84,6 +87,7 @@ def status_view(st: CoordinatorState) -> dict[str, Any]:
                 "batches": rec.batches,
                 "last_step": rec.last_step,
                 "folded_step": rec.folded_step,
+                "window": windows[rec.rank] if rec.rank < len(windows) else None,  # cadence: batches planned
                 "last_seen": _num(rec.last_seen),
                 "reason": rec.reason,
             }

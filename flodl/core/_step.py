@@ -38,6 +38,9 @@ Theory of operation
                                                                    its rank
    stall         the open round waited > ``reduce_stall_s``:       only while some
                  the run fails (REDUCE_STALL)                       participant still owes
+   seed_joiners  a rank admitted mid-run waits, no round is open,   the boundary between
+                 a consensus exists: ``SeedJoiner``                 two rounds: before
+                                                                   the next one opens
    open_round    ``policy.gate``, or the final tail (the last        a tail must fold
                  epoch aggregated, some rank has unfolded steps)     before its epoch's
                                                                    coverage completes
@@ -113,6 +116,7 @@ from ._events import (
     ContributionRefused,
     CoordinatorRestarted,
     RankResynced,
+    JoinerSeeded,
 )
 from ._phases import ACTIVE, FINAL_EVAL, FINISHED, JOINING, TRAINING
 from ._state import CoordinatorState, RankRecord
@@ -226,6 +230,10 @@ def forget_rank(st: CoordinatorState, rank: int, trigger: str, reason: str, out:
     out.append(ForgetRank(rank, reason))
     if not was_active:  # a JOINING slot reopens; nothing was assigned to it
         rec.route, rec.incarnation = (), 0
+        if rec.joined_at is not None:  # a joiner of the running world, lost before it was seeded
+            rec.joined_at, rec.seeding = None, False
+            out.append(Notice("rank_lost", {"rank": rank, "reason": reason, "discarded_samples": 0, "joining": True}))
+            return
         _membership.on_slot_reopened(st, rank, reason)
         return
     discarded = _coverage.discard(st.coverage, rank)
@@ -329,7 +337,8 @@ def _advance(st: CoordinatorState, out: list[Command], policy: Policy) -> None:
     assert move is not None
     if move == "form":
         for rec in st.ranks:
-            _membership.transition(rec, "form")
+            if rec.phase is JOINING:  # a VACANT slot of an elastic world stays open capacity
+                _membership.transition(rec, "form")
         _run.form(st, out)
     elif move == "fail_formation":
         reason = _run.formation_failure(st)
@@ -347,6 +356,7 @@ RULES: tuple[Rule, ...] = (
     Rule("reform_group", lambda st, p: _collective.due(st), lambda st, out, p: _collective.announce(st, out)),
     Rule("finish_round", lambda st, p: _averaging.finish_due(st), _finish_round),
     Rule("stall", lambda st, p: _averaging.stall_due(st), _stall),
+    Rule("seed_joiners", lambda st, p: _membership.seed_due(st), lambda st, out, p: _membership.ask_seeds(st, out)),
     Rule("open_round", _open_due, _open_round),
     Rule("aggregate", lambda st, p: _metrics.next_ready(st), _aggregate),
     Rule("advance", _advance_due, _advance),
@@ -431,6 +441,8 @@ def _on_exiting(st: CoordinatorState, ev: RankExiting, out: list[Command]) -> No
 
 
 def _on_exit_report(st: CoordinatorState, ev: RankExitReported, out: list[Command]) -> None:
+    if _membership.stale_exit_report(st, ev.rank, ev.restart_count):
+        return
     trigger, reason = _membership.exit_reason(st, ev.rank, ev.code)
     forget_rank(st, ev.rank, trigger, reason, out)
 
@@ -452,6 +464,7 @@ def _on_restarted(st: CoordinatorState, ev: CoordinatorRestarted, out: list[Comm
     abandoned = _averaging.abandon(st)
     policy_of(st.config).on_restarted(st, abandoned)
     _collective.on_restarted(st)  # re-formed by the reform_group rule
+    _membership.reseed_after_restart(st)  # a seed in flight died with the old process
     joining = any(rec.phase is JOINING for rec in st.ranks)
     spec = _membership.run_spec(st, st.cohort_len or 0) if joining else None
     _resync.await_reports(st, ev, out, abandoned, spec)
@@ -493,6 +506,18 @@ def _on_resynced(st: CoordinatorState, ev: RankResynced, out: list[Command]) -> 
     _resync.conclude(st, ev, out, recovered, chunks, resent, policy_of(st.config).release_throttle)
 
 
+def _on_seeded(st: CoordinatorState, ev: JoinerSeeded, out: list[Command]) -> None:
+    """A joiner holds the consensus: a member now; the dispatcher gives it work."""
+    if not _membership.on_seeded(st, ev.rank, ev.cycle):
+        return
+    rec = st.ranks[ev.rank]
+    waited = st.now - st.run.joins[-1]["admitted_at"]
+    out.append(Notice("rank_joined", {"rank": ev.rank, "host": rec.host, "cycle": ev.cycle, "refill": rec.refill,
+                                      "waited_s": round(waited, 3), "members": st.alive_ranks()}))  # fmt: skip
+    rec.refill = False
+    policy_of(st.config).dispatcher.on_join(st, ev.rank, out)
+
+
 def _nothing(st: CoordinatorState, ev: Event, out: list[Command]) -> None:
     """A frame that only proves the rank is alive."""
 
@@ -520,4 +545,5 @@ HANDLERS: dict[type, Handler] = {
                                  not_in_run="ContributionRefused for a rank that is not in the run"),  # fmt: skip
     CoordinatorRestarted: Handler(_on_restarted),
     RankResynced: Handler(_on_resynced, touches_liveness=True),
+    JoinerSeeded: Handler(_on_seeded, touches_liveness=True),
 }

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import _collective, _coverage, _resync
+from . import _collective, _coverage, _membership, _resync
 from ._state import CoordinatorState
 
 __all__ = ["summary"]
@@ -66,6 +66,8 @@ def summary(st: CoordinatorState, summarise: Callable[[CoordinatorState, dict[st
         "epochs": [dict(row) for row in st.metrics.history],
         "evals": [dict(row) for row in st.roles.evals],
     }
+    if st.config.elastic or st.run.joins:  # the quorum it formed from, who joined, the slots nobody took
+        out["elastic"] = _membership.elastic_summary(st)
     if st.resync.restarts:  # coordinator restarts survived
         out["coordinator_restarts"] = _resync.summary(st)
     summarise(st, out)  # the policy's part (Cadence: ``elche``, each epoch's ``averages``)

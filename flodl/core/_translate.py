@@ -14,6 +14,7 @@ from ._events import (
     EvalDone,
     HeartbeatSeen,
     IntentRaised,
+    JoinerSeeded,
     RankExiting,
     RankHello,
     RankResynced,
@@ -60,6 +61,7 @@ def hello_event(now: float, route: tuple[bytes, ...], env: pb.Envelope) -> RankH
         host=h.host,
         pid=h.pid,
         incarnation=env.sender.incarnation,
+        restart_count=h.restart_count,
     )
 
 
@@ -119,6 +121,8 @@ def timing_event(now: float, t: pb.Timing):
         k = {pb.INTENT_KIND_EVAL_NOW: "eval", pb.INTENT_KIND_CHECKPOINT_NOW: "checkpoint"}.get(t.intent.kind)
         if k is not None:
             return IntentRaised(now=now, rank=r, kind=k)
+    if kind == "seeded":
+        return JoinerSeeded(now=now, rank=r, cycle=t.seeded.cycle)
     if kind == "store_ready":
         return StoreReady(now=now, rank=r, generation=t.store_ready.generation, addr=t.store_ready.addr)
     if kind == "collective_failed":

@@ -32,6 +32,7 @@ from ._events import (
     RunEpochFn,
     RunEval,
     SaveCheckpoint,
+    SeedApplied,
     SendMetrics,
     SendTiming,
     Sentinel,
@@ -39,6 +40,7 @@ from ._events import (
     TrainBatch,
     Warn,
 )
+from ._account import CAUSES, GOODPUT_CAUSES, TimeAccount
 from ._machine import INFORMATIONAL, RankMachine, Snapshot, gamma_mass
 from ._plans import Chunk
 
@@ -48,6 +50,10 @@ __all__ = [
     "Chunk",
     "gamma_mass",
     "INFORMATIONAL",
+    # where a rank's wall time went (goodput / badput by cause)
+    "TimeAccount",
+    "CAUSES",
+    "GOODPUT_CAUSES",
     # events
     "Event",
     "Admitted",
@@ -55,6 +61,7 @@ __all__ = [
     "ControlReceived",
     "ConsensusReady",
     "BatchTrained",
+    "SeedApplied",
     # commands
     "Command",
     "SendTiming",

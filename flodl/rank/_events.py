@@ -24,6 +24,7 @@ __all__ = [
     "ControlReceived",
     "ConsensusReady",
     "BatchTrained",
+    "SeedApplied",
     # commands
     "Command",
     "SendTiming",
@@ -104,6 +105,14 @@ class ConsensusReady(Event):
 
     cycle: int
     arrays: Any = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SeedApplied(Event):
+    """A rank admitted into a running world (``RunSpec.join_running``): the shell loaded
+    the seed consensus of ``cycle`` (``RoundHeader.seed``) into the parameters."""
+
+    cycle: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -79,6 +79,7 @@ from ._events import (
     RunEpochFn,
     RunEval,
     SaveCheckpoint,
+    SeedApplied,
     SendMetrics,
     SendTiming,
     Sentinel,
@@ -147,6 +148,8 @@ class RankMachine:
         self.unfolded: list[pb.Timing.Batch] = []  # reported, not yet folded (step order)
         self.finished: list[pb.Metrics] = []  # chunks of epochs not seen aggregated
         self.restarts = 0
+        # Elastic membership: admitted into a running world, no seed consensus loaded yet.
+        self.awaiting_seed = False
 
     # -- queries ------------------------------------------------------------------------
 
@@ -156,6 +159,12 @@ class RankMachine:
 
     def has_plan(self) -> bool:
         return self.current is not None or bool(self.plans)
+
+    def accepts_seed(self) -> bool:
+        """Would a seed consensus be loaded now? Only by a joiner that has not trained yet
+        (a repeat after a coordinator restart is confirmed again; a seed for a rank that
+        trains would throw its steps away)."""
+        return self.spec is not None and bool(self.spec.join_running) and self.local_step == 0
 
     def has_snapshot(self, cycle: int) -> bool:
         return cycle in self.snapshots
@@ -192,7 +201,10 @@ class RankMachine:
 
     def next_action(self, now: float) -> Union[TrainBatch, SendMetrics, Sentinel]:
         """What to do between steps: a batch to train, a finished chunk's metrics to
-        send, or ``WAIT_PLAN`` / ``WAIT_THROTTLE`` (block, servicing frames)."""
+        send, or ``WAIT_PLAN`` / ``WAIT_THROTTLE`` (block, servicing frames). A joiner
+        trains nothing before it holds the seed consensus."""
+        if self.awaiting_seed:
+            return WAIT_PLAN
         if self.current is None:
             if not self.plans:
                 return WAIT_PLAN
@@ -233,6 +245,7 @@ class RankMachine:
         self.spec = ev.spec
         self.global_step = max(ev.global_step, ev.spec.global_step)  # the run's progress at admission
         self.samples_committed = ev.spec.samples_committed
+        self.awaiting_seed = bool(ev.spec.join_running)
         if ev.hello_resent and self.incarnation is not None:
             # The first answer may have been lost with a coordinator that restarted: this
             # one then comes from the new process, which already counts the rank as a
@@ -240,6 +253,15 @@ class RankMachine:
             # The rank cannot tell, so it reports (a coordinator that did not restart
             # ignores a report it is not awaiting).
             self._report(self.incarnation, out)
+
+    def _seed(self, ev: SeedApplied, out: list[Command]) -> None:
+        """The seed is loaded: say so (the coordinator then makes this rank a member).
+        A repeat (the coordinator restarted and asked again) is confirmed again."""
+        if not self.accepts_seed():
+            out.append(Drop(reason="unexpected_seed", detail=f"seed of cycle {ev.cycle} for a rank that is not joining"))
+            return
+        self.awaiting_seed = False
+        out.append(SendTiming(kind="seeded", body=pb.Timing.Seeded(cycle=ev.cycle)))
 
     def _batch(self, ev: BatchTrained, out: list[Command]) -> None:
         self.in_hand = None
@@ -472,6 +494,7 @@ _HANDLERS: dict[type, Callable[[RankMachine, Any, list], None]] = {
     ControlReceived: RankMachine._control,
     ConsensusReady: RankMachine._consensus,
     BatchTrained: RankMachine._batch,
+    SeedApplied: RankMachine._seed,
 }
 
 # Control command -> handler (informational kinds: INFORMATIONAL; anything else is dropped).

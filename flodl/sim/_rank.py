@@ -46,6 +46,7 @@ from flodl.rank import (
     RunEpochFn,
     RunEval,
     SaveCheckpoint,
+    SeedApplied,
     SendMetrics,
     SendTiming,
     TakeSnapshot,
@@ -79,9 +80,11 @@ def metrics_event(m: pb.Metrics) -> tuple[type, dict]:
 
 
 class SimRank:
-    def __init__(self, world: "_World", rank: int, ms: float):
+    def __init__(self, world: "_World", rank: int, ms: float, generation: int = 0):
         self.w, self.rank, self.ms = world, rank, ms
-        self.route = (b"sim%d" % rank,)
+        self.generation = generation  # 0: the first process; n: its n-th restart
+        self.route = (b"sim%d" % rank,) if generation == 0 else (b"sim%d-%d" % (rank, generation),)
+        self.seed_held = False  # a joiner's seed consensus arrived
         self.hellos = 0  # hellos sent
         self.m = RankMachine(rank)
         self.training = False  # a batch is on the (virtual) device
@@ -101,6 +104,14 @@ class SimRank:
             return
         if ack.accepted and not self.m.admitted:
             self._do(self.m.handle(Admitted(spec=ack.run, hello_resent=self.hellos > 1)))
+
+    def on_seed(self, cycle: int, incarnation: int) -> None:
+        """The seed consensus (``RoundHeader.seed``) reached this joiner."""
+        if not self.alive or not self._seen(incarnation) or not self.m.admitted:
+            return
+        self.seed_held = True
+        self._do(self.m.handle(SeedApplied(cycle=cycle)))
+        self._maybe_train()
 
     def on_control(self, ctl: pb.Control, incarnation: int) -> None:
         if not self.alive or not self._seen(incarnation) or not self.m.admitted:
@@ -159,6 +170,8 @@ class SimRank:
                 self._do([act])
                 continue
             break
+        if self.m.spec is not None and self.m.spec.join_running and not self.seed_held:
+            self.w.violations.append(f"rank {self.rank} (process {self.generation}) trained before its seed arrived")
         self.training = True
         j = self.w.cfg.jitter
         dt = self.ms / 1000.0 * self.w.rng.uniform(1 - j, 1 + j)
@@ -176,10 +189,12 @@ class SimRank:
 
     def _fault(self) -> bool:
         cfg, step = self.w.cfg, self.m.local_step
-        if cfg.fail_at.get(self.rank) == step:
+        if self.generation == 0 and cfg.fail_at.get(self.rank) == step:
             self.alive = False
             self.w.agent_report(RankExitReported, dict(rank=self.rank, code=-9))
             self.w.reducer_drop(self.rank)
+            if cfg.respawn_after_s is not None:
+                self.w.at(self.w.now + cfg.respawn_after_s, self.w.respawn, self.rank)
             return True
         if cfg.hang_at.get(self.rank) == step:
             self.alive = False
@@ -195,7 +210,7 @@ class SimRank:
             self.hellos += 1
             self.w.to_core(RankHello, dict(route=self.route, rank=self.rank, world_size=len(self.w.ranks),
                                            model_sig=b"\x01" * 32, dataset_len=self.w.cfg.total_samples,
-                                           incarnation=self.rank + 1))  # fmt: skip
+                                           incarnation=self.rank + 1 + 1000 * self.generation))  # fmt: skip
             self.w.at(self.w.now + HELLO_RESEND_S, self.hello)
 
     def heartbeat(self) -> None:

@@ -28,7 +28,11 @@ report. ``Result.restarts`` / ``Result.lost_frames`` count what happened.
 
 Faults are data: ``fail_at={rank: step}`` kills a rank after that many steps (the
 agent reports the exit after ``report_delay_s``); ``hang_at={rank: step}`` silences it
-(only the core's liveness timeout can notice). A run is reproducible from its seed;
+(only the core's liveness timeout can notice). ``hello_at={rank: t}`` starts a rank
+late (``inf``: never) -- after the world formed, it joins the running world -- and
+``respawn_after_s`` starts a rank killed by ``fail_at`` again (a new process). A joiner
+is seeded with the simulated reducer's latest consensus; ``Result.violations`` lists any
+joiner that trained before its seed arrived. A run is reproducible from its seed;
 ``Result.events`` is the exact event list, paste-able into a regression test.
 """
 
@@ -47,6 +51,7 @@ from flodl.core import (
     OpenRound,
     Reply,
     RunFinished,
+    SeedJoiner,
     Send,
     Tick,
     initial_state,
@@ -74,6 +79,12 @@ class SimConfig:
     heartbeat_s: float = 1.0
     liveness_timeout_s: float = 10.0
     fail_at: dict[int, int] = field(default_factory=dict)
+    # Elastic membership: a rank's first hello at this virtual time (default 0; inf:
+    # never -- a host that never comes). The core's min_ranks goes in core_overrides.
+    hello_at: dict[int, float] = field(default_factory=dict)
+    # A rank killed by fail_at comes back this long after (its agent's --max-restarts): a
+    # new process, a new incarnation, the same rank id, admitted into the running world.
+    respawn_after_s: Optional[float] = None
     hang_at: dict[int, int] = field(default_factory=dict)
     report_delay_s: float = 0.01
     max_virtual_s: float = 36_000.0
@@ -94,6 +105,8 @@ class Result:
     solo_samples_per_s: float = 0.0  # what the ranks could do alone, summed
     restarts: int = 0  # coordinator restarts that happened
     lost_frames: int = 0  # frames lost in flight to or from a dying coordinator
+    violations: list = field(default_factory=list)  # a joiner that trained before it held the seed
+    respawns: int = 0  # rank processes started again (respawn_after_s)
 
     @property
     def summary(self) -> dict:
@@ -141,6 +154,12 @@ class _World:
         self._crashes = sorted(cfg.crash_at)
         self.restarts = 0
         self.lost_frames = 0
+        # The reducer's latest consensus (its cycle), what a joiner is seeded with; None
+        # before the first round and after a coordinator restart (a new reducer).
+        self.consensus_cycle: Optional[int] = None
+        self.pending_seeds: list[int] = []
+        self.violations: list[str] = []
+        self.respawns = 0
 
     def at(self, t: float, fn: Callable, *args) -> None:
         self._seq += 1
@@ -213,15 +232,34 @@ class _World:
             self.round = {"cycle": c.cycle, "expected": set(c.ranks), "got": {}}
         elif isinstance(c, ForgetRank):
             self.reducer_drop(c.rank)
+        elif isinstance(c, SeedJoiner):
+            if self.consensus_cycle is None:
+                self.pending_seeds.append(c.rank)  # the next consensus seeds it
+            else:
+                self._seed(c.rank)
         elif isinstance(c, Notice):
             self.notices.append(c)
         elif isinstance(c, RunFinished):
             self.finished = c
 
+    def _seed(self, rank: int) -> None:
+        r = self.ranks[rank]
+        self._to_rank(rank, r.on_seed, self.consensus_cycle, self.incarnation)
+
+    def respawn(self, rank: int) -> None:
+        """The agent starts the failed rank's process again: a new machine and incarnation."""
+        old = self.ranks[rank]
+        new = SimRank(self, rank, old.ms, generation=old.generation + 1)
+        self.ranks[rank] = new
+        self.respawns += 1
+        new.hello()
+        self.at(self.now + self.cfg.heartbeat_s, new.heartbeat)
+
     def _crash(self) -> None:
         self.down = True
         self.gen += 1
         self.round = None  # the reducer's open round dies with the process
+        self.consensus_cycle = None  # ... and so does its latest consensus
         self.at(self.now + self.cfg.restart_after_s, self._restart)
 
     def _restart(self) -> None:
@@ -270,6 +308,11 @@ class _World:
         self.round = None
         done = self.now + self.cfg.reduce_s_per_rank * max(1, len(rd["got"]))
         arrays = INCLUDED if sum(rd["got"].values()) > 0 else None  # total weight 0: keep local
+        if arrays is not None:
+            self.consensus_cycle = rd["cycle"]
+            pending, self.pending_seeds = self.pending_seeds, []
+            for rank in pending:
+                self._seed(rank)
         for rank in sorted(rd["got"]):
             r = self.ranks[rank]
             self._to_rank(rank, r.on_consensus, rd["cycle"], arrays, self.incarnation, base=done)
@@ -283,8 +326,11 @@ class _World:
 
     def run(self) -> Result:
         for r in self.ranks:
-            self.at(0.0, r.hello)
-            self.at(self.cfg.heartbeat_s, r.heartbeat)
+            t = self.cfg.hello_at.get(r.rank, 0.0)
+            if t == float("inf"):
+                continue  # never comes
+            self.at(t, r.hello)
+            self.at(t + self.cfg.heartbeat_s, r.heartbeat)
         self.at(self.cfg.tick_s, self._tick)
         while self._q and self.finished is None:
             t, _, fn, args = heapq.heappop(self._q)
@@ -294,7 +340,8 @@ class _World:
             fn(*args)
         solo = sum(self.cfg.batch_size * 1000.0 / ms for ms in self.cfg.ms_per_batch)
         return Result(self.finished, self.now, self.events, self.commands, self.state, solo,
-                      restarts=self.restarts, lost_frames=self.lost_frames)  # fmt: skip
+                      restarts=self.restarts, lost_frames=self.lost_frames, violations=self.violations,
+                      respawns=self.respawns)  # fmt: skip
 
 
 def simulate(cfg: SimConfig) -> Result:

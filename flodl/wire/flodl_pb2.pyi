@@ -133,7 +133,7 @@ class Envelope(_message.Message):
     def __init__(self, protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., session: _Optional[str] = ..., sender: _Optional[_Union[Sender, _Mapping]] = ..., seq: _Optional[int] = ..., blob_count: _Optional[int] = ..., control: _Optional[_Union[Control, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., metrics: _Optional[_Union[Metrics, _Mapping]] = ..., hello: _Optional[_Union[RankHello, _Mapping]] = ..., hello_ack: _Optional[_Union[HelloAck, _Mapping]] = ..., round: _Optional[_Union[RoundHeader, _Mapping]] = ..., relay: _Optional[_Union[RelayMsg, _Mapping]] = ..., agent: _Optional[_Union[AgentMsg, _Mapping]] = ...) -> None: ...
 
 class RankHello(_message.Message):
-    __slots__ = ("rank", "world_size", "model_sig", "dataset_len", "host", "pid", "bf16_wire", "task", "agent_token")
+    __slots__ = ("rank", "world_size", "model_sig", "dataset_len", "host", "pid", "bf16_wire", "task", "agent_token", "restart_count")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIG_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class RankHello(_message.Message):
     BF16_WIRE_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     AGENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     model_sig: bytes
@@ -152,10 +153,11 @@ class RankHello(_message.Message):
     bf16_wire: bool
     task: str
     agent_token: bytes
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_sig: _Optional[bytes] = ..., dataset_len: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., bf16_wire: _Optional[bool] = ..., task: _Optional[str] = ..., agent_token: _Optional[bytes] = ...) -> None: ...
+    restart_count: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_sig: _Optional[bytes] = ..., dataset_len: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., bf16_wire: _Optional[bool] = ..., task: _Optional[str] = ..., agent_token: _Optional[bytes] = ..., restart_count: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from", "global_step", "samples_committed")
+    __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from", "join_running", "global_step", "samples_committed")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +172,7 @@ class RunSpec(_message.Message):
     LIVENESS_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     START_EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
+    JOIN_RUNNING_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     world_size: int
@@ -186,9 +189,10 @@ class RunSpec(_message.Message):
     liveness_timeout_s: float
     start_epoch: int
     resume_from: str
+    join_running: bool
     global_step: int
     samples_committed: int
-    def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ..., global_step: _Optional[int] = ..., samples_committed: _Optional[int] = ...) -> None: ...
+    def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ..., join_running: _Optional[bool] = ..., global_step: _Optional[int] = ..., samples_committed: _Optional[int] = ...) -> None: ...
 
 class HelloAck(_message.Message):
     __slots__ = ("accepted", "reason", "run", "deferred")
@@ -469,7 +473,12 @@ class Control(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., request_params: _Optional[_Union[Control.RequestParams, _Mapping]] = ..., update: _Optional[_Union[Control.Update, _Mapping]] = ..., sync_now: _Optional[_Union[Control.SyncNow, _Mapping]] = ..., start_epoch: _Optional[_Union[Control.StartEpoch, _Mapping]] = ..., extend_partition: _Optional[_Union[Control.ExtendPartition, _Mapping]] = ..., declare_dead: _Optional[_Union[Control.DeclareDead, _Mapping]] = ..., rendezvous: _Optional[_Union[Control.Rendezvous, _Mapping]] = ..., throttle: _Optional[_Union[Control.Throttle, _Mapping]] = ..., set_global_step: _Optional[_Union[Control.SetGlobalStep, _Mapping]] = ..., checkpoint: _Optional[_Union[Control.Checkpoint, _Mapping]] = ..., execute_eval: _Optional[_Union[Control.ExecuteEval, _Mapping]] = ..., set_epoch_callback_role: _Optional[_Union[Control.SetEpochCallbackRole, _Mapping]] = ..., shutdown: _Optional[_Union[Control.Shutdown, _Mapping]] = ..., shutdown_with_save: _Optional[_Union[Control.ShutdownWithSave, _Mapping]] = ..., epoch_aggregated: _Optional[_Union[Control.EpochAggregated, _Mapping]] = ..., eval_broadcast: _Optional[_Union[Control.EvalBroadcast, _Mapping]] = ..., save_consensus_model: _Optional[_Union[Control.SaveConsensusModel, _Mapping]] = ..., coord_heartbeat: _Optional[_Union[Control.CoordHeartbeat, _Mapping]] = ..., stage_advisory: _Optional[_Union[Control.StageAdvisory, _Mapping]] = ..., arm_consensus_eval: _Optional[_Union[Control.ArmConsensusEval, _Mapping]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("rank", "batch", "sync_ack", "exiting", "lr_update", "intent", "heartbeat", "snapshot_ready", "eval_result", "checkpoint_result", "epoch_fn_elapsed", "resync", "store_ready", "collective_failed")
+    __slots__ = ("rank", "batch", "sync_ack", "exiting", "lr_update", "intent", "heartbeat", "snapshot_ready", "eval_result", "checkpoint_result", "epoch_fn_elapsed", "resync", "store_ready", "collective_failed", "seeded", "time_account")
+    class Seeded(_message.Message):
+        __slots__ = ("cycle",)
+        CYCLE_FIELD_NUMBER: _ClassVar[int]
+        cycle: int
+        def __init__(self, cycle: _Optional[int] = ...) -> None: ...
     class Batch(_message.Message):
         __slots__ = ("batch_ms", "data_ms", "step_count", "batch_loss", "param_norm", "sync_divergence", "lr", "samples", "epoch", "offset")
         BATCH_MS_FIELD_NUMBER: _ClassVar[int]
@@ -607,6 +616,8 @@ class Timing(_message.Message):
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     STORE_READY_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FAILED_FIELD_NUMBER: _ClassVar[int]
+    SEEDED_FIELD_NUMBER: _ClassVar[int]
+    TIME_ACCOUNT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     batch: Timing.Batch
     sync_ack: Timing.SyncAck
@@ -621,7 +632,9 @@ class Timing(_message.Message):
     resync: Timing.Resync
     store_ready: StoreReady
     collective_failed: CollectiveFailed
-    def __init__(self, rank: _Optional[int] = ..., batch: _Optional[_Union[Timing.Batch, _Mapping]] = ..., sync_ack: _Optional[_Union[Timing.SyncAck, _Mapping]] = ..., exiting: _Optional[_Union[Timing.Exiting, _Mapping]] = ..., lr_update: _Optional[_Union[Timing.LrUpdate, _Mapping]] = ..., intent: _Optional[_Union[Timing.Intent, _Mapping]] = ..., heartbeat: _Optional[_Union[Timing.Heartbeat, _Mapping]] = ..., snapshot_ready: _Optional[_Union[Timing.SnapshotReady, _Mapping]] = ..., eval_result: _Optional[_Union[Timing.EvalResult, _Mapping]] = ..., checkpoint_result: _Optional[_Union[Timing.CheckpointResult, _Mapping]] = ..., epoch_fn_elapsed: _Optional[_Union[Timing.EpochFnElapsed, _Mapping]] = ..., resync: _Optional[_Union[Timing.Resync, _Mapping]] = ..., store_ready: _Optional[_Union[StoreReady, _Mapping]] = ..., collective_failed: _Optional[_Union[CollectiveFailed, _Mapping]] = ...) -> None: ...
+    seeded: Timing.Seeded
+    time_account: TimeAccount
+    def __init__(self, rank: _Optional[int] = ..., batch: _Optional[_Union[Timing.Batch, _Mapping]] = ..., sync_ack: _Optional[_Union[Timing.SyncAck, _Mapping]] = ..., exiting: _Optional[_Union[Timing.Exiting, _Mapping]] = ..., lr_update: _Optional[_Union[Timing.LrUpdate, _Mapping]] = ..., intent: _Optional[_Union[Timing.Intent, _Mapping]] = ..., heartbeat: _Optional[_Union[Timing.Heartbeat, _Mapping]] = ..., snapshot_ready: _Optional[_Union[Timing.SnapshotReady, _Mapping]] = ..., eval_result: _Optional[_Union[Timing.EvalResult, _Mapping]] = ..., checkpoint_result: _Optional[_Union[Timing.CheckpointResult, _Mapping]] = ..., epoch_fn_elapsed: _Optional[_Union[Timing.EpochFnElapsed, _Mapping]] = ..., resync: _Optional[_Union[Timing.Resync, _Mapping]] = ..., store_ready: _Optional[_Union[StoreReady, _Mapping]] = ..., collective_failed: _Optional[_Union[CollectiveFailed, _Mapping]] = ..., seeded: _Optional[_Union[Timing.Seeded, _Mapping]] = ..., time_account: _Optional[_Union[TimeAccount, _Mapping]] = ...) -> None: ...
 
 class StoreReady(_message.Message):
     __slots__ = ("generation", "addr")
@@ -630,6 +643,28 @@ class StoreReady(_message.Message):
     generation: int
     addr: str
     def __init__(self, generation: _Optional[int] = ..., addr: _Optional[str] = ...) -> None: ...
+
+class TimeAccount(_message.Message):
+    __slots__ = ("wall_s", "training_s", "barrier_s", "averaging_s", "calibration_s", "recovery_s", "checkpoint_s", "eval_s", "startup_s")
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_S_FIELD_NUMBER: _ClassVar[int]
+    BARRIER_S_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_S_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_S_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_S_FIELD_NUMBER: _ClassVar[int]
+    EVAL_S_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_S_FIELD_NUMBER: _ClassVar[int]
+    wall_s: float
+    training_s: float
+    barrier_s: float
+    averaging_s: float
+    calibration_s: float
+    recovery_s: float
+    checkpoint_s: float
+    eval_s: float
+    startup_s: float
+    def __init__(self, wall_s: _Optional[float] = ..., training_s: _Optional[float] = ..., barrier_s: _Optional[float] = ..., averaging_s: _Optional[float] = ..., calibration_s: _Optional[float] = ..., recovery_s: _Optional[float] = ..., checkpoint_s: _Optional[float] = ..., eval_s: _Optional[float] = ..., startup_s: _Optional[float] = ...) -> None: ...
 
 class CollectiveFailed(_message.Message):
     __slots__ = ("generation", "cycle", "reason")
@@ -689,7 +724,7 @@ class TensorMeta(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., elided: _Optional[bool] = ..., blob_index: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class RoundHeader(_message.Message):
-    __slots__ = ("cycle", "phase", "kind", "weight", "tensors", "contributing_ranks", "deliver_to", "buffer_tensors", "buffer_weight")
+    __slots__ = ("cycle", "phase", "kind", "weight", "tensors", "contributing_ranks", "deliver_to", "seed", "buffer_tensors", "buffer_weight", "relay_stats")
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -697,8 +732,10 @@ class RoundHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTING_RANKS_FIELD_NUMBER: _ClassVar[int]
     DELIVER_TO_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     BUFFER_TENSORS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    RELAY_STATS_FIELD_NUMBER: _ClassVar[int]
     cycle: int
     phase: RoundPhase
     kind: RoundKind
@@ -706,9 +743,27 @@ class RoundHeader(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     contributing_ranks: _containers.RepeatedScalarFieldContainer[int]
     deliver_to: _containers.RepeatedScalarFieldContainer[int]
+    seed: bool
     buffer_tensors: int
     buffer_weight: float
-    def __init__(self, cycle: _Optional[int] = ..., phase: _Optional[_Union[RoundPhase, str]] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., weight: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., contributing_ranks: _Optional[_Iterable[int]] = ..., deliver_to: _Optional[_Iterable[int]] = ..., buffer_tensors: _Optional[int] = ..., buffer_weight: _Optional[float] = ...) -> None: ...
+    relay_stats: RelayStats
+    def __init__(self, cycle: _Optional[int] = ..., phase: _Optional[_Union[RoundPhase, str]] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., weight: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., contributing_ranks: _Optional[_Iterable[int]] = ..., deliver_to: _Optional[_Iterable[int]] = ..., seed: _Optional[bool] = ..., buffer_tensors: _Optional[int] = ..., buffer_weight: _Optional[float] = ..., relay_stats: _Optional[_Union[RelayStats, _Mapping]] = ...) -> None: ...
+
+class RelayStats(_message.Message):
+    __slots__ = ("folds_sent", "ranks_folded", "parts_forwarded", "folds_discarded", "fanouts", "fanout_copies")
+    FOLDS_SENT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FOLDED_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FORWARDED_FIELD_NUMBER: _ClassVar[int]
+    FOLDS_DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    FANOUTS_FIELD_NUMBER: _ClassVar[int]
+    FANOUT_COPIES_FIELD_NUMBER: _ClassVar[int]
+    folds_sent: int
+    ranks_folded: int
+    parts_forwarded: int
+    folds_discarded: int
+    fanouts: int
+    fanout_copies: int
+    def __init__(self, folds_sent: _Optional[int] = ..., ranks_folded: _Optional[int] = ..., parts_forwarded: _Optional[int] = ..., folds_discarded: _Optional[int] = ..., fanouts: _Optional[int] = ..., fanout_copies: _Optional[int] = ...) -> None: ...
 
 class RelayMsg(_message.Message):
     __slots__ = ("hello", "rank_exit", "declare_dead", "fold_open", "fold_drop")
@@ -787,14 +842,16 @@ class AgentMsg(_message.Message):
         token: bytes
         def __init__(self, host: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., token: _Optional[bytes] = ...) -> None: ...
     class RankExited(_message.Message):
-        __slots__ = ("rank", "code", "token")
+        __slots__ = ("rank", "code", "token", "restart_count")
         RANK_FIELD_NUMBER: _ClassVar[int]
         CODE_FIELD_NUMBER: _ClassVar[int]
         TOKEN_FIELD_NUMBER: _ClassVar[int]
+        RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
         rank: int
         code: int
         token: bytes
-        def __init__(self, rank: _Optional[int] = ..., code: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+        restart_count: int
+        def __init__(self, rank: _Optional[int] = ..., code: _Optional[int] = ..., token: _Optional[bytes] = ..., restart_count: _Optional[int] = ...) -> None: ...
     class Abort(_message.Message):
         __slots__ = ("reason",)
         REASON_FIELD_NUMBER: _ClassVar[int]

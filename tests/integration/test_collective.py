@@ -41,7 +41,9 @@ def _launch(tmp_path: Path, *extra: str, env: dict | None = None):
         sys.executable, "-m", "flodl", "run", "--local", "--plane", "collective",
         "--ranks", "3", *TASK, "--slowdown", "1,2,4", "--base-ms", "2",
         "--epochs", "2", "--batch-size", str(BATCH), "--summary", str(summary),
-        "--trace-dir", str(trace), "--journal", str(journal), *extra, *TASK_ARGS,
+        "--trace-dir", str(trace), "--journal", str(journal),
+        "--log-level", "INFO",  # the tests read the ranks' collective decisions from the output
+        *extra, *TASK_ARGS,
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**os.environ, **(env or {})}

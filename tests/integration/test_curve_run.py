@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 def test_a_run_over_curve_completes_with_relay_agent_and_ranks(tmp_path):
     proc, summary, _trace = run_local(
         tmp_path, "--curve", "--ranks", "2", "--task", "synthetic", "--base-ms", "0",
-        "--epochs", "1", "--batch-size", "32", "--policy", "sync", timeout=120,
+        "--epochs", "1", "--batch-size", "32", "--policy", "sync", "--log-level", "INFO", timeout=120,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

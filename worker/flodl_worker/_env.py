@@ -40,6 +40,8 @@ FLODL_MAX_MESSAGE_BYTES no         the largest message part (one tensor) this ra
 FLODL_AGENT_TOKEN      no          set by the agent that launched this rank (hex); the
                                    rank's hello names it, and only that agent's exit
                                    reports about this rank are then believed
+FLODL_RESTART_COUNT    no          set by the agent when it starts a failed rank again
+                                   (1, 2, ...); the hello carries it (the join record)
 FLODL_FAULT            no          test failpoint, never in production:
                                    ``exit_in_collective:CYCLE[@RANK]`` SIGKILLs the rank
                                    (only RANK, if given) right after it launches the
@@ -116,6 +118,7 @@ class RankEnv:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # FLODL_MAX_MESSAGE_BYTES (0 = no limit)
     agent_token: bytes = field(default=b"", repr=False)  # FLODL_AGENT_TOKEN: who may report our exit
     coordinator: str = ""  # FLODL_COORDINATOR: the address the user gave the agent (messages name it)
+    restart_count: int = 0  # FLODL_RESTART_COUNT: the agent started this rank again this many times
 
     @property
     def coordinator_name(self) -> str:
@@ -146,6 +149,7 @@ class RankEnv:
         slow = env.get("FLODL_SLOWDOWN", "").strip()
         base = env.get("FLODL_BASE_MS", "").strip()
         hello = env.get("FLODL_HELLO_TIMEOUT_S", "").strip()
+        restarts = env.get("FLODL_RESTART_COUNT", "").strip()
         return cls(
             rank=rank,
             world_size=world,
@@ -157,6 +161,7 @@ class RankEnv:
             base_ms=_float("FLODL_BASE_MS", base, lo=0.0) if base else DEFAULT_BASE_MS,
             trace_dir=env.get("FLODL_TRACE_DIR", "").strip() or None,
             coordinator=env.get("FLODL_COORDINATOR", "").strip(),
+            restart_count=_int(env, "FLODL_RESTART_COUNT", restarts, lo=0) if restarts else 0,
             hello_timeout_s=_float("FLODL_HELLO_TIMEOUT_S", hello, lo=0.0, above=True)
             if hello
             else DEFAULT_HELLO_TIMEOUT_S,

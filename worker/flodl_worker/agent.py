@@ -55,6 +55,7 @@ import zmq
 
 from flodl.wire import Endpoint, SeqTracker, WireError, decode, pb, split_routing
 
+from flodl import sdnotify
 from flodl.procutil import death_signal_hook
 
 from flodl.curve import ENV_SECRET_KEY, ENV_SERVER_KEY, CurveError, client_keys
@@ -434,12 +435,16 @@ class Agent:
                 took = time.monotonic() - self.started_at
                 (log.warning if self.warned_at is not None else log.info)(
                     "coordinator at %s answered (after %.1fs)", self.cfg.coordinator, took)
+                # Type=notify units: the agent is up once its coordinator took it (no-op elsewhere).
+                sdnotify.notify("READY=1", f"STATUS=ranks {[c.rank for c in self.ranks]} in the run of "
+                                f"{self.cfg.coordinator}")
             self.acked = True
             return
         if self.acked is False:
             return
         self.acked = False
         log.error("the coordinator at %s refused this agent: %s", self.cfg.coordinator, ack.reason)
+        sdnotify.notify(f"STATUS=refused by the coordinator: {ack.reason}"[:400])
         if self.stop_reason is None:
             self.stop_reason = "refused"
             self.refused = ack.reason
@@ -467,7 +472,8 @@ class Agent:
             code = child.proc.poll()
             if code is not None and not child.reported:
                 child.reported = True
-                self._send_agent(rank_exited=pb.AgentMsg.RankExited(rank=child.rank, code=code, token=self.token))
+                self._send_agent(rank_exited=pb.AgentMsg.RankExited(rank=child.rank, code=code, token=self.token,
+                                                                    restart_count=child.restarts))  # fmt: skip
                 self._drain_child(child)
                 self._said_exit(child, code)
                 self._maybe_restart(child, code)

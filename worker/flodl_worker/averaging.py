@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flodl.rank import ApplyConsensus, TakeSnapshot
+from flodl.rank import ApplyConsensus, SeedApplied, TakeSnapshot
 from flodl.wire import WireError, pack_round, pb, split_buffers, unpack_round
 
 from .buffers import mover_mass
@@ -160,6 +160,34 @@ class BusAverager:
         # The buffers ride along only when realized (some rank moved): else kept local.
         consensus = (params + bufs if header.buffer_weight > 0 else params) if included else None
         r.consensus_ready(header.cycle, consensus)
+
+    def on_seed(self, header: pb.RoundHeader, blobs: list) -> None:
+        """Joining a running world: overwrite the parameters (and the f32 buffers, when the
+        consensus carries them) with the seed consensus and tell the machine (``SeedApplied``). The optimizer's state stays the fresh one the
+        rank just built (momentum starts from zero): copying a peer's would cost another
+        transfer as large as the model, from a peer the bus plane does not reach. Its
+        effect on accuracy is not measured yet."""
+        r = self.rank
+        if not r.m.accepts_seed():
+            r._drop("unexpected_seed", f"seed of cycle {header.cycle} for a rank that is not joining (or trained)")
+            return
+        try:
+            arrays = unpack_round(header, blobs)
+        except WireError as e:
+            r._drop(e.reason, e.detail)
+            return
+        params, bufs = split_buffers(header, arrays)
+        if not (_fits(params, r.params) and _fits(bufs, r.buffers)):
+            r._drop("bad_tensor", f"seed of cycle {header.cycle} does not match the model's schema")
+            return
+        with torch.no_grad():
+            for p, a in zip(r.params, params):
+                p.copy_(as_tensor(a).to(device=p.device, dtype=p.dtype))
+            if header.buffer_weight > 0:  # the consensus's f32 buffers, as a round overwrites them
+                for b, a in zip(r.buffers, bufs):
+                    b.copy_(as_tensor(a).to(device=b.device, dtype=b.dtype))
+        log.info("joined the running world: parameters set from the consensus of cycle %d", header.cycle)
+        r.feed(SeedApplied(cycle=int(header.cycle)))
 
     def apply(self, cmd: ApplyConsensus) -> None:
         """``ApplyConsensus``: apply ``cmd.arrays`` against the snapshot and ack the cycle.

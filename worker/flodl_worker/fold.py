@@ -272,7 +272,15 @@ class Folder:
             acc, cycle=f.cycle, weight=total, bf16=bf16, contributing_ranks=ranks,
             buffers=nbuf, buffer_weight=math.fsum(buffer_weights),
         )  # fmt: skip
-        out.append(self.endpoint.frames("round", header, blobs))
         self.folds_sent += 1
         self.ranks_folded += len(ranks)
+        header.relay_stats.CopyFrom(self.stats())  # the coordinator exports them (/metrics)
+        out.append(self.endpoint.frames("round", header, blobs))
         return out
+
+    def stats(self) -> pb.RelayStats:
+        """This relay's counters so far, as they ride on each folded round upstream."""
+        return pb.RelayStats(
+            folds_sent=self.folds_sent, ranks_folded=self.ranks_folded, parts_forwarded=self.parts_forwarded,
+            folds_discarded=self.folds_discarded, fanouts=self.fanouts, fanout_copies=self.fanout_copies,
+        )

@@ -44,6 +44,12 @@ one the simulator drives: this module decodes frames into its events (``Incarnat
 8. A frame of another coordinator incarnation (the coordinator restarted on its
    journal): ``timing.resync`` first, with what the new process may have lost
    (``flodl_worker.resync``); training goes on.
+9. Time accounting (``flodl.rank.TimeAccount``): from the runtime's import on, every
+   second goes to one cause -- start-up until the first step; training (calibration
+   for the first window of cadence/async, before any consensus); the machine's
+   averaging, checkpoint and eval commands while they run; waits are barrier, or
+   recovery after a DeclareDead, a re-formed group or a restart, until the next
+   consensus. The totals ride on every heartbeat and on Exiting (``time_account``).
 
 Around each step: the batch of the machine's ``TrainBatch`` comes from
 ``flodl_worker.loader`` (inline, or worker processes prefetching along the plans), is
@@ -79,13 +85,19 @@ from flodl.rank import (
     WAIT_PLAN,
     WAIT_THROTTLE,
     Admitted,
+    ApplyConsensus,
     BatchTrained,
     ControlReceived,
     Drop,
     Exit,
     IncarnationSeen,
     RankMachine,
+    RunEpochFn,
+    RunEval,
+    SaveCheckpoint,
     SendMetrics,
+    TakeSnapshot,
+    TimeAccount,
     TrainBatch,
 )
 from flodl.shuffle import epoch_permutation
@@ -149,6 +161,20 @@ DRAIN_BATCH = 256
 HELLO_RESEND_S = 5.0
 HELLO_WARN_S = 5.0  # no answer this long: say what is probably wrong (and keep trying)
 HELLO_REWARN_S = 30.0
+# The rank's wall time is accounted from here (flodl.rank.TimeAccount): importing the
+# runtime is the first thing a rank script does, so its dataset and model set-up count
+# as start-up.
+_STARTED = time.monotonic()
+
+
+# Commands whose time is not training: charged to their cause while they run.
+_CAUSE_OF = {
+    TakeSnapshot: "averaging",
+    ApplyConsensus: "averaging",
+    SaveCheckpoint: "checkpoint",
+    RunEval: "eval",
+    RunEpochFn: "eval",
+}
 
 
 class _Shutdown(Exception):
@@ -222,6 +248,11 @@ class _Rank(MachineShell):
         self.last_heard = time.monotonic()
         self.next_heartbeat = 0.0
         self.m = RankMachine(cfg.rank)  # what the rank decides (flodl.rank)
+        # Where the wall time goes, by cause; reported on heartbeats and on Exiting.
+        self.account = TimeAccount(min(_STARTED, time.monotonic()))
+        self._trained = False  # a first batch trained: waits are barriers, no longer start-up
+        self._consensus_seen = False  # a consensus applied: training is no longer calibration
+        self._recovering = False  # a death or a restart was heard: waits are recovery until the next consensus
         self.averager = BusAverager(self)
         self.collective: CollectiveAverager | None = None  # the averager too, on the collective plane
         self.checkpoints = CheckpointDuty(self)
@@ -284,6 +315,7 @@ class _Rank(MachineShell):
             inc = d.envelope.sender.incarnation
             if self.m.is_restart(inc):
                 self.averager.settle()  # a reduce that completed counts in the report
+                self._recovering = self._trained  # waits until the next consensus are the restart's cost
             # A restarted coordinator: the resync report goes first (or a stale frame is dropped).
             seen = self.feed(IncarnationSeen(incarnation=inc, hello_ack=d.envelope.HasField("hello_ack")))
             if any(type(c) is Drop for c in seen):
@@ -301,6 +333,7 @@ class _Rank(MachineShell):
         started = time.monotonic()
         while not done():
             now = time.monotonic()
+            self.account.enter(self._wait_cause(), now)  # (a death heard meanwhile: recovery from then on)
             self._heartbeat_if_due(now)
             deadline = max(self.last_heard, started) + self.liveness_s
             if now >= deadline:
@@ -313,8 +346,35 @@ class _Rank(MachineShell):
 
     def _heartbeat_if_due(self, now: float) -> None:
         if self.spec is not None and now >= self.next_heartbeat:
-            self._timing(heartbeat=pb.Timing.Heartbeat(step_count=self.m.local_step))
+            self._timing(heartbeat=pb.Timing.Heartbeat(step_count=self.m.local_step),
+                         time_account=self.account.to_pb(now))
             self.next_heartbeat = now + self.heartbeat_s
+
+    # -- time accounting (flodl.rank.TimeAccount) ---------------------------------------
+
+    def _wait_cause(self) -> str:
+        if not self._trained:
+            return "startup"
+        return "recovery" if self._recovering else "barrier"
+
+    def _train_cause(self) -> str:
+        calibrating = self.spec is not None and self.spec.policy in (pb.POLICY_CADENCE, pb.POLICY_ASYNC)
+        return "calibration" if calibrating and not self._consensus_seen else "training"
+
+    def execute(self, cmds: list) -> None:
+        """The machine's commands, each charged to its cause (averaging, checkpoint, eval)."""
+        for c in cmds:
+            cause = _CAUSE_OF.get(type(c))
+            if cause is None:
+                super().execute([c])
+                continue
+            self.account.during(cause, time.monotonic())
+            try:
+                super().execute([c])
+            finally:
+                self.account.leave(time.monotonic())
+            if type(c) is ApplyConsensus:
+                self._consensus_seen, self._recovering = True, False
 
     # -- admission ----------------------------------------------------------------------
 
@@ -336,6 +396,7 @@ class _Rank(MachineShell):
             pid=os.getpid(),
             task=self.task,
             agent_token=self.cfg.agent_token,  # vouches for the agent that launched us (agents)
+            restart_count=self.cfg.restart_count,  # the coordinator's join record names the restart
         )
         self._send("hello", hello)
         self._hello_deadline = time.monotonic() + self.cfg.hello_timeout_s
@@ -436,9 +497,18 @@ class _Rank(MachineShell):
         elif self.spec is None:
             self._drop("before_admission", f"{kind} before hello_ack")
         elif kind == "control":
+            which = env.control.WhichOneof("cmd")
+            regrouped = which == "rendezvous" and env.control.rendezvous.generation > 1
+            if self._trained and (which == "declare_dead" or regrouped):
+                self._recovering = True  # a rank died: what the survivors wait from now is its cost
             self.feed(ControlReceived(control=env.control))
             if env.control.WhichOneof("cmd") == "set_global_step":
                 self.clock.tick()  # the run's progress moved: the schedule follows it
+        elif kind == "round" and env.round.seed:
+            if self.collective is None:
+                self.averager.on_seed(env.round, blobs)  # joining a running world: start from the consensus
+            else:
+                self._drop("unexpected_seed", "a seed consensus on the collective plane")
         elif kind == "round":
             # Acked first (the round finishes without waiting for the disk); an armed
             # checkpoint is saved before the next step: the file holds exactly this consensus.
@@ -554,11 +624,14 @@ class _Rank(MachineShell):
             elif type(act) is SendMetrics:  # even while throttled: reporting is not training
                 self.execute([act])
             else:
+                self._trained = True
+                self.account.enter(self._train_cause(), time.monotonic())
                 self._train(act)
 
     def say_exiting(self) -> None:
         digest = param_digest(self.params + self.buffers)  # the f32 buffers are averaged too
-        self._timing(exiting=pb.Timing.Exiting(param_digest=digest, steps=self.m.local_step))
+        self._timing(exiting=pb.Timing.Exiting(param_digest=digest, steps=self.m.local_step),
+                     time_account=self.account.to_pb(time.monotonic()))
 
     def close(self) -> None:
         if self.loader is not None:

@@ -150,8 +150,9 @@ def wake(st: CoordinatorState, out: list[Command]) -> None:
     for r in sorted(cad.wakeable):
         if source_epoch(st) is None:
             return  # nobody could be given anything: they stay wakeable
-        cad.wakeable.discard(r)
         _dispatch_next(st, r, out)
+        if _held(st, r) is not None:  # served (one chunk in flight) or held: out until released
+            cad.wakeable.discard(r)
 
 
 class _Streams:

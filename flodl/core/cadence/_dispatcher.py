@@ -380,8 +380,9 @@ def wake(st: CoordinatorState, out: list[Command]) -> None:
     if not cad.wakeable or not any(pool.remaining() for pool in cad.pools.values()):
         return  # nobody could be given anything: they stay wakeable
     for r in sorted(cad.wakeable):
-        cad.wakeable.discard(r)
         _dispatch_next(st, r, out)
+        if _held(st, r) is not None:  # served (one chunk in flight) or held: out until released
+            cad.wakeable.discard(r)
 
 
 def _note_barrier(st: CoordinatorState) -> None:
@@ -654,3 +655,28 @@ class CadenceDispatcher:
         behind an epoch barrier ``dispatch_epoch`` stages it before the first windows."""
         if self.barrier_paced and epoch + 1 in st.cadence.pools and _slack.stage(st, epoch + 1, out):
             counts_changed(st)
+
+    def on_join(self, st: CoordinatorState, rank: int, out: list[Command]) -> None:
+        """A joiner holds the consensus: it draws chunks from the current epoch's pool
+        (stealing from the largest residue: its slot had no span), starting with a probe
+        window -- the smallest count among the members, at most ``probe_batches`` -- that
+        ElChe then calibrates like any window."""
+        cad, d = st.cadence, st.dispatch
+        cad.in_flight.pop(rank, None)
+        cad.throttled.discard(rank)
+        cad.window_mark[rank] = 0
+        el = cad.elche
+        others = [c for c, rec in zip(el.batch_counts, st.ranks) if rec.phase is ACTIVE and rec.rank != rank]
+        probe = st.config.probe_batches or st.config.anchor
+        el.batch_counts[rank] = max(1, min([probe, *others]))
+        counts_changed(st)  # the cached alive counts (``_views``) hold its old count
+        epoch = d.last_dispatched
+        if epoch is not None and epoch in cad.pools:
+            d.rank_epoch[rank] = epoch
+            _pin(st, epoch)
+        rearm(st)  # a new member: every view may serve it or be blocked by it
+        wake(st, out)
+        _note_barrier(st)
+        if self.streams is not None:
+            self.streams.wake(st, out)
+

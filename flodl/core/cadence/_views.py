@@ -9,7 +9,10 @@ views in ``CadenceState`` make each O(1) amortised (O(log N) where a heap orders
 
 * ``wakeable``: every ACTIVE rank a wake could serve now -- a superset. A wake looks
   only at these, in rank order (and not at all while every pool is empty), and drops
-  each it looks at, served or not. A rank comes back when what held it can have changed:
+  those it served or found held (a chunk in flight, throttled, at its reduce barrier, not
+  ACTIVE); one that only lacked work stays (under Async, Cadence's wake of a death finds
+  no work in a rank's own epoch that the stream's wake right after hands it from an
+  older one). A rank comes back when what held it can have changed:
   its chunk completed (``on_batch``), its throttle was lifted (``release_throttle``), its
   steps were folded or it became ACTIVE (the rank index's ``released``, absorbed by
   ``absorb_released``: a mid-run join is covered), or ``rearm``.

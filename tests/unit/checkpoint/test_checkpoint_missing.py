@@ -20,7 +20,9 @@ from flodl_coordinator.settings import load_settings
 
 def settings(tmp_path, **over):
     flags = {"world_size": 2, "bind": "tcp://127.0.0.1:0", "epochs": 3, "batch_size": 4, "policy": "sync",
-             "checkpoint_dir": str(tmp_path / "ck"), "checkpoint_every": 1, "summary": str(tmp_path / "s.json")}
+             "checkpoint_dir": str(tmp_path / "ck"), "checkpoint_every": 1, "summary": str(tmp_path / "s.json"),
+             # no rank runs here, so no final eval writes the output model: only checkpoints are judged
+             "final_eval": False}
     flags.update(over)
     return load_settings(env={}, flags=flags)
 

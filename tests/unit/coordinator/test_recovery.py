@@ -183,3 +183,14 @@ def test_held_sends_wait_for_their_peer_in_order():
     assert held.intercept([b"rank-9", b"", b"beat"])
     held.retry(send)
     assert not held and sent[-1] == [b"rank-9", b"", b"beat"]
+
+
+def test_a_recovered_service_shows_the_run_from_its_start_on_the_dashboard(Cluster, tmp_path):
+    s = _settings(tmp_path)
+    c = _half_run(Cluster, s)
+    _write(s, c.journal)
+    svc = CoordinatorService(s)  # replays the journal: the timeline sees every replayed step
+    snap = svc.timeline.snapshot()
+    assert [lane["marks"][0]["kind"] for lane in snap["lanes"]] == ["join", "join"]
+    assert all(any(sp[0] == "round" for sp in lane["spans"]) for lane in snap["lanes"])
+    assert [e["epoch"] for e in snap["epochs"]] == [h["epoch"] for h in c.state.metrics.history] == [0]

@@ -129,8 +129,8 @@ def test_flodl_run_keeps_its_flags_and_makes_paths_absolute(tmp_path):
         "--outer-optimizer", "slowmo", "--outer-lr", "0.5", "--outer-momentum", "0.5", "--resume", "ck",
         "--seed", "7", "--batch-size", "16", "--easgd-alpha", "0.5", "--anchor", "2", "--timeout", "60", "--quiet",
     ])  # fmt: skip
-    assert (args.ranks, args.slowdown, args.base_ms, args.no_fold, args.curve, args.trace_dir) == (
-        3, "1,2,4", 0.0, True, True, "t")  # fmt: skip
+    assert (args.ranks.lo, args.ranks.hi, args.slowdown, args.base_ms, args.no_fold, args.curve, args.trace_dir) == (
+        3, 3, "1,2,4", 0.0, True, True, "t")  # fmt: skip
     forwarded = coordinator_parser().parse_args(["serve", *launcher.coordinator_flags(args)])
     assert forwarded.checkpoint_dir == forwarded.resume == str(Path("ck").resolve())
     assert (forwarded.epochs, forwarded.policy, forwarded.liveness_timeout_s, forwarded.outer_optimizer) == (

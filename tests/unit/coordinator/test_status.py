@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from flodl.core import CoreConfig, initial_state
 from flodl.wire import Endpoint, decode, pb, split_routing
@@ -85,11 +86,13 @@ def test_status_core_block_follows_admission_forming_and_training(service):
     r0.hello("host-a")
     doc = status_when(base, lambda d: d["core"]["ranks"][0]["phase"] == "JOINING")
     core = doc["core"]
-    assert doc["phase"] == core["run"]["phase"] == "FORMING"
+    assert doc["schema_version"] == 1
+    assert doc["run"]["phase"] == core["run"]["phase"] == "FORMING"
     assert core["world_size"] == 2
     assert core["ranks"][0] | {"last_seen": None} == {
         "rank": 0, "phase": "JOINING", "host": "host-a", "pid": 4000, "incarnation": 1, "epoch": None,
         "samples": 0, "batches": 0, "last_step": 0, "folded_step": 0, "last_seen": None, "reason": "",
+        "window": 1,
     }  # fmt: skip
     assert core["ranks"][0]["last_seen"] > 0
     assert core["ranks"][1]["phase"] == "VACANT"
@@ -107,6 +110,11 @@ def test_status_core_block_follows_admission_forming_and_training(service):
     assert core["progress"] == {"samples_committed": 0, "samples_total": 2 * TOTAL, "fraction": 0.0,
                                 "samples_discarded": 0}  # fmt: skip
     assert isinstance(core["reasons"], dict)
+    # The operator's view of the same facts: membership, and why the epoch is not done.
+    assert [(m["rank"], m["phase"], m["host"]) for m in doc["membership"]] == [(0, "ACTIVE", "host-a"), (1, "ACTIVE", "host-b")]
+    assert doc["waiting"]["epoch"] == "epoch 0 not complete"
+    # (these peers never heartbeat: on a slow machine they may already count as silent)
+    assert all(a["kind"] == "rank_silent" for a in doc["alerts"]), doc["alerts"]
 
     # One trained batch shows in rank 0's counters (trained, not yet committed).
     r0.send("timing", pb.Timing(rank=0, batch=pb.Timing.Batch(
@@ -122,15 +130,18 @@ def test_metrics_over_http_counts_events_and_dropped_frames_by_reason(service):
     r0.hello("host-a")
     # A frame whose body claims another rank than its route owns: dropped, counted.
     r0.send("timing", pb.Timing(rank=1, heartbeat=pb.Timing.Heartbeat(step_count=1)))
-    status_when(base, lambda d: d.get("dropped_frames", {}).get("route_mismatch") == 1)
+    doc = status_when(base, lambda d: d.get("dropped_frames", {}).get("route_mismatch") == 1)
+    assert {"level": "warning", "kind": "dropped_frames", "message": "1 frame(s) dropped: route_mismatch"} in doc["alerts"]
     ctype, text = get(base + "/metrics")
     assert ctype.startswith("text/plain")
-    lines = text.splitlines()
-    assert "# TYPE flodl_events_total counter" in lines
-    events = [ln for ln in lines if ln.startswith("flodl_events_total ")]
-    assert len(events) == 1 and int(events[0].split()[1]) >= 1
-    assert 'flodl_dropped_frames_total{reason="route_mismatch"} 1' in lines
-    assert 'flodl_bus_bytes_total{direction="in"} 0' in lines
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert fams["flodl_events"].type == "counter"
+    (events,) = fams["flodl_events"].samples
+    assert events.labels == {"run": SESSION} and events.value >= 1
+    dropped = {s.labels["reason"]: s.value for s in fams["flodl_dropped_frames"].samples}
+    assert dropped == {"route_mismatch": 1}
+    bus = {s.labels["direction"]: s.value for s in fams["flodl_bus_bytes"].samples}
+    assert bus == {"in": 0, "out": 0}
 
 
 def test_unknown_path_is_404(service):
@@ -145,7 +156,27 @@ def test_board_update_fills_the_core_block():
     board = StatusBoard()
     board.update(initial_state(CoreConfig(world_size=2)), {}, BusReducer())
     snap = board.snapshot()
-    assert snap["phase"] == "FORMING"
+    assert snap["run"]["phase"] == "FORMING"
     assert snap["core"]["run"]["phase"] == "FORMING"
     assert [r["phase"] for r in snap["core"]["ranks"]] == ["VACANT", "VACANT"]
     json.dumps(snap, allow_nan=False)  # JSON-safe as it stands
+
+
+def test_alerts_say_what_an_operator_should_look_at_worst_first():
+    from flodl.core import DEAD, FINISHED
+
+    st = initial_state(CoreConfig(world_size=2))
+    st.ranks[1].phase, st.ranks[1].reason = DEAD, "killed by signal 9"
+    st.run.phase, st.run.ok, st.run.reason = FINISHED, False, "all ranks lost"
+    board = StatusBoard()
+    board.update(st, {"route_mismatch": 2, "hello_deferred": 1}, BusReducer(), checkpoints={"missing": [3]},
+                 journal={"lag_s": 9.0})  # fmt: skip
+    alerts = [(a["level"], a["kind"], a["message"]) for a in board.snapshot()["alerts"]]
+    assert alerts == [
+        ("error", "run_failed", "the run failed: all ranks lost"),
+        ("error", "checkpoint_missing", "checkpoints asked and not made: [3]"),
+        ("warning", "rank_lost", "rank 1 lost: killed by signal 9"),
+        ("warning", "dropped_frames", "2 frame(s) dropped: route_mismatch"),
+        ("warning", "journal_lag", "journal not durable for 9.0s"),
+        ("info", "dropped_frames", "1 frame(s) dropped: hello_deferred"),
+    ]

@@ -67,6 +67,7 @@ from flodl.core import (
     RankHello,
     Reply,
     RunFinished,
+    SeedJoiner,
     Send,
     SyncAcked,
     Tick,
@@ -88,6 +89,7 @@ from flodl.rank import (
     RunEpochFn,
     RunEval,
     SaveCheckpoint,
+    SeedApplied,
     SendMetrics,
     SendTiming,
     TakeSnapshot,
@@ -129,6 +131,8 @@ class RankShell:
     saved: list = field(default_factory=list)  # (version, cycle named, params saved) of each SaveCheckpoint
     drops: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
+    seed_due: bool = False  # joining a running world: the coordinator asked the shell to send the seed
+    seeded: bool = False  # ... and it arrived
     m: Any = None
 
     def __post_init__(self) -> None:
@@ -199,6 +203,7 @@ class Cluster:
         self.ranks = [
             RankShell(r, (b"relay", b"rank-%d" % r), speed_ms=speeds[r]) for r in range(self.config.world_size)
         ]
+        self.retired: list[RankShell] = []  # shells of rank processes that were started again (respawn)
         self.journal: list[Event] = []  # every event fed, refused ones included
         self.trace: list[tuple[Event, list]] = []  # (event, its commands) for accepted events
         self.work_events = 0  # accepted events other than liveness traffic
@@ -244,6 +249,8 @@ class Cluster:
             self.round_ranks[c.cycle] = set(c.ranks)
         elif isinstance(c, ForgetRank):
             self.ranks[c.rank].forgotten = True
+        elif isinstance(c, SeedJoiner):
+            self.ranks[c.rank].seed_due = True
         elif isinstance(c, RunFinished):
             self.finished = c
 
@@ -375,6 +382,25 @@ class Cluster:
         self._do(r, r.m.handle(ConsensusReady(cycle=cycle, arrays=None if empty else (cycle,))))
         return True
 
+    def send_seed(self, rank: int) -> bool:
+        """The seed consensus (the reducer's latest) reaches a joiner, which loads it."""
+        r = self.ranks[rank]
+        if not r.seed_due or not r.active:
+            return False
+        r.seed_due, r.seeded = False, True
+        self._do(r, r.m.handle(SeedApplied(cycle=self.state.rounds.cycle)))
+        return True
+
+    def respawn(self, rank: int, **over: Any) -> list:
+        """The agent starts rank ``rank``'s process again: a new machine, route and
+        incarnation (the old shell is kept in ``retired``); it says hello."""
+        old = self.ranks[rank]
+        n = sum(1 for r in self.retired if r.rank == rank) + 1
+        self.retired.append(old)
+        self.ranks[rank] = RankShell(rank, (b"relay", b"rank-%d-%d" % (rank, n)), incarnation=1000 * n + rank,
+                                     speed_ms=old.speed_ms)  # fmt: skip
+        return self.hello(rank, **over)
+
     def can_train(self, rank: int) -> bool:
         r = self.ranks[rank]
         return r.active and r.m.admitted and not r.m.throttled and r.m.has_plan() and r.chunk_due is None
@@ -385,6 +411,8 @@ class Cluster:
             return False
         r = self.ranks[rank]
         act = r.m.next_action(r.clock_ms / 1e3)
+        if isinstance(act, TrainBatch) and r.m.spec.join_running and not r.seeded:
+            raise AssertionError(f"rank {rank} trains before it holds the seed consensus")
         if isinstance(act, TrainBatch):
             r.clock_ms += r.speed_ms
             step = r.step + 1
@@ -450,6 +478,7 @@ class Cluster:
             while self.deliver_one(r):
                 pass
             self.send_ack(r)
+            self.send_seed(r)
             if not self.hold_chunks:
                 self.send_chunk(r)
             self.train_one(r)

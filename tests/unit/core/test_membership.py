@@ -237,12 +237,16 @@ def test_hello_retransmit_is_acked_again_idempotently():
     assert len(c.sends("start_epoch")) == starts
 
 
-def test_hello_for_dead_rank_refused_no_rejoin():
+def test_hello_for_dead_rank_from_a_new_process_takes_the_slot_again_but_the_dead_one_cannot():
     c = Cluster(policy="sync", world_size=2)
     c.join_all()
+    old = c.ranks[1]
     c.kill(1)
-    reason = _refused(c.hello(1, route=(b"new",), incarnation=1))
-    assert reason.startswith("rank 1 already left the run (DEAD: killed by signal 9)")
+    reason = _refused(c.hello(1, route=old.route, incarnation=old.incarnation))  # the dead process's late hello
+    assert reason.startswith("rank 1: this process already left the run (DEAD: killed by signal 9)")
+    ack = _ack(c.hello(1, route=(b"new",), incarnation=77))  # its restart (elastic membership)
+    assert ack.accepted and ack.run.join_running
+    assert c.state.ranks[1].phase is JOINING and c.state.ranks[1].refill
 
 
 def test_world_forms_when_all_admitted():
@@ -271,14 +275,14 @@ def test_route_of_maps_rank_to_route_while_addressable():
 # -- the transition table ------------------------------------------------------------------
 
 
-def test_transition_table_terminal_phases_have_no_moves():
-    assert not [k for k in TRANSITIONS if k[0] in (DEAD, LEFT)]
+def test_transition_table_gone_phases_move_only_by_a_new_admission():
+    assert {k[1] for k in TRANSITIONS if k[0] in (DEAD, LEFT)} == {"admit"}
 
 
 def test_transition_missing_entry_names_phase_and_trigger():
     rec = RankRecord(3, phase=DEAD)
-    with pytest.raises(LocalViolation, match=r"rank 3: no transition from DEAD on 'admit'"):
-        transition(rec, "admit")
+    with pytest.raises(LocalViolation, match=r"rank 3: no transition from DEAD on 'form'"):
+        transition(rec, "form")
 
 
 # -- liveness ----------------------------------------------------------------------------------

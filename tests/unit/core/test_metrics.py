@@ -69,12 +69,16 @@ def test_epoch_aggregated_broadcast_once_per_epoch_to_every_rank():
     c = Cluster(policy="sync", world_size=3, total=30, batch_size=4, epochs=2, scalars={"acc": 0.5})
     c.join_all()
     c.run()
+    role = c.state.dispatch.announced_role
+    assert role is not None
     for r in range(3):
         aggs = [ctl.epoch_aggregated.metrics for ctl in c.ranks[r].received
                 if ctl.WhichOneof("cmd") == "epoch_aggregated"]
         assert [m.epoch for m in aggs] == [0, 1]
-        assert list(aggs[0].per_rank_samples) == [10, 10, 10]
-        assert aggs[0].scalars["acc"] == pytest.approx(0.5)
+        assert aggs[0].scalars["acc"] == pytest.approx(0.5) and aggs[0].avg_loss > 0
+        # The per-rank arrays go to the epoch-callback role only (it runs epoch_fn with
+        # them); the others get the cohort's values: O(N) per epoch, not O(N^2).
+        assert list(aggs[0].per_rank_samples) == ([10, 10, 10] if r == role else [])
 
 
 def test_epoch_notice_for_the_operator():

@@ -82,3 +82,17 @@ def test_index_from_records_and_queries():
     c.hello(2)
     index = RankIndex(c.state.ranks)
     assert index.count(JOINING) == 2 and index.addressable() == [0, 2] and index.alive() == []
+
+
+def test_async_death_hands_the_hole_to_a_rank_cadences_wake_found_without_work():
+    # Found by view_drift in the Async stateful test: a death reopens epoch 0; Cadence's
+    # wake (the death's first) finds nothing in rank 2's own epoch (1), the stream's wake
+    # right after must still see rank 2 as wakeable and hand it the hole.
+    c = Cluster(world_size=3, total=5, batch_size=4, epochs=2, policy="async", anchor=1, defer_chunks=True,
+                defer_acks=True, liveness_timeout_s=5.0, reduce_stall_s=1e9)  # fmt: skip
+    c.join_all()
+    c.pump_once()
+    assert c.state.dispatch.rank_epoch[2] == 1 and 2 not in c.state.cadence.in_flight
+    c.kill(1)
+    assert c.state.cadence.in_flight[2][0] == 0  # the reclaimed hole of epoch 0
+    assert view_drift(c.state) == []

@@ -182,7 +182,8 @@ def test_rules_run_in_priority_order_and_keep_their_last_reason():
     from flodl.core._step import HANDLERS, RULES
 
     names = [r.name for r in RULES]
-    assert names == ["fail", "reform_group", "finish_round", "stall", "open_round", "aggregate", "advance"]
+    assert names == ["fail", "reform_group", "finish_round", "stall", "seed_joiners", "open_round", "aggregate",
+                     "advance"]  # fmt: skip
     assert set(HANDLERS) == set(EVENT_TYPES.values())
     c = Cluster(world_size=2, total=32, epochs=1)
     c.join_all()

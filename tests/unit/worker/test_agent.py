@@ -173,3 +173,19 @@ def test_a_relay_that_dies_before_it_is_ready_is_started_again(monkeypatch):
     finally:
         a.sock.close(0)
         a.ctx.term()
+
+
+@pytest.mark.integration
+def test_agent_tells_systemd_it_is_ready_once_the_coordinator_took_it(coordinator, procs, py, tmp_path):
+    import socket
+
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sd:
+        sd.bind(path)
+        sd.settimeout(STARTUP_S)
+        agent = start_agent(procs, py, coordinator, "--ranks", "1", "--no-relay", env={"NOTIFY_SOCKET": path})
+        coordinator.expect("agent", "hello")  # the fake coordinator accepts every agent's hello
+        lines = sd.recv(4096).decode().split("\n")
+        assert lines[0] == "READY=1" and lines[1].startswith("STATUS=ranks [0] in the run of tcp://")
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(15) == 0

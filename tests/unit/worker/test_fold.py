@@ -217,3 +217,18 @@ def test_fan_out_maps_deliver_to_onto_the_fold_s_frontend_ids():
     header.cycle = 3  # not the cycle of the last FoldOpen: nowhere to deliver
     assert f.from_coordinator(COORD.frames("round", header, blobs)[1:]) == ([], [])
     assert f.on_coordinator(payload) == []  # the old entry point: upstream frames only
+
+
+def test_each_folded_round_carries_the_relay_s_counters_so_far():
+    f = Folder("relay-test-1")
+    fold_open(f, 4, [0, 1])
+    header, blobs = pack_round([np.ones(s, np.float32) for s in SHAPES], cycle=4, weight=2.0, contributing_ranks=[0, 1])
+    header.deliver_to.extend([0, 1])
+    f.from_coordinator(COORD.frames("round", header, blobs)[1:])  # a fan-out of an earlier consensus
+    ups = []
+    for r in (0, 1):
+        ups += f.offer(rank_round(r, 4, params_of(r), 1.0))[1]
+    (up,) = ups
+    stats = decoded(up)[0].relay_stats
+    assert (stats.folds_sent, stats.ranks_folded, stats.fanouts, stats.fanout_copies) == (1, 2, 1, 2)
+    assert (stats.parts_forwarded, stats.folds_discarded) == (0, 0)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from flodl.rank import CAUSES
 from flodl.shuffle import epoch_permutation
 from flodl.wire import pack_round, pb, unpack_round
 from flodl_worker.rank import EXIT_CONFIG, gamma_mass, rank_main
@@ -118,6 +119,10 @@ def test_rank_full_cycle_against_fake_coordinator(coordinator, procs, py, tmp_pa
     assert (ev.schedule_id, ev.epoch, ev.final, ev.HasField("error")) == (9, 0, True, False)
     assert 0.0 <= ev.metric <= 1.0
     coordinator.control(route, execute_eval=pb.Control.ExecuteEval(schedule_id=10, target_rank=5))  # not mine
+    # Another rank died: what this one waits from now until the next consensus is recovery.
+    coordinator.control(route, declare_dead=pb.Control.DeclareDead(rank=3))
+    for _ in range(2):  # the second is sent a heartbeat interval after the rank read it
+        coordinator.expect("timing", "heartbeat", skip_heartbeats=False)
 
     # A final eval with a path also writes the model it measured: the consensus, as a plain state_dict.
     out = tmp_path / "out" / "model.pt"
@@ -141,6 +146,14 @@ def test_rank_full_cycle_against_fake_coordinator(coordinator, procs, py, tmp_pa
     ex = d.envelope.timing.exiting
     digest = hashlib.sha256(b"".join(c.astype("<f4").tobytes() for c in consensus)).digest()
     assert (ex.param_digest, ex.steps) == (digest, 4)
+    # Where its time went, by cause (flodl.rank.TimeAccount): every cause it went through
+    # is charged, and they add up to its wall time.
+    acct = d.envelope.timing.time_account
+    causes = {c: getattr(acct, f"{c}_s") for c in CAUSES}
+    for cause in ("startup", "training", "averaging", "eval", "barrier", "recovery"):  # (sync: no calibration)
+        assert causes[cause] > 0, (cause, causes)
+    assert causes["calibration"] == causes["checkpoint"] == 0
+    assert sum(causes.values()) == pytest.approx(acct.wall_s, rel=1e-9)
     code, err = wait_exit(proc)
     assert code == 0, err
     assert err.count("dropped a frame from the coordinator (malformed)") == 1

@@ -1,0 +1,198 @@
+"""Elastic membership: what a join costs and what it buys, and a churn campaign.
+
+Two modes, one JSON object on stdout:
+
+``--sim`` (virtual time, fast): ``flodl.sim._churn.churn_case`` over ``--seeds`` seeds
+per policy -- late joins, a host that never comes, killed ranks restarted by their agent,
+coordinator restarts -- counting runs exactly-once or not, joins, restarts, joiners that
+trained before their seed (goal 0), samples lost / doubled (goal 0 / 0).
+
+default (real processes on loopback): a coordinator (``--max-ranks 4 --min-ranks 2``),
+one agent with two ranks slowed ``--slow`` x ``--base-ms`` per batch, and, once the world
+formed, a second agent with two unslowed ranks that join the running world. Read from
+the summary and the journal, per run:
+
+* ``hello_to_seeded_s`` / ``hello_to_first_commit_s`` per joiner: from its hello to its
+  ``Timing.seeded``, and to the first ``sync_ack`` that folds a step of its own;
+* ``seed_bytes`` and ``seeds_sent`` (the transfer), ``seed_s`` (admission -> seeded);
+* throughput before / after the join: committed samples per second over the epochs
+  trained by the first two ranks only, and over those the joiners trained in, and their
+  ratio (the peer measured in the same run is the world before the join).
+
+Medians over ``--runs`` runs. The machine may be shared: ratios from the same run stay
+meaningful; absolute seconds include process start-up under that load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sim(seeds: int, policies: list[str]) -> dict:
+    from flodl.sim._churn import churn_case
+
+    out: dict = {"bench": "elastic", "mode": "sim", "seeds": seeds, "policies": {}}
+    for policy in policies:
+        t0 = time.perf_counter()
+        cases = [churn_case(seed, policy) for seed in range(seeds)]
+        lost = doubled = 0
+        for c in cases:
+            for cov in c.result.summary.get("coverage", []):
+                lost += cov["missing"]
+                doubled += cov["duplicates"]
+        bad = [c.describe() for c in cases if not c.exact]
+        out["policies"][policy] = {
+            "exact": len(cases) - len(bad),
+            "failed": len(bad),
+            "joins": sum(c.joins for c in cases),
+            "rank_restarts": sum(c.result.respawns for c in cases),
+            "coordinator_restarts": sum(c.result.restarts for c in cases),
+            "joiners_trained_unseeded": sum(len(c.result.violations) for c in cases),
+            "samples_lost": lost,
+            "samples_doubled": doubled,
+            "wall_s": round(time.perf_counter() - t0, 2),
+            "failures": bad[:10],
+        }
+    out["ok"] = all(p["failed"] == 0 for p in out["policies"].values())
+    return out
+
+
+def _wait_for(path: Path, text: str, proc: subprocess.Popen, deadline_s: float = 300.0) -> None:
+    t_end = time.monotonic() + deadline_s
+    while time.monotonic() < t_end:
+        if path.exists() and text in path.read_text():
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"coordinator exited before {text!r}")
+        time.sleep(0.1)  # polling another process's log
+    raise RuntimeError(f"never saw {text!r}")
+
+
+def _one_run(args, tmp: Path) -> dict:
+    port = _free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    summary, journal, log = tmp / "summary.json", tmp / "journal", tmp / "coordinator.log"
+    coord = subprocess.Popen(
+        [sys.executable, "-m", "flodl_coordinator", "serve", "--bind", endpoint, "--session", "bench-elastic",
+         "--max-ranks", "4", "--min-ranks", "2", "--join-timeout", "0", "--epochs", str(args.epochs),
+         "--batch-size", "16", "--policy", args.policy, "--summary", str(summary), "--journal", str(journal)],
+        cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+    def agent(*extra: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "flodl_worker", "agent", "--coordinator", endpoint, "--session", "bench-elastic",
+               "--world-size", "4", "--base-ms", str(args.base_ms), *extra, "--", sys.executable, "-m",
+               "flodl_worker.examples.digits"]  # fmt: skip
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    procs = [coord, agent("--ranks", "2", "--slowdown", str(args.slow))]
+    try:
+        _wait_for(log, "world_formed", coord)
+        procs.append(agent("--ranks", "2", "--rank-offset", "2", "--slowdown", "1"))
+        coord.wait(timeout=args.timeout)
+        for p in procs[1:]:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    data = json.loads(summary.read_text())
+    events = [json.loads(line) for line in journal.read_text().splitlines() if line.startswith("{")]
+    hello_at: dict[int, float] = {}
+    seeded_at: dict[int, float] = {}
+    first_commit: dict[int, float] = {}
+    for ev in events:
+        t, r = ev.get("type"), ev.get("rank")
+        if t == "RankHello" and r in (2, 3):
+            hello_at.setdefault(r, ev["now"])
+        elif t == "JoinerSeeded":
+            seeded_at.setdefault(r, ev["now"])
+        elif t == "SyncAcked" and r in seeded_at and ev.get("step_count", 0) > 0:
+            first_commit.setdefault(r, ev["now"])
+    epochs = data["epochs"]
+    before = [e for e in epochs if not any(e["per_rank_throughput"][2:])]
+    after = [e for e in epochs if all(e["per_rank_throughput"][2:])]
+    total = data["total_samples"]
+
+    def rate(rows):
+        ms = sum(e["epoch_ms"] for e in rows)
+        return total * len(rows) / (ms / 1e3) if ms > 0 else None
+
+    r_before, r_after = rate(before), rate(after)
+    return {
+        "ok": data["ok"],
+        "exact": all(c["trained"] == c["expected"] and c["duplicates"] == 0 for c in data["coverage"]),
+        "joins": len(data.get("elastic", {}).get("joins", [])),
+        "hello_to_seeded_s": {r: round(seeded_at[r] - hello_at[r], 3) for r in seeded_at if r in hello_at},
+        "hello_to_first_commit_s": {r: round(first_commit[r] - hello_at[r], 3) for r in first_commit if r in hello_at},
+        "seed_bytes": data["bus"].get("seed_bytes", 0),
+        "seeds_sent": data["bus"].get("seeds_sent", 0),
+        "samples_per_s_before": r_before and round(r_before, 1),
+        "samples_per_s_after": r_after and round(r_after, 1),
+        "after_over_before": round(r_after / r_before, 2) if r_before and r_after else None,
+    }
+
+
+def _real(args) -> dict:
+    runs = []
+    for i in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="flodl-bench-elastic-") as tmp:
+            runs.append(_one_run(args, Path(tmp)))
+
+    def med(key):
+        vals = [r[key] for r in runs if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    def med_map(key):
+        vals = [v for r in runs for v in r[key].values()]
+        return round(statistics.median(vals), 3) if vals else None
+
+    return {
+        "bench": "elastic", "mode": "processes", "policy": args.policy, "runs": runs, "epochs": args.epochs,
+        "median": {
+            "hello_to_seeded_s": med_map("hello_to_seeded_s"),
+            "hello_to_first_commit_s": med_map("hello_to_first_commit_s"),
+            "seed_bytes_per_join": (med("seed_bytes") or 0) / 2,
+            "after_over_before": med("after_over_before"),
+        },
+        "ok": all(r["ok"] and r["exact"] and r["joins"] == 2 for r in runs),
+        "note": "loopback, one machine; absolute times include process start-up under the machine's load",
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sim", action="store_true", help="the simulated churn campaign instead of real processes")
+    ap.add_argument("--seeds", type=int, default=500, help="--sim: seeds per policy")
+    ap.add_argument("--policies", default="sync,cadence,async", help="--sim: policies")
+    ap.add_argument("--policy", default="cadence", help="processes: the averaging policy")
+    ap.add_argument("--runs", type=int, default=3, help="processes: runs (medians)")
+    ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--slow", type=float, default=60.0, help="processes: the first agent's slowdown factor")
+    ap.add_argument("--base-ms", type=float, default=1.0)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    args = ap.parse_args()
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    out = _sim(args.seeds, args.policies.split(",")) if args.sim else _real(args)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

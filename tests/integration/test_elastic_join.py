@@ -1,0 +1,132 @@
+"""Elastic membership with real processes (issue 12): ranks join a running world.
+
+(a) A 2-rank world that a second agent's two ranks join mid-run: every epoch committed
+    exactly once (summary and the ranks' own traces), all four final digests identical,
+    and the epochs after the join are faster than before it.
+(b) kill -9 a rank under an agent with ``--max-restarts 2``: its restarted process takes
+    the slot again (seeded with the consensus), trains, and coverage stays exact.
+
+The first ranks are slowed (``--slowdown``) so the run is still training when the late
+processes are up -- on a loaded machine a rank's start (torch import) takes seconds; the
+tests wait for the joins by the coordinator's own words, never by a clock.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from faults import strike_after
+from runlocal import ROOT, assert_exact_coverage, free_port, traced_counts
+
+pytestmark = pytest.mark.integration
+
+DIGITS_TRAIN = 1437
+BATCH = 16
+
+
+def _wait_for(path, text, proc, deadline_s=180.0):
+    t_end = time.monotonic() + deadline_s
+    while time.monotonic() < t_end:
+        if text in path.read_text():
+            return
+        assert proc.poll() is None, f"coordinator exited before {text!r}:\n{path.read_text()[-3000:]}"
+        time.sleep(0.1)  # polling another process's log; nothing to wait on
+    raise AssertionError(f"never saw {text!r}")
+
+
+def _agent(endpoint, tmp_path, name, *args):
+    cmd = [
+        sys.executable, "-m", "flodl_worker", "agent", "--coordinator", endpoint, "--session", "elastic",
+        "--world-size", "4", "--trace-dir", str(tmp_path / "trace"), "--base-ms", "1", *args,
+        "--", sys.executable, "-m", "flodl_worker.examples.digits",
+    ]  # fmt: skip
+    log = open(tmp_path / f"{name}.log", "w")
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_two_ranks_of_a_second_agent_join_a_running_world(tmp_path):
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    summary, coord_log = tmp_path / "summary.json", tmp_path / "coordinator.log"
+    (tmp_path / "trace").mkdir()
+    coord = subprocess.Popen(
+        [
+            sys.executable, "-m", "flodl_coordinator", "serve", "--bind", endpoint, "--session", "elastic",
+            "--max-ranks", "4", "--min-ranks", "2", "--join-timeout", "0", "--epochs", "20",
+            "--batch-size", str(BATCH), "--policy", "cadence", "--summary", str(summary),
+        ],  # fmt: skip
+        cwd=ROOT, stdout=open(coord_log, "w"), stderr=subprocess.STDOUT,
+    )
+    procs = [coord]
+    try:
+        procs.append(_agent(endpoint, tmp_path, "first", "--ranks", "2", "--slowdown", "60"))
+        _wait_for(coord_log, "world_formed", coord)  # the quorum formed the world: it trains
+        procs.append(_agent(endpoint, tmp_path, "second", "--ranks", "2", "--rank-offset", "2", "--slowdown", "1"))
+        assert coord.wait(timeout=300) == 0, coord_log.read_text()[-4000:]
+        for p in procs[1:]:
+            assert p.wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    data = json.loads(summary.read_text())
+    log = coord_log.read_text()
+    assert data["ok"] is True, data["reason"]
+    el = data["elastic"]
+    assert el["formed_with"] == [0, 1] and el["vacant"] == []
+    assert sorted(j["rank"] for j in el["joins"]) == [2, 3] and not any(j["refill"] for j in el["joins"])
+    assert "rank 2 seeded with the consensus of cycle" in log and "rank 3 seeded with the consensus of cycle" in log
+    assert data["bus"]["seeds_sent"] == 2 and data["bus"]["seed_bytes"] > 0
+    assert_exact_coverage(data, tmp_path / "trace", 20, DIGITS_TRAIN)
+    digests = {r["param_digest"] for r in data["ranks"]}
+    assert len(digests) == 1 and "" not in digests, data["ranks"]
+    assert all(r["samples"] > 0 for r in data["ranks"]), data["ranks"]
+    # Throughput rises: the epochs the joiners trained in are faster than those before.
+    before = [e["epoch_ms"] for e in data["epochs"] if not any(e["per_rank_throughput"][2:])]
+    after = [e["epoch_ms"] for e in data["epochs"] if all(e["per_rank_throughput"][2:])]
+    assert before and after, data["epochs"]
+    assert sum(after) / len(after) < sum(before) / len(before), (before, after)
+    alarming = [line for line in log.splitlines() if any(w in line for w in (" WARNING ", " ERROR ", "Traceback"))]
+    assert not alarming, alarming[:10]  # joins are news, not warnings
+
+
+def test_a_killed_rank_restarted_by_its_agent_rejoins_and_trains(tmp_path):
+    summary, trace = tmp_path / "summary.json", tmp_path / "trace"
+    trace.mkdir()
+    cmd = [
+        # The victim is fast, the others slow: while it is away the run crawls (it outlasts
+        # the restart), and once it is back it trains most of the rest.
+        sys.executable, "-m", "flodl", "run", "--local", "--ranks", "3", "--task", "digits", "--slowdown", "40,1,40",
+        "--base-ms", "1", "--epochs", "30", "--batch-size", str(BATCH), "--policy", "cadence", "--max-restarts", "2",
+        "--max-failure", "2", "--summary", str(summary), "--trace-dir", str(trace),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        strike_after(trace, 1, 64, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    data = json.loads(summary.read_text())
+    assert data["ok"] is True, data["reason"]
+    (join,) = data["elastic"]["joins"]
+    assert (join["rank"], join["refill"], join["restart_count"]) == (1, True, 1)  # FLODL_RESTART_COUNT=1
+    back = data["ranks"][1]
+    assert back["phase"] == "LEFT" and back["steps"] > 0, back  # the new process trained, then left cleanly
+    assert "restarting it in" in out and "rank_joined" in out
+    for c in data["coverage"]:
+        assert (c["expected"], c["trained"], c["duplicates"], c["missing"]) == (DIGITS_TRAIN, DIGITS_TRAIN, 0, 0), c
+    seen = traced_counts(trace)
+    for e, counts in seen.items():
+        assert len(counts) == DIGITS_TRAIN, f"epoch {e}: a sample was never trained"
+    extra = sum(n - 1 for counts in seen.values() for n in counts.values())
+    # Trained twice only by the killed process, in a window never folded (or the one batch
+    # it traced before its frame could leave).
+    assert extra <= data["discarded_samples"] + BATCH, (extra, data["discarded_samples"])
+    digests = {r["param_digest"] for r in data["ranks"]}
+    assert len(digests) == 1 and "" not in digests, data["ranks"]

@@ -1,0 +1,81 @@
+"""Elastic membership across a network partition (issue 12, test c): a host in its own
+network namespace loses its link for longer than the liveness timeout. Its ranks hear
+nothing from the coordinator and exit; the coordinator declares them dead; the host's
+agent (``--max-restarts``) starts them again, and once the link is back they take their
+slots back (seeded with the consensus) and train. The run ends ok, every epoch committed
+exactly once, every final digest identical."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import netns
+from runlocal import ROOT
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 network namespaces"),
+]
+
+
+def _in(ns, *cmd):
+    return ["ip", "netns", "exec", ns, *cmd]
+
+
+def _wait_for(path, text, deadline_s=240.0):
+    t_end = time.monotonic() + deadline_s
+    while text not in path.read_text():
+        assert time.monotonic() < t_end, f"never saw {text!r}:\n{path.read_text()[-3000:]}"
+        time.sleep(0.1)  # polling another process's log
+
+
+def test_a_partitioned_hosts_ranks_rejoin_when_the_link_returns(tmp_path):
+    summary, log = tmp_path / "summary.json", tmp_path / "coordinator.log"
+    py = sys.executable
+    with netns.three_hosts(tag=92) as (ns, head_ip):
+        link = f"vb{os.getpid() % 10000}x"  # host b's end of its veth (netns.three_hosts names it)
+        endpoint = f"tcp://{head_ip}:5555"
+        coord = subprocess.Popen(
+            _in(ns["head"], py, "-m", "flodl_coordinator", "serve", "--bind", endpoint, "--session", "part",
+                "--world-size", "3", "--epochs", "40", "--batch-size", "16", "--policy", "cadence",
+                "--liveness-timeout", "3", "--summary", str(summary)),
+            stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+        agents = []
+        # Slowed ranks: the run outlasts the partition and the restart of host b's rank.
+        for key, offset, ranks, slow in (("a", 0, 2, "30"), ("b", 2, 1, "30")):
+            agents.append(subprocess.Popen(
+                _in(ns[key], py, "-m", "flodl_worker", "agent", "--coordinator", endpoint, "--session", "part",
+                    "--host", f"host-{key}", "--ranks", str(ranks), "--rank-offset", str(offset), "--world-size", "3",
+                    "--slowdown", slow, "--base-ms", "1", "--max-restarts", "3", "--",
+                    py, "-m", "flodl_worker.examples.digits"),
+                stdout=open(tmp_path / f"agent-{key}.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT,
+            ))  # fmt: skip
+        try:
+            _wait_for(log, "epoch 2/40")  # training, host b included
+            subprocess.run(["ip", "-n", ns["b"], "link", "set", link, "down"], check=True)
+            _wait_for(log, "rank 2 forgotten: heartbeat stale")  # the coordinator gave it up
+            _wait_for(tmp_path / "agent-b.log", "restarting it in")  # and its agent restarts it
+            time.sleep(2.0)  # the partition outlasts the restart: the new process cannot reach the head yet
+            subprocess.run(["ip", "-n", ns["b"], "link", "set", link, "up"], check=True)
+            rc = coord.wait(timeout=400)
+            for a in agents:
+                a.wait(timeout=60)
+        finally:
+            subprocess.run(["ip", "-n", ns["b"], "link", "set", link, "up"], capture_output=True)
+            for p in [coord, *agents]:
+                if p.poll() is None:
+                    p.kill()
+        assert rc == 0, log.read_text()[-4000:]
+    data = json.loads(summary.read_text())
+    assert data["ok"], data["reason"]
+    joins = data["elastic"]["joins"]
+    assert [j["rank"] for j in joins] == [2] and joins[0]["refill"] and joins[0]["restart_count"] >= 1, joins
+    assert data["ranks"][2]["phase"] == "LEFT" and data["ranks"][2]["steps"] > 0
+    for c in data["coverage"]:
+        assert (c["expected"], c["trained"], c["duplicates"], c["missing"]) == (1437, 1437, 0, 0), c
+    assert len({r["param_digest"] for r in data["ranks"]}) == 1
