@@ -51,9 +51,12 @@ def install(attacks: dict[int, str]) -> None:
         if kind is None:
             return honest_take(self, cmd)
         r = self.rank
-        pre = self._snapshot(cmd)  # the rank's own bookkeeping stays honest
-        arrays, weight = _forge(kind, pre, cmd.weight)
-        header, blobs = pack_round(arrays, cycle=cmd.cycle, weight=weight, bf16=r.spec.bf16_wire)
+        snap = self._snapshot(cmd)  # the rank's own bookkeeping stays honest
+        arrays, weight = _forge(kind, list(snap.pre), cmd.weight)  # the parameters forged, the f32 buffers honest
+        header, blobs = pack_round(
+            arrays + list(snap.bufs), cycle=cmd.cycle, weight=weight, bf16=r.spec.bf16_wire,
+            buffers=len(snap.bufs), buffer_weight=averaging.mover_mass(cmd.weight),
+        )  # fmt: skip
         print(f"hostile rank {r.cfg.rank}: round {rounds[0]} (cycle {cmd.cycle}) forged: {kind}", file=sys.stderr, flush=True)
         r._send("round", header, blobs)
 

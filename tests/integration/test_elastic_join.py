@@ -103,6 +103,7 @@ def test_a_killed_rank_restarted_by_its_agent_rejoins_and_trains(tmp_path):
         sys.executable, "-m", "flodl", "run", "--local", "--ranks", "3", "--task", "digits", "--slowdown", "40,1,40",
         "--base-ms", "1", "--epochs", "30", "--batch-size", str(BATCH), "--policy", "cadence", "--max-restarts", "2",
         "--max-failure", "2", "--summary", str(summary), "--trace-dir", str(trace),
+        "--log-level", "INFO",  # the restart and the join are INFO lines (the launcher shows WARNING and up by default)
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
