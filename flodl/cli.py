@@ -637,6 +637,11 @@ def _read_exits(path: str) -> list[dict]:
         return []
 
 
+def _num(v, digits: int):
+    """A summary number for the terminal, rounded (the summary file keeps it whole); None stays None."""
+    return round(v, digits) if isinstance(v, float) else v
+
+
 def _report(args, settings, command: RankCommand, summary_path: str, rc: int, wall: float, coord_started: float,
             exits: list[dict], ended: _RanksEnded | None, view: LiveView | None = None) -> int:  # fmt: skip
     if ended is not None:
@@ -684,7 +689,7 @@ def _print_summary(s: dict) -> None:
     el = s.get("elastic")
     ranks = s.get("world_size") if not el else f"{len(el['formed_with'])} of {el['max_ranks']} (min {el['min_ranks']})"
     print(f"task: {s.get('task')}  policy: {s.get('policy')}  plane: {s.get('plane')}  ranks: {ranks}  slowdown: {s.get('slowdown')}")
-    print(f"wall: {s.get('wall_s')} s   samples/s: {s.get('samples_per_s')}   averages: {s.get('averages')}")
+    print(f"wall: {_num(s.get('wall_s'), 2)} s   samples/s: {_num(s.get('samples_per_s'), 1)}   averages: {s.get('averages')}")
     print(f"launcher: {s.get('launcher_wall_s')} s   time to first batch: {s.get('time_to_first_batch_s')} s   "
           f"teardown: {s.get('teardown_s')} s")
     print(f"accuracy: {acc if acc is None else round(acc, 4)}")
