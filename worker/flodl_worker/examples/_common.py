@@ -45,6 +45,14 @@ def epoch_report_fn(x: torch.Tensor, y: torch.Tensor):
     return report
 
 
+def positive_int(s: str) -> int:
+    """An argparse type: an integer >= 1 (sample counts, sizes), refused by name otherwise."""
+    n = int(s)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{s} must be >= 1")
+    return n
+
+
 def add_optim_args(p: argparse.ArgumentParser, *, lr: float, hidden: int | None = 64, optimizer: str = "sgd") -> None:
     """--epoch-report, --optimizer, --lr, --momentum and (``hidden`` not None) --hidden."""
     p.add_argument("--epoch-report", action="store_true",

@@ -29,7 +29,15 @@ from torch.utils.data import Dataset, TensorDataset
 
 from flodl_worker.rank import run_rank
 
-from ._common import accuracy_fn, add_optim_args, classification_step, epoch_report_fn, make_optimizer, mlp
+from ._common import (
+    accuracy_fn,
+    add_optim_args,
+    classification_step,
+    epoch_report_fn,
+    make_optimizer,
+    mlp,
+    positive_int,
+)
 
 
 def generate(samples: int, test_samples: int, features: int, classes: int, seed: int):
@@ -80,19 +88,12 @@ def lr_schedule(kind: str, peak: float):
     return None
 
 
-def _positive(s: str) -> int:
-    n = int(s)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{s} must be >= 1")
-    return n
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m flodl_worker.examples.synthetic", description=__doc__.split("\n")[0])
-    p.add_argument("--samples", type=_positive, default=4096, help="training samples (default 4096)")
-    p.add_argument("--test-samples", type=_positive, default=1024, help="held-out samples (default 1024)")
-    p.add_argument("--features", type=_positive, default=32, help="input features (default 32)")
-    p.add_argument("--classes", type=_positive, default=4, help="classes (default 4)")
+    p.add_argument("--samples", type=positive_int, default=4096, help="training samples (default 4096)")
+    p.add_argument("--test-samples", type=positive_int, default=1024, help="held-out samples (default 1024)")
+    p.add_argument("--features", type=positive_int, default=32, help="input features (default 32)")
+    p.add_argument("--classes", type=positive_int, default=4, help="classes (default 4)")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the data and teacher (default 0)")
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the hidden layer")
     p.add_argument("--lr-schedule", choices=("none", "cosine", "onecycle"), default="none",

@@ -29,7 +29,7 @@ from torch.utils.data import TensorDataset
 
 from flodl_worker.rank import run_rank
 
-from ._common import add_optim_args, make_optimizer
+from ._common import add_optim_args, make_optimizer, positive_int
 
 SHARPNESS = 3.0  # logits of the source's transition table are N(0, 1) * this: a few likely next tokens
 
@@ -131,23 +131,16 @@ def epoch_report(x: torch.Tensor, y: torch.Tensor):
     return report
 
 
-def _positive(s: str) -> int:
-    n = int(s)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{s} must be >= 1")
-    return n
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m flodl_worker.examples.tinylm", description=__doc__.split("\n")[0])
-    p.add_argument("--samples", type=_positive, default=2048, help="training sequences (default 2048)")
-    p.add_argument("--test-samples", type=_positive, default=512, help="held-out sequences (default 512)")
+    p.add_argument("--samples", type=positive_int, default=2048, help="training sequences (default 2048)")
+    p.add_argument("--test-samples", type=positive_int, default=512, help="held-out sequences (default 512)")
     p.add_argument("--seq-len", type=int, default=32, help="tokens a sequence is predicted over (default 32)")
-    p.add_argument("--vocab", type=_positive, default=16, help="vocabulary size (default 16)")
+    p.add_argument("--vocab", type=positive_int, default=16, help="vocabulary size (default 16)")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the source and the sequences (default 0)")
-    p.add_argument("--d-model", type=_positive, default=32, help="model width (default 32)")
-    p.add_argument("--layers", type=_positive, default=2, help="transformer blocks (default 2)")
-    p.add_argument("--heads", type=_positive, default=2, help="attention heads (default 2)")
+    p.add_argument("--d-model", type=positive_int, default=32, help="model width (default 32)")
+    p.add_argument("--layers", type=positive_int, default=2, help="transformer blocks (default 2)")
+    p.add_argument("--heads", type=positive_int, default=2, help="attention heads (default 2)")
     p.add_argument("--dropout", type=float, default=0.1, help="dropout in attention and MLP (default 0.1)")
     add_optim_args(p, lr=1e-2, hidden=None, optimizer="adam")
     args = p.parse_args(argv)
