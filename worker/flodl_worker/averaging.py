@@ -138,20 +138,18 @@ class BusAverager:
         if header.phase != pb.ROUND_PHASE_PARAMS or header.kind != pb.ROUND_KIND_MODEL:
             r._drop("unsupported_round", f"round phase {header.phase} kind {header.kind}")
             return
-        try:
-            arrays = unpack_round(header, blobs)
-        except WireError as e:
-            r._drop(e.reason, e.detail)
+        arrays = self._unpacked(header, blobs)
+        if arrays is None:
             return
         if header.weight == 0 and not header.tensors:
             # Nothing was accepted and the reducer never saw the schema (every frame of the
             # round refused undecoded): the same answer as a weight-0 consensus.
             header = pb.RoundHeader(cycle=header.cycle, buffer_tensors=len(r.buffers))
             arrays = [np.zeros(s, dtype=np.float32) for s in self.staging.shapes]
-        params, bufs = split_buffers(header, arrays)
-        if not (_fits(params, r.params) and _fits(bufs, r.buffers)):
-            r._drop("bad_tensor", f"consensus for cycle {header.cycle} does not match the model's schema")
+        split = self._fitting(header, arrays, "consensus")
+        if split is None:
             return
+        params, bufs = split
         included = header.weight > 0 and (
             not header.contributing_ranks or r.cfg.rank in header.contributing_ranks
         )
@@ -171,15 +169,13 @@ class BusAverager:
         if not r.m.accepts_seed():
             r._drop("unexpected_seed", f"seed of cycle {header.cycle} for a rank that is not joining (or trained)")
             return
-        try:
-            arrays = unpack_round(header, blobs)
-        except WireError as e:
-            r._drop(e.reason, e.detail)
+        arrays = self._unpacked(header, blobs)
+        if arrays is None:
             return
-        params, bufs = split_buffers(header, arrays)
-        if not (_fits(params, r.params) and _fits(bufs, r.buffers)):
-            r._drop("bad_tensor", f"seed of cycle {header.cycle} does not match the model's schema")
+        split = self._fitting(header, arrays, "seed")
+        if split is None:
             return
+        params, bufs = split
         with torch.no_grad():
             for p, a in zip(r.params, params):
                 p.copy_(as_tensor(a).to(device=p.device, dtype=p.dtype))
@@ -188,6 +184,23 @@ class BusAverager:
                     b.copy_(as_tensor(a).to(device=b.device, dtype=b.dtype))
         log.info("joined the running world: parameters set from the consensus of cycle %d", header.cycle)
         r.feed(SeedApplied(cycle=int(header.cycle)))
+
+    def _unpacked(self, header: pb.RoundHeader, blobs: list) -> list | None:
+        """The frame's arrays, or None after dropping a malformed frame by its reason."""
+        try:
+            return unpack_round(header, blobs)
+        except WireError as e:
+            self.rank._drop(e.reason, e.detail)
+            return None
+
+    def _fitting(self, header: pb.RoundHeader, arrays: list, what: str) -> tuple[list, list] | None:
+        """(parameters, f32 buffers) of a frame, or None after dropping one that does not fit the model."""
+        r = self.rank
+        params, bufs = split_buffers(header, arrays)
+        if not (_fits(params, r.params) and _fits(bufs, r.buffers)):
+            r._drop("bad_tensor", f"{what} of cycle {header.cycle} does not match the model's schema")
+            return None
+        return params, bufs
 
     def apply(self, cmd: ApplyConsensus) -> None:
         """``ApplyConsensus``: apply ``cmd.arrays`` against the snapshot and ack the cycle.
