@@ -10,10 +10,7 @@ the journal rebuilds the same state."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
+from core_cluster import Cluster
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -21,18 +18,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from flodl.core import ACTIVE, DEAD, JOINING, TRAINING, VACANT, Send, replay, view_drift
 
 
-def _load_cluster():
-    path = Path(__file__).resolve().parents[1] / "unit" / "core" / "cluster.py"
-    name = "_flodl_core_test_cluster"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-Cluster = _load_cluster().Cluster
 WORK = ("start_epoch", "extend_partition", "request_params", "update", "throttle")
 
 
