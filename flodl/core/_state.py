@@ -149,6 +149,12 @@ class DispatchState:
     dispatched_at: dict[int, float] = field(default_factory=dict)
     announced_role: Optional[int] = None  # last SetEpochCallbackRole broadcast (st.roles.epoch_role)
     extensions: int = 0  # ExtendPartition commands sent (diagnostics)
+    # Sync, a rank joined mid-epoch (``_repartition``): joiners still owed a share of the
+    # live epoch, the trims awaiting their answer (rank -> (command_id, epoch, joiners)),
+    # and what the answers moved to joiners (samples).
+    share_owed: list[int] = field(default_factory=list)
+    trims: dict[int, tuple[int, int, tuple[int, ...]]] = field(default_factory=dict)
+    repartitioned: int = 0
 
 
 @dataclass(slots=True)
