@@ -58,6 +58,10 @@ def _sim(seeds: int, policies: list[str]) -> dict:
                 lost += cov["missing"]
                 doubled += cov["duplicates"]
         bad = [c.describe() for c in cases if not c.exact]
+        trims: dict = {}  # Sync re-partitions for joiners: trims sent, how they ended, samples moved
+        for c in cases:
+            for k, v in c.result.summary.get("elastic", {}).get("repartition", {}).items():
+                trims[k] = trims.get(k, 0) + v
         out["policies"][policy] = {
             "exact": len(cases) - len(bad),
             "failed": len(bad),
@@ -67,6 +71,7 @@ def _sim(seeds: int, policies: list[str]) -> dict:
             "joiners_trained_unseeded": sum(len(c.result.violations) for c in cases),
             "samples_lost": lost,
             "samples_doubled": doubled,
+            "repartition": trims,
             "wall_s": round(time.perf_counter() - t0, 2),
             "failures": bad[:10],
         }

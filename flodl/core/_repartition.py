@@ -52,7 +52,19 @@ from ._phases import ACTIVE
 from ._ranges import split_ranges, subtract_ranges
 from ._state import CoordinatorState
 
-__all__ = ["owe", "plan", "level", "check_trimmed", "on_trimmed", "forget", "settled", "on_resynced", "held"]
+__all__ = ["owe", "plan", "level", "check_trimmed", "on_trimmed", "forget", "settled", "on_resynced", "held", "summary"]
+
+
+def _count(st: CoordinatorState, what: str, n: int = 1) -> None:
+    c = st.dispatch.trim_counts
+    c[what] = c.get(what, 0) + n
+
+
+def summary(st: CoordinatorState) -> dict[str, int]:
+    """The run summary's ``elastic.repartition``: trims sent, how each ended, samples moved."""
+    c = st.dispatch.trim_counts
+    keys = ("sent", "answered", "settled_by_resync", "void", "dropped", "samples")
+    return {k: c.get(k, 0) for k in keys}
 
 
 def _live_epoch(st: CoordinatorState) -> int | None:
@@ -117,6 +129,7 @@ def plan(st: CoordinatorState, out: list[Command]) -> None:
     for r in trimmed:
         d.trims[r] = (st.next_command_id, epoch, tuple(joiners))
         st.send(out, r, trim_partition=pb.Control.TrimPartition(epoch=epoch, keep=keep))
+        _count(st, "sent")
     d.share_owed.clear()
     out.append(Notice("repartition", {"epoch": epoch, "joiners": joiners, "keep": keep, "trimmed": trimmed,
                                       "asked_samples": sum(hold[r] - keep for r in trimmed)}))  # fmt: skip
@@ -158,6 +171,7 @@ def on_trimmed(st: CoordinatorState, ev: PartitionTrimmed, out: list[Command]) -
     if rec is not None and rec[0] == ev.command_id:
         del d.trims[ev.rank]
         joiners = rec[2]
+        _count(st, "answered")
     else:
         st.count_ignored("PartitionTrimmed for a trim not outstanding")
     _hand_out(st, ev.rank, ev.epoch, [(int(o), int(n)) for o, n in ev.released if n > 0], joiners, out)
@@ -182,14 +196,15 @@ def _hand_out(
         if mine:
             d.rank_epoch[r] = epoch
     moved = sum(n for _, n in ranges)
-    d.repartitioned += moved
+    _count(st, "samples", moved)
     out.append(Notice("partition_shared", {"rank": rank, "epoch": epoch, "samples": moved, "to": to}))
 
 
 def forget(st: CoordinatorState, rank: int) -> None:
     """A rank left the run: no trim of it is outstanding, nothing is owed to it."""
     d = st.dispatch
-    d.trims.pop(rank, None)
+    if d.trims.pop(rank, None) is not None:
+        _count(st, "dropped")
     if rank in d.share_owed:
         d.share_owed.remove(rank)
 
@@ -208,10 +223,12 @@ def on_resynced(
         end = st.resync.journal_end
         if end is not None and cid <= end:  # the dead incarnation's: it never arrives
             del d.trims[ev.rank]
+            _count(st, "void")
             d.share_owed.extend(j for j in joiners if st.ranks[j].phase is ACTIVE and j not in d.share_owed)
             out.append(Notice("trim_void", {"rank": ev.rank, "command_id": cid, "epoch": epoch}))
         return lost
     del d.trims[ev.rank]
+    _count(st, "settled_by_resync")
     gave = [(off, n) for e, off, n in lost if e == epoch]
     _hand_out(st, ev.rank, epoch, gave, joiners, out)
     return [x for x in lost if x[0] != epoch]

@@ -151,10 +151,11 @@ class DispatchState:
     extensions: int = 0  # ExtendPartition commands sent (diagnostics)
     # Sync, a rank joined mid-epoch (``_repartition``): joiners still owed a share of the
     # live epoch, the trims awaiting their answer (rank -> (command_id, epoch, joiners)),
-    # and what the answers moved to joiners (samples).
+    # and how trims ended ("sent", "answered", "settled_by_resync", "void", "dropped":
+    # the member died) with the samples they moved ("samples").
     share_owed: list[int] = field(default_factory=list)
     trims: dict[int, tuple[int, int, tuple[int, ...]]] = field(default_factory=dict)
-    repartitioned: int = 0
+    trim_counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
