@@ -6,17 +6,19 @@ Sync partitions an epoch equally among the ranks alive when it is dispatched. A 
 that joins later (seeded, so ACTIVE: ``_membership.on_seeded``) is *owed* a share of the
 live epoch (``owe``). Sync's rounds are barriers: when a round finishes, every
 participant is throttled and has reported every batch it trained (its ack travels
-behind them on the same link), so the coordinator knows what each member still holds,
+behind them on the same link), so the coordinator knows what each rank still holds,
 ``assigned - reported`` samples. There (``plan``, from Sync's ``on_round_finished``,
-before the ``Update`` that lifts the barrier) the held samples are levelled: ``level``
-is the smallest L with ``sum(max(0, h - L) for members) <= sum(max(0, L - h) for
-joiners)``, so nobody holds more than L afterwards and no position moves between two
-members (equal shares when the members hold equal rests, as Sync partitions). Each
-member above L is sent ``TrimPartition{epoch, keep=L}``; nothing changes hands yet.
+before the ``Update`` that lifts the barrier) the rest R of the epoch is split as Sync
+partitions, ``equal_sizes(alive, R)`` in rank order (``shares``): a member above its
+share is sent ``TrimPartition{epoch, keep=share}``, and what it will give back is
+allotted, in order, to the ranks below their share -- the joiners first, then members
+that trained faster and hold less. A surplus under one batch stays where it is (moving
+it costs more than it evens out). Nothing changes hands yet.
 
 The rank answers ``PartitionTrimmed`` with the positions it gave back (``on_trimmed``):
-they leave its assignment and go, split equally, to the trim's joiners that are still
-ACTIVE (to every alive rank when none is, as a refused window's) as ``ExtendPartition``.
+they leave its assignment and go, in order, to the trim's allotment as
+``ExtendPartition`` (a target no longer ACTIVE, or positions beyond the allotment: split
+equally among the alive ranks, as a refused window's).
 A position belongs to one live rank at a time, and the member, answering from its own
 plan, gives back only positions it will never train -- throttled or not.
 
@@ -25,8 +27,7 @@ Faults (exactly once through each):
 * a member dies with a trim outstanding: ``forget`` drops the trim; its assignment, the
   tail it was asked for included, goes to the survivors, the joiner among them, as any
   death's (``SyncDispatcher.reassign``);
-* a joiner dies: it is owed nothing more; an answer meant for it goes to the trim's
-  other joiners, or to every alive rank;
+* a joiner (or a member allotted positions) dies: its allotment goes to every alive rank;
 * the coordinator restarts: debts and trims are state, the replayed journal has them;
   the answer may have died with the old process. The member's resync report settles
   it (``on_resynced``): it handled the trim (``command_id <= last_command_id``): what
@@ -49,10 +50,10 @@ from ._commands import Command, Notice
 from ._errors import RankViolation
 from ._events import PartitionTrimmed, RankResynced
 from ._phases import ACTIVE
-from ._ranges import split_ranges, subtract_ranges
+from ._ranges import equal_sizes, split_ranges, subtract_ranges
 from ._state import CoordinatorState
 
-__all__ = ["owe", "plan", "level", "check_trimmed", "on_trimmed", "forget", "settled", "on_resynced", "held", "summary"]
+__all__ = ["owe", "plan", "shares", "check_trimmed", "on_trimmed", "forget", "settled", "on_resynced", "held", "summary"]
 
 
 def _count(st: CoordinatorState, what: str, n: int = 1) -> None:
@@ -93,46 +94,55 @@ def settled(st: CoordinatorState) -> None:
     st.dispatch.share_owed.clear()
 
 
-def level(members: list[int], joiners: list[int]) -> int:
-    """The smallest L whose surplus above it (members) fits the room below it (joiners)."""
-    lo, hi = 0, max(members + joiners + [0])
-    while lo < hi:
-        mid = (lo + hi) // 2
-        surplus = sum(max(0, h - mid) for h in members)
-        room = sum(max(0, mid - h) for h in joiners)
-        if surplus <= room:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+def shares(
+    hold: dict[int, int], joiners: list[int], batch: int
+) -> dict[int, tuple[int, tuple[tuple[int, int], ...]]]:
+    """``member -> (keep, ((to, samples), ...))`` for each member to trim: the rest split
+    ``equal_sizes`` over ``hold``'s ranks in order; surpluses under ``batch`` stay; the
+    ranks below their share are filled joiners first, then in rank order."""
+    ranks = list(hold)
+    share = dict(zip(ranks, equal_sizes(len(ranks), sum(hold.values()))))
+    surplus = [(r, hold[r] - share[r]) for r in ranks if r not in joiners and hold[r] - share[r] >= max(1, batch)]
+    order = [r for r in ranks if r in joiners] + [r for r in ranks if r not in joiners]
+    need = [[r, share[r] - hold[r]] for r in order if share[r] > hold[r]]
+    out: dict[int, tuple[int, tuple[tuple[int, int], ...]]] = {}
+    for r, extra in surplus:
+        allot: list[tuple[int, int]] = []
+        while extra > 0 and need:
+            take = min(extra, need[0][1])
+            allot.append((need[0][0], take))
+            extra -= take
+            need[0][1] -= take
+            if need[0][1] == 0:
+                need.pop(0)
+        if allot:
+            out[r] = (hold[r] - sum(n for _, n in allot), tuple(allot))
+    return out
 
 
 def plan(st: CoordinatorState, out: list[Command]) -> None:
-    """At a finished round (the barrier): trim the members above the level for the owed
-    joiners. Sent before the round's ``Update``, so a member handles it still throttled."""
+    """At a finished round (the barrier): trim the members above their equal share of the
+    epoch's rest for the owed joiners. Sent before the round's ``Update``, so a member
+    handles it still throttled."""
     d = st.dispatch
     d.share_owed = [r for r in d.share_owed if st.ranks[r].phase is ACTIVE]
     if not d.share_owed or d.trims:
         return
     epoch = _live_epoch(st)
-    if epoch is None:
-        d.share_owed.clear()
-        return
     joiners = list(d.share_owed)
-    members = [r for r in st.alive_ranks() if r not in joiners]
-    hold = {r: held(st, r, epoch) for r in members}
-    keep = level(list(hold.values()), [held(st, j, epoch) for j in joiners])
-    trimmed = [r for r in members if hold[r] > keep]
-    if not trimmed:
-        d.share_owed.clear()  # nothing left to share: the next epoch's partition counts them
+    d.share_owed.clear()  # settled here: trimmed now, or nothing worth sharing is left
+    if epoch is None:
         return
-    for r in trimmed:
-        d.trims[r] = (st.next_command_id, epoch, tuple(joiners))
+    hold = {r: held(st, r, epoch) for r in st.alive_ranks()}
+    trims = shares(hold, joiners, st.config.batch_size)
+    for r, (keep, allot) in trims.items():
+        d.trims[r] = (st.next_command_id, epoch, tuple(joiners), allot)
         st.send(out, r, trim_partition=pb.Control.TrimPartition(epoch=epoch, keep=keep))
         _count(st, "sent")
-    d.share_owed.clear()
-    out.append(Notice("repartition", {"epoch": epoch, "joiners": joiners, "keep": keep, "trimmed": trimmed,
-                                      "asked_samples": sum(hold[r] - keep for r in trimmed)}))  # fmt: skip
+    if trims:
+        out.append(Notice("repartition", {"epoch": epoch, "joiners": joiners, "held": hold,
+                                          "trims": {r: {"keep": k, "to": [list(x) for x in a]}
+                                                    for r, (k, a) in trims.items()}}))  # fmt: skip
 
 
 def check_trimmed(st: CoordinatorState, ev: PartitionTrimmed) -> None:
@@ -163,31 +173,56 @@ def _overlaps(ranges: list[tuple[int, int]], off: int, n: int) -> bool:
 
 
 def on_trimmed(st: CoordinatorState, ev: PartitionTrimmed, out: list[Command]) -> None:
-    """The member's answer: what it gave back goes to the trim's joiners. An answer to a
+    """The member's answer: what it gave back goes to the trim's allotment. An answer to a
     trim no longer outstanding is honoured all the same (its positions need a trainer)."""
     d = st.dispatch
     rec = d.trims.get(ev.rank)
-    joiners: tuple[int, ...] = ()
+    allot: tuple[tuple[int, int], ...] = ()
     if rec is not None and rec[0] == ev.command_id:
         del d.trims[ev.rank]
-        joiners = rec[2]
+        allot = rec[3]
         _count(st, "answered")
     else:
         st.count_ignored("PartitionTrimmed for a trim not outstanding")
-    _hand_out(st, ev.rank, ev.epoch, [(int(o), int(n)) for o, n in ev.released if n > 0], joiners, out)
+    _hand_out(st, ev.rank, ev.epoch, [(int(o), int(n)) for o, n in ev.released if n > 0], allot, out)
+
+
+def _take(queue: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The first ``n`` positions of ``queue`` (consumed), as ranges."""
+    got: list[tuple[int, int]] = []
+    while n > 0 and queue:
+        off, size = queue[0]
+        take = min(n, size)
+        got.append((off, take))
+        n -= take
+        queue[0] = (off + take, size - take)
+        if queue[0][1] == 0:
+            queue.pop(0)
+    return got
 
 
 def _hand_out(
-    st: CoordinatorState, rank: int, epoch: int, ranges: list[tuple[int, int]], joiners: tuple[int, ...],
-    out: list[Command],
-) -> None:
+    st: CoordinatorState, rank: int, epoch: int, ranges: list[tuple[int, int]],
+    allot: tuple[tuple[int, int], ...], out: list[Command],
+) -> None:  # fmt: skip
     if not ranges:
         return
     d = st.dispatch
     per_rank = d.assigned.setdefault(epoch, {})
     per_rank[rank] = subtract_ranges(per_rank.get(rank, []), ranges)
-    to = [j for j in joiners if st.ranks[j].phase is ACTIVE] or st.alive_ranks()
-    for r, mine in zip(to, split_ranges(ranges, len(to))):
+    queue, parts, orphans = list(ranges), {}, []
+    for to, n in allot:
+        got = _take(queue, n)
+        if st.ranks[to].phase is ACTIVE:
+            parts.setdefault(to, []).extend(got)
+        else:
+            orphans.extend(got)
+    orphans.extend(queue)  # beyond the allotment (none is planned): anyone alive
+    if orphans:
+        alive = st.alive_ranks()
+        for r, mine in zip(alive, split_ranges(orphans, len(alive))):
+            parts.setdefault(r, []).extend(mine)
+    for r, mine in parts.items():
         for off, size in mine:
             ext = pb.Control.ExtendPartition(epoch=epoch, partition_offset=off, partition_size=size)
             st.send(out, r, extend_partition=ext)
@@ -197,7 +232,8 @@ def _hand_out(
             d.rank_epoch[r] = epoch
     moved = sum(n for _, n in ranges)
     _count(st, "samples", moved)
-    out.append(Notice("partition_shared", {"rank": rank, "epoch": epoch, "samples": moved, "to": to}))
+    out.append(Notice("partition_shared", {"rank": rank, "epoch": epoch, "samples": moved,
+                                           "to": {r: sum(n for _, n in v) for r, v in parts.items() if v}}))  # fmt: skip
 
 
 def forget(st: CoordinatorState, rank: int) -> None:
@@ -218,7 +254,7 @@ def on_resynced(
     rec = d.trims.get(ev.rank)
     if rec is None:
         return lost
-    cid, epoch, joiners = rec
+    cid, epoch, joiners, allot = rec
     if cid > ev.last_command_id:
         end = st.resync.journal_end
         if end is not None and cid <= end:  # the dead incarnation's: it never arrives
@@ -230,5 +266,5 @@ def on_resynced(
     del d.trims[ev.rank]
     _count(st, "settled_by_resync")
     gave = [(off, n) for e, off, n in lost if e == epoch]
-    _hand_out(st, ev.rank, epoch, gave, joiners, out)
+    _hand_out(st, ev.rank, epoch, gave, allot, out)
     return [x for x in lost if x[0] != epoch]
