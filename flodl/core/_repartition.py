@@ -53,7 +53,8 @@ from ._phases import ACTIVE
 from ._ranges import equal_sizes, split_ranges, subtract_ranges
 from ._state import CoordinatorState
 
-__all__ = ["owe", "plan", "shares", "check_trimmed", "on_trimmed", "forget", "settled", "on_resynced", "held", "summary"]
+__all__ = ["owe", "plan", "shares", "check_trimmed", "on_trimmed", "forget", "settled", "on_resynced", "held",
+           "summary"]  # fmt: skip
 
 
 def _count(st: CoordinatorState, what: str, n: int = 1) -> None:
@@ -157,7 +158,8 @@ def check_trimmed(st: CoordinatorState, ev: PartitionTrimmed) -> None:
     mine = st.dispatch.assigned.get(ev.epoch, {}).get(ev.rank, [])
     trained = [(off, n) for e, off, n, _s in st.coverage.pending.get(ev.rank, ()) if e == ev.epoch]
     for off, n in released:
-        untrained = _coverage.uncommitted(st.coverage, ev.epoch, [(off, n)]) == [(off, n)] and not _overlaps(trained, off, n)
+        committed = _coverage.uncommitted(st.coverage, ev.epoch, [(off, n)]) != [(off, n)]
+        untrained = not committed and not _overlaps(trained, off, n)
         if _outside(mine, off, n) or not untrained:
             raise RankViolation(
                 f"rank {ev.rank}: gave back [{off}, {off + n}) of epoch {ev.epoch}, which it does not hold untrained"
@@ -210,7 +212,8 @@ def _hand_out(
     d = st.dispatch
     per_rank = d.assigned.setdefault(epoch, {})
     per_rank[rank] = subtract_ranges(per_rank.get(rank, []), ranges)
-    queue, parts, orphans = list(ranges), {}, []
+    queue, orphans = list(ranges), []
+    parts: dict[int, list[tuple[int, int]]] = {}
     for to, n in allot:
         got = _take(queue, n)
         if st.ranks[to].phase is ACTIVE:
@@ -232,8 +235,8 @@ def _hand_out(
             d.rank_epoch[r] = epoch
     moved = sum(n for _, n in ranges)
     _count(st, "samples", moved)
-    out.append(Notice("partition_shared", {"rank": rank, "epoch": epoch, "samples": moved,
-                                           "to": {r: sum(n for _, n in v) for r, v in parts.items() if v}}))  # fmt: skip
+    to = {r: sum(n for _, n in v) for r, v in parts.items() if v}
+    out.append(Notice("partition_shared", {"rank": rank, "epoch": epoch, "samples": moved, "to": to}))
 
 
 def forget(st: CoordinatorState, rank: int) -> None:

@@ -4,9 +4,11 @@ still trained exactly once through deaths and coordinator restarts around the tr
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from flodl.core import ACTIVE, PartitionTrimmed, RankViolation, Send, replay
+from flodl.core import ACTIVE, PartitionTrimmed, RankViolation, Send, from_record, replay, to_record
 from flodl.core._repartition import shares
 
 from .cluster import Cluster
@@ -154,3 +156,9 @@ def test_a_trim_the_restart_never_delivered_is_void_and_planned_again():
     assert _trims(c)["sent"] == 4 and _trims(c)["answered"] == 2  # the next barrier planned anew
     assert any(e == 0 for e, *_ in c.ranks[2].trained)
     assert not any(isinstance(s, Send) and s.kind == "trim_partition" and s.rank == 2 for s in c.commands)
+
+
+def test_an_answer_survives_the_journal_format():
+    ev = PartitionTrimmed(now=1.5, rank=1, command_id=41, epoch=0, kept=24, released=((44, 4), (60, 8)))
+    rec = json.loads(json.dumps(to_record(ev)))  # lists on disk
+    assert from_record(rec) == ev
