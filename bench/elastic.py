@@ -5,7 +5,8 @@ Two modes, one JSON object on stdout:
 ``--sim`` (virtual time, fast): ``flodl.sim._churn.churn_case`` over ``--seeds`` seeds
 per policy -- late joins, a host that never comes, killed ranks restarted by their agent,
 coordinator restarts -- counting runs exactly-once or not, joins, restarts, joiners that
-trained before their seed (goal 0), samples lost / doubled (goal 0 / 0).
+trained before their seed (goal 0), samples lost / doubled (goal 0 / 0), and Sync's trims
+(``repartition``: sent, how they ended, samples moved to joiners).
 
 default (real processes on loopback): a coordinator (``--max-ranks 4 --min-ranks 2``),
 one agent with two ranks slowed ``--slow`` x ``--base-ms`` per batch, and, once the world
@@ -15,6 +16,7 @@ the summary and the journal, per run:
 * ``hello_to_seeded_s`` / ``hello_to_first_commit_s`` per joiner: from its hello to its
   ``Timing.seeded``, and to the first ``sync_ack`` that folds a step of its own;
 * ``seed_bytes`` and ``seeds_sent`` (the transfer), ``seed_s`` (admission -> seeded);
+* ``repartition`` (Sync): the trims that gave the joiners a share of the live epoch;
 * throughput before / after the join: committed samples per second over the epochs
   trained by the first two ranks only, and over those the joiners trained in, and their
   ratio (the peer measured in the same run is the world before the join).
@@ -149,6 +151,7 @@ def _one_run(args, tmp: Path) -> dict:
         "hello_to_first_commit_s": {r: round(first_commit[r] - hello_at[r], 3) for r in first_commit if r in hello_at},
         "seed_bytes": data["bus"].get("seed_bytes", 0),
         "seeds_sent": data["bus"].get("seeds_sent", 0),
+        "repartition": data.get("elastic", {}).get("repartition"),  # Sync: the joiners' share of the live epoch
         "samples_per_s_before": r_before and round(r_before, 1),
         "samples_per_s_after": r_after and round(r_after, 1),
         "after_over_before": round(r_after / r_before, 2) if r_before and r_after else None,
