@@ -57,3 +57,19 @@ def test_sync_shares_the_epoch_with_a_joiner_exactly_once_whenever_the_coordinat
             ended[name] = ended.get(name, 0) + n
     # Not vacuous: each way a trim can end under a restart happened in the sweep.
     assert ended["answered"] >= 1 and ended["void"] >= 1 and ended["settled_by_resync"] >= 1, ended
+
+
+def test_sync_shares_a_slow_members_tail_with_the_joiner_and_a_faster_member_that_ran_dry():
+    """Equal shares of the rest: the fast member finished its partition by the barrier, so
+    the slow one's tail goes to the joiner and to it alike -- exactly once."""
+    cfg = SimConfig(ms_per_batch=(5.0, 40.0, 20.0), total_samples=1600, batch_size=8, epochs=2, seed=1,
+                    policy="sync", hello_at={2: 0.5}, core_overrides=dict(min_ranks=2, join_timeout_s=0.0))  # fmt: skip
+    r = simulate(cfg)
+    assert r.finished.ok and not r.violations
+    for c in r.summary["coverage"]:
+        assert (c["trained"], c["duplicates"], c["missing"]) == (c["expected"], 0, 0), c
+    batches = [e for e in r.events if type(e).__name__ == "BatchDone" and e.epoch == 0]
+    slow_part = range(800, 1600)  # rank 1's partition of epoch 0 (two members: [0, 800), [800, 1600))
+    assert any(e.rank == 0 and e.offset in slow_part for e in batches)  # the fast member got some of it
+    assert any(e.rank == 2 for e in batches)  # and so did the joiner
+    assert r.summary["elastic"]["repartition"]["answered"] >= 1
