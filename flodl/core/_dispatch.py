@@ -23,6 +23,11 @@ the coordinator never shuffles, it hands out *position ranges* (§8.1-8.3).
   equally among the survivors in rank order, as ``ExtendPartition{epoch, offset,
   size}`` -- one command per contiguous range slice. The lost rank's assignment is
   emptied, so a position always belongs to at most one live rank.
+* Join (Sync, mid-epoch): the joiner is owed a share of the live epoch; at the next
+  finished round its untrained rest is split in equal shares over the alive ranks, the
+  members above theirs trimmed (``TrimPartition``) and what they answer they gave back
+  handed out (``ExtendPartition``) -- ``_repartition``. The range arithmetic of all of
+  this is ``_ranges``.
 * Roles: the epoch-callback role is ``st.roles.epoch_role`` (elected by ``_roles``);
   ``SetEpochCallbackRole`` is broadcast at a dispatch whenever it is dirty (changed
   since last announced: once, unless its holder dies or calibration elects another).
@@ -186,8 +191,8 @@ class SyncDispatcher:
         self, st: CoordinatorState, ranks: list[int], out: list[Command]
     ) -> dict[int, pb.EpochPlan]:
         """The barrier: a joiner owed a share of the live epoch gets one (``_repartition``:
-        the members above the level are trimmed before their ``Update``). The next plan
-        is otherwise the rest of the partition each rank already has."""
+        the members above their equal share are trimmed before their ``Update``). The
+        next plan is otherwise the rest of the partition each rank already has."""
         _repartition.plan(st, out)
         return {}
 
