@@ -235,8 +235,8 @@ def _hand_out(
             d.rank_epoch[r] = epoch
     moved = sum(n for _, n in ranges)
     _count(st, "samples", moved)
-    to = {r: sum(n for _, n in v) for r, v in parts.items() if v}
-    out.append(Notice("partition_shared", {"rank": rank, "epoch": epoch, "samples": moved, "to": to}))
+    shared = {r: sum(n for _, n in v) for r, v in parts.items() if v}
+    out.append(Notice("partition_shared", {"rank": rank, "epoch": epoch, "samples": moved, "to": shared}))
 
 
 def forget(st: CoordinatorState, rank: int) -> None:
