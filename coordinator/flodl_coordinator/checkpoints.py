@@ -357,9 +357,8 @@ class CheckpointStore:
                 first = min(metas, key=_order)
                 out = self._commit(version, rank, req, metas[first])
                 if isinstance(out, Committed):
-                    del metas[first]
-                    return [out] + self._try_commit(version)
-                return [out] + self._try_commit(version)  # another rank's save may still do
+                    del metas[first]  # the other epochs now share it
+                return [out] + self._try_commit(version)  # (or another rank's save may still do)
         return []
 
     def _find_saved(self, version: int) -> None:
@@ -389,6 +388,8 @@ class CheckpointStore:
         try:
             with open(os.path.join(first.path, META_FILE), encoding="utf-8") as fh:
                 saved = json.load(fh)
+            if saved.get("cycle") != meta.get("cycle"):  # other weights than the ones saved
+                raise CheckpointError(f"it names cycle {meta.get('cycle')}, the save holds cycle {saved.get('cycle')}")
             os.makedirs(staging)
             names = [MODEL_FILE, *saved.get("sidecars", {})]
             for name in names:

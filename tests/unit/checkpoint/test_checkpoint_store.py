@@ -330,3 +330,11 @@ def test_the_summary_and_status_list_every_epoch_checkpointed(tmp_path):
     assert s["asked"] == [{"version": 3, "epoch": 0}, {"version": 3, "epoch": 1}] and s["missing"] == []
     assert [(c["version"], c["epoch"]) for c in s["committed"]] == [(3, 0), (3, 1)] and s["epochs"] == [0, 1]
     assert ck.status()["epochs"] == [0, 1] and ck.status()["committed"] == 2
+
+
+def test_a_meta_of_other_weights_never_shares_a_save(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 6)
+    other = dict(meta_of(6, 2), cycle=99)  # names another consensus than the one saved
+    (f,) = store.stage_meta(6, other)
+    assert isinstance(f, Failed) and "cycle 99" in f.reason and visible(tmp_path) == ["ckpt-00000006", LATEST_FILE]
