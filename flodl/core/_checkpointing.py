@@ -19,6 +19,15 @@ rank if it is gone) and ``StageCheckpoint(version, meta)`` with
   Cadence the ranks train on while a round is open and after it, so the rank keeps the
   last consensus it applied (``flodl_worker.checkpoint_duty``) and saves that; a rank
   that no longer holds the cycle answers an error and the failover below applies.
+  *One checkpoint per asked epoch.* Epochs shorter than a window (Cadence streams
+  the boundary; ``run_ahead`` folds up to two windows in a round) can aggregate at one
+  consensus. There is nothing new to save for the later one, so it gets no second
+  ``Checkpoint``, only its own ``StageCheckpoint`` of the same version and cycle
+  (``_also_epoch``); the shell commits it as a second directory sharing the save's
+  file. Likewise a round during which several epochs aggregated saves once at its
+  finish, with one meta per epoch. Each meta is *of its epoch* (``checkpoint_meta``'s
+  ``through``: it resumes at ``epoch + 1``) and records what the weights hold of later
+  epochs -- all of one aggregated at the same consensus -- so a resume skips exactly that.
   A pending checkpoint intent (``IntentRaised("checkpoint")``) makes the next
   aggregation save too, when checkpoints are configured (``configured``); otherwise it
   is dropped with ``Notice("intent_dropped")``.
@@ -34,8 +43,10 @@ rank if it is gone) and ``StageCheckpoint(version, meta)`` with
   -- with the meta's ``reason``.
 * ``apply_resume(state, point)``: a fresh state continues from a ``ResumePoint``:
   counters, history, done epochs' coverage rows, Cadence averages / ElChe / guard, and
-  the resumed epoch's coverage opened with its covered positions pre-committed. The
-  dispatchers then hand out only ``resume_holes`` for that epoch.
+  the coverage of every epoch the checkpoint has samples of (the resume epoch and any
+  later one) opened with its covered positions pre-committed. The dispatchers then hand
+  out only ``resume_holes[e]`` for those epochs (none for an epoch the weights hold
+  whole: it aggregates as soon as the run reaches it).
 """
 
 from __future__ import annotations
@@ -151,14 +162,14 @@ def on_round_finished(st: CoordinatorState, out: list[Command]) -> None:
         return
     # Every epoch that aggregated while the round was open gets its own checkpoint of
     # this one consensus: one save, one meta per epoch, each as of its epoch.
-    first, *rest = epochs or [None]
     role = _role(st)
+    rest = epochs[1:]
     if rs.version == ck.last_version or rs.version in ck.pending:
         rest = epochs  # this consensus is saved already (for an earlier epoch)
     elif role is None:
         return
     else:
-        _save(st, out, role, rs.version, rs.cycle, reason, through=first)
+        _save(st, out, role, rs.version, rs.cycle, reason, through=epochs[0] if epochs else None)
     for e in rest:
         _also_epoch(st, out, e, through=e)
 
