@@ -199,10 +199,10 @@ def _audit_metas(c: Cluster) -> tuple[list[int], int]:
     return epochs, saves
 
 
-def _streaming_short_epochs() -> Cluster:
+def _streaming_short_epochs(policy: str = "cadence") -> Cluster:
     """Epochs shorter than two windows at 1,2,4 with run_ahead: several epochs
     aggregate at one consensus."""
-    c = Cluster(world_size=3, total=144, batch_size=8, epochs=8, policy="cadence", checkpoint_every=1,
+    c = Cluster(world_size=3, total=144, batch_size=8, epochs=8, policy=policy, checkpoint_every=1,
                 speeds=[10.0, 20.0, 40.0], run_ahead=True)  # fmt: skip
     c.join_all()
     assert c.run().ok
@@ -220,15 +220,16 @@ def test_epochs_aggregated_at_one_consensus_each_get_their_own_checkpoint_of_one
     assert len(set(versions)) == saves  # one save per consensus, one meta per epoch
 
 
-def test_a_resume_from_the_first_of_two_epochs_at_one_consensus_skips_what_the_weights_hold():
+@pytest.mark.parametrize("policy", ["cadence", "async"])
+def test_a_resume_from_the_first_of_two_epochs_at_one_consensus_skips_what_the_weights_hold(policy):
     """The earlier epoch's checkpoint holds all of the next epoch (recorded as covered):
     the resume trains none of it again, and the run still aggregates it and goes on."""
-    first = _streaming_short_epochs()
+    first = _streaming_short_epochs(policy)
     ms = [m["meta"] for m in metas(first)]
     i = next(i for i in range(len(ms) - 1) if ms[i]["version"] == ms[i + 1]["version"])
     point = resume_plan(json.loads(json.dumps(ms[i])))
     assert point.remaining(point.epoch) == 0  # the weights hold all of the resume epoch
-    c = Cluster(world_size=3, total=144, batch_size=8, epochs=8, policy="cadence", speeds=[10.0, 20.0, 40.0],
+    c = Cluster(world_size=3, total=144, batch_size=8, epochs=8, policy=policy, speeds=[10.0, 20.0, 40.0],
                 run_ahead=True)  # fmt: skip
     c.state = initial_state(c.config, point)
     c.join_all()
