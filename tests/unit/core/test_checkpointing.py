@@ -242,6 +242,8 @@ def test_a_resume_from_the_first_of_two_epochs_at_one_consensus_skips_what_the_w
     want = {e: Counter(p for off, n in point.uncovered(e) for p in range(off, off + n)) for e in range(point.epoch, 8)}
     assert got == {e: w for e, w in want.items() if w}  # each uncovered position once, nothing the weights hold
     assert [row["epoch"] for row in fin.summary["epochs"]] == list(range(8))
+    held = [row["epoch"] for row in fin.summary["epochs"] if row["avg_loss"] is None]
+    assert held == [point.epoch]  # trained before the save: no loss reported in this run (not 0)
     assert all((row["duplicates"], row["missing"]) == (0, 0) for row in fin.summary["coverage"])
 
 
