@@ -252,8 +252,6 @@ def apply_resume(st: CoordinatorState, point: ResumePoint) -> None:
             ec.unique += n
             ec.trained += n
         ck.resume_holes[epoch] = tuple(point.uncovered(epoch))
-        if ck.resume_epoch is None:
-            ck.resume_epoch = epoch
     cad = st.cadence
     if cad is not None:
         cad.averages = {e: n for e, n in point.averages_per_epoch}

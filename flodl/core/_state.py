@@ -335,7 +335,6 @@ class CheckpointState:
     deferred: Optional[str] = None
     deferred_epochs: list[int] = field(default_factory=list)  # each gets its own meta at that finish
     abandoned: list[int] = field(default_factory=list)  # versions given up (no rank could save them)
-    resume_epoch: Optional[int] = None
     resume_holes: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
 
