@@ -5,7 +5,8 @@ Two modes, one JSON object on stdout:
 ``--sim`` (virtual time, fast): ``flodl.sim._churn.churn_case`` over ``--seeds`` seeds
 per policy -- late joins, a host that never comes, killed ranks restarted by their agent,
 coordinator restarts -- counting runs exactly-once or not, joins, restarts, joiners that
-trained before their seed (goal 0), samples lost / doubled (goal 0 / 0).
+trained before their seed (goal 0), samples lost / doubled (goal 0 / 0), and Sync's trims
+(``repartition``: sent, how they ended, samples moved to joiners).
 
 default (real processes on loopback): a coordinator (``--max-ranks 4 --min-ranks 2``),
 one agent with two ranks slowed ``--slow`` x ``--base-ms`` per batch, and, once the world
@@ -15,6 +16,7 @@ the summary and the journal, per run:
 * ``hello_to_seeded_s`` / ``hello_to_first_commit_s`` per joiner: from its hello to its
   ``Timing.seeded``, and to the first ``sync_ack`` that folds a step of its own;
 * ``seed_bytes`` and ``seeds_sent`` (the transfer), ``seed_s`` (admission -> seeded);
+* ``repartition`` (Sync): the trims that gave the joiners a share of the live epoch;
 * throughput before / after the join: committed samples per second over the epochs
   trained by the first two ranks only, and over those the joiners trained in, and their
   ratio (the peer measured in the same run is the world before the join).
@@ -58,6 +60,10 @@ def _sim(seeds: int, policies: list[str]) -> dict:
                 lost += cov["missing"]
                 doubled += cov["duplicates"]
         bad = [c.describe() for c in cases if not c.exact]
+        trims: dict = {}  # Sync re-partitions for joiners: trims sent, how they ended, samples moved
+        for c in cases:
+            for k, v in c.result.summary.get("elastic", {}).get("repartition", {}).items():
+                trims[k] = trims.get(k, 0) + v
         out["policies"][policy] = {
             "exact": len(cases) - len(bad),
             "failed": len(bad),
@@ -67,6 +73,7 @@ def _sim(seeds: int, policies: list[str]) -> dict:
             "joiners_trained_unseeded": sum(len(c.result.violations) for c in cases),
             "samples_lost": lost,
             "samples_doubled": doubled,
+            "repartition": trims,
             "wall_s": round(time.perf_counter() - t0, 2),
             "failures": bad[:10],
         }
@@ -144,6 +151,7 @@ def _one_run(args, tmp: Path) -> dict:
         "hello_to_first_commit_s": {r: round(first_commit[r] - hello_at[r], 3) for r in first_commit if r in hello_at},
         "seed_bytes": data["bus"].get("seed_bytes", 0),
         "seeds_sent": data["bus"].get("seeds_sent", 0),
+        "repartition": data.get("elastic", {}).get("repartition"),  # Sync: the joiners' share of the live epoch
         "samples_per_s_before": r_before and round(r_before, 1),
         "samples_per_s_after": r_after and round(r_after, 1),
         "after_over_before": round(r_after / r_before, 2) if r_before and r_after else None,

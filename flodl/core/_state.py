@@ -149,6 +149,14 @@ class DispatchState:
     dispatched_at: dict[int, float] = field(default_factory=dict)
     announced_role: Optional[int] = None  # last SetEpochCallbackRole broadcast (st.roles.epoch_role)
     extensions: int = 0  # ExtendPartition commands sent (diagnostics)
+    # Sync, a rank joined mid-epoch (``_repartition``): joiners still owed a share of the
+    # live epoch, the trims awaiting their answer (rank -> (command_id, epoch, joiners,
+    # allotment ((to, samples), ...))),
+    # and how trims ended ("sent", "answered", "settled_by_resync", "void", "dropped":
+    # the member died) with the samples they moved ("samples").
+    share_owed: list[int] = field(default_factory=list)
+    trims: dict[int, tuple[int, int, tuple[int, ...], tuple[tuple[int, int], ...]]] = field(default_factory=dict)
+    trim_counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -67,6 +67,11 @@ fails over (lost only) -> a final eval it owed is resent (``_run.on_rank_gone``)
 A ``BatchDone`` also reaches the dispatcher (``on_batch``): Cadence feeds its window
 ledger and streams the rank's next chunk when this batch finished the current one.
 
+Sync, a rank joined mid-epoch (``_repartition``): a member's ``PartitionTrimmed`` (its
+answer to the ``TrimPartition`` a finished round sent it) hands what it gave back to the
+joiner; a resync report settles a trim whose answer a restart lost, before the lost
+positions are resent.
+
 A coordinator restart (``_resync``) is two more events: ``CoordinatorRestarted`` (fed by
 a service rebuilt from its journal) and ``RankResynced`` (a rank's report of what the
 crash may have lost; its unknown batches go through ``_on_batch``). After every step,
@@ -86,7 +91,7 @@ from typing import Any, Callable, Iterable, Optional
 from flodl.wire import pb
 
 from . import _averaging, _checkpointing, _coverage, _dispatch, _membership, _metrics, _roles, _run
-from . import _resync
+from . import _repartition, _resync
 from . import _collective
 from .cadence import _feedback
 from . import _summary
@@ -117,6 +122,7 @@ from ._events import (
     CoordinatorRestarted,
     RankResynced,
     JoinerSeeded,
+    PartitionTrimmed,
 )
 from ._phases import ACTIVE, FINAL_EVAL, FINISHED, JOINING, TRAINING
 from ._state import CoordinatorState, RankRecord
@@ -481,6 +487,7 @@ def _on_resynced(st: CoordinatorState, ev: RankResynced, out: list[Command]) -> 
         return
     _resync.fold_swallowed_ack(st, ev)
     lost = _resync.lost_positions(st, ev)  # before ingesting
+    lost = _repartition.on_resynced(st, ev, lost, out)  # a trim whose answer the crash lost
     recovered = 0
     for bev in _resync.unknown_batches(st, ev):
         try:
@@ -546,4 +553,5 @@ HANDLERS: dict[type, Handler] = {
     CoordinatorRestarted: Handler(_on_restarted),
     RankResynced: Handler(_on_resynced, touches_liveness=True),
     JoinerSeeded: Handler(_on_seeded, touches_liveness=True),
+    PartitionTrimmed: Handler(_repartition.on_trimmed, _repartition.check_trimmed, touches_liveness=True),
 }
