@@ -48,7 +48,7 @@ class CollectiveCluster(Cluster):
             m = ctl.rendezvous
             if not m.store_addr and m.new_rank == 0 and rank not in self.mute:
                 self.feed(StoreReady(now=self.now, rank=rank, generation=m.generation, addr=f"10.0.0.{rank}:{29500 + m.generation}"))
-            if m.store_addr and rank in m.seed_ranks and rank not in self.mute:
+            if m.store_addr and rank in m.seed_ranks and rank not in self.mute and r.m.accepts_seed():
                 r.seed_due = True  # the group formed and broadcast the seed: ``send_seed`` loads it
             return True
         return super().deliver_one(rank)
