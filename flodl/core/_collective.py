@@ -76,7 +76,7 @@ round. A joiner lost before it is seeded re-forms the group without it
 (``on_joiner_gone``); a member lost during the broadcast re-forms it with the joiners
 again (the ACTIVE set changed). A failed broadcast (``CollectiveFailed.seeding``) re-forms
 the same members without blaming the store host; ``SEED_ATTEMPTS`` failures in a row
-drop the joiners (``joiners_to_drop``: refused, their agent may start them again), so a
+drop the joiners (``joiners_to_drop``: shut down, the reason naming the fix), so a
 joiner that cannot be reached never stops the members averaging. After a coordinator
 restart the joiners stay ``seeding``: the generation the restart re-forms seeds them.
 
@@ -321,7 +321,7 @@ def joiners_to_drop(st: CoordinatorState) -> list[tuple[int, str]]:
     cs.seed_failures = 0
     why = (
         f"the seed broadcast of the collective group failed {SEED_ATTEMPTS} times ({cs.reform_reason}); "
-        f"check that this host reaches the others (GLOO_SOCKET_IFNAME); its agent may start it again"
+        f"check that this host reaches the others (GLOO_SOCKET_IFNAME), then start it again"
     )
     return [(r, why) for r in cs.joiners]
 
