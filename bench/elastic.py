@@ -26,6 +26,10 @@ consensus from the coordinator: ``seed_bytes`` / ``broadcast_s`` are then the jo
 own log lines (``joined the running world ... broadcast in Xs (N bytes)``: the f32
 payload, and launch -> completion seen on the joiner), and ``generations`` the group's.
 
+``--broadcast`` (gloo alone, ``--ranks`` processes on loopback): the seed broadcast's
+cost by payload size (``--sizes``, f32 elements) next to its peer, an all-reduce of the
+same buffer in the same group (what every round costs): medians of ``--reps``.
+
 Medians over ``--runs`` runs. The machine may be shared: ratios from the same run stay
 meaningful; absolute seconds include process start-up under that load.
 """
@@ -119,7 +123,7 @@ def _one_run(args, tmp: Path, plane: str = "bus") -> dict:
     procs.append(agent("--ranks", "2", "--slowdown", str(args.slow)))
     try:
         _wait_for(log, "world_formed", coord)
-        procs.append(agent("--ranks", "2", "--rank-offset", "2", "--slowdown", "1", "--log-level", "INFO"))
+        procs.append(agent("--ranks", "2", "--rank-offset", "2", "--slowdown", "1"))
         coord.wait(timeout=args.timeout)
         for p in procs[1:]:
             p.wait(timeout=60)
@@ -194,6 +198,53 @@ def _medians(runs: list[dict]) -> dict:
     return out
 
 
+def _gloo_worker(rank: int, size: int, port: int, sizes: list[int], reps: int, out) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timedelta(seconds=120))
+    group = dist.ProcessGroupGloo(dist.PrefixStore("bench", store), rank, size, timedelta(seconds=120))
+    rows = []
+    for n in sizes:
+        buf = torch.ones(n, dtype=torch.float32)
+        times: dict[str, list[float]] = {"broadcast": [], "allreduce": []}
+        for _ in range(reps + 1):  # the first of each is a warm-up
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = 0, 0
+            t0 = time.perf_counter()
+            group.broadcast([buf], opts).wait()
+            times["broadcast"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            group.allreduce([buf]).wait()
+            times["allreduce"].append(time.perf_counter() - t0)
+        rows.append({"elements": n, "bytes": 4 * n,
+                     **{f"{k}_s": statistics.median(v[1:]) for k, v in times.items()}})  # fmt: skip
+    if rank == 0:
+        out.put(rows)
+
+
+def _broadcast(args) -> dict:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    procs = [ctx.Process(target=_gloo_worker, args=(r, args.ranks, port, sizes, args.reps, q)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    rows = q.get(timeout=args.timeout)
+    for p in procs:
+        p.join(timeout=60)
+    for row in rows:
+        row["broadcast_over_allreduce"] = round(row["broadcast_s"] / row["allreduce_s"], 2) if row["allreduce_s"] else None
+        row["broadcast_s"], row["allreduce_s"] = round(row["broadcast_s"], 5), round(row["allreduce_s"], 5)
+    return {"bench": "elastic", "mode": "broadcast", "backend": "gloo", "ranks": args.ranks, "reps": args.reps,
+            "sizes": rows, "note": "loopback, one machine; the all-reduce of the same buffer is the peer"}  # fmt: skip
+
+
 def _real(args) -> dict:
     planes = args.planes.split(",")
     runs = []
@@ -227,9 +278,16 @@ def main() -> None:
     ap.add_argument("--slow", type=float, default=60.0, help="processes: the first agent's slowdown factor")
     ap.add_argument("--base-ms", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--broadcast", action="store_true", help="gloo's seed broadcast vs an all-reduce, by payload size")
+    ap.add_argument("--sizes", default="5e3,1e6,1e7", help="--broadcast: f32 elements per payload")
+    ap.add_argument("--ranks", type=int, default=3, help="--broadcast: group size")
+    ap.add_argument("--reps", type=int, default=5, help="--broadcast: timed repetitions per size (medians)")
     args = ap.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    out = _sim(args.seeds, args.policies.split(",")) if args.sim else _real(args)
+    if args.broadcast:
+        out = _broadcast(args)
+    else:
+        out = _sim(args.seeds, args.policies.split(",")) if args.sim else _real(args)
     print(json.dumps(out, indent=2))
 
 
