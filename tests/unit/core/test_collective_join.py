@@ -131,7 +131,7 @@ def test_failed_seed_broadcasts_reform_without_blame_then_drop_the_joiner_by_nam
     c.hello(2)
     c.run_until(lambda: c.state.collective.joiners == (2,))
     cs = c.state.collective
-    for attempt in range(1, SEED_ATTEMPTS + 1):
+    for _ in range(SEED_ATTEMPTS):
         g = cs.generation
         cmds = c.feed(CollectiveFailed(now=c.now, rank=0, generation=g, cycle=0, reason="Connection closed", seeding=True))
         assert cs.generation == g + 1 and cs.tried == ()  # the store host is not to blame: the group had formed
