@@ -378,6 +378,11 @@ class CollectiveState:
     reforms: int = 0  # generations after the first
     failures: int = 0  # CollectiveFailed reports that caused a re-formation
     rendezvous_s: float = 0.0  # summed announce -> store address time
+    # Joining a running world (issue 12): the members of this generation that are JOINING
+    # and get the parameters by its seed broadcast; no round opens while any is left.
+    joiners: tuple[int, ...] = ()
+    seed_failures: int = 0  # seed broadcasts failed in a row (``SEED_ATTEMPTS`` drops the joiners)
+    seeds: int = 0  # joiners seeded by a broadcast
 
 
 @dataclass(slots=True)
