@@ -221,7 +221,7 @@ class SyncDispatcher:
         return plans
 
     def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
-        if st.checkpoints.resume_epoch == epoch:
+        if epoch in st.checkpoints.resume_holes:
             self._dispatch_resumed(st, epoch, out)
             return
         plans = self.plans_for_epoch(st, epoch)
@@ -243,14 +243,15 @@ class SyncDispatcher:
         d.dispatched_at.setdefault(epoch, st.now)
 
     def _dispatch_resumed(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
-        """The resumed epoch: only its uncovered ranges (``checkpoints.resume_holes``),
+        """An epoch the resumed checkpoint has samples of: only its uncovered ranges
+        (``checkpoints.resume_holes``; none when the weights hold all of it),
         split equally; a rank's first range is its ``StartEpoch`` plan, the rest
         ``ExtendPartition``s. The coverage was opened, covered positions committed."""
         d = st.dispatch
         announce_role(st, out)
         assigned = d.assigned.setdefault(epoch, {})
         alive = st.alive_ranks()
-        for r, ranges in zip(alive, split_ranges(list(st.checkpoints.resume_holes), len(alive))):
+        for r, ranges in zip(alive, split_ranges(list(st.checkpoints.resume_holes[epoch]), len(alive))):
             if not ranges:
                 continue
             (off, size), rest = ranges[0], ranges[1:]

@@ -215,12 +215,14 @@ class StoreReady(Event):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CollectiveFailed(Event):
     """Collective plane: the process group of ``generation`` failed on ``rank`` (while
-    forming, ``cycle`` 0, or in the all-reduce of ``cycle``); it must be re-formed."""
+    forming, ``cycle`` 0, or in the all-reduce of ``cycle``); it must be re-formed.
+    ``seeding``: it was the generation's seed broadcast to its joiners that failed."""
 
     rank: int
     generation: int
     cycle: int = 0
     reason: str = ""
+    seeding: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

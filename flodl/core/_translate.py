@@ -132,7 +132,9 @@ def timing_event(now: float, t: pb.Timing):
         return StoreReady(now=now, rank=r, generation=t.store_ready.generation, addr=t.store_ready.addr)
     if kind == "collective_failed":
         cf = t.collective_failed
-        return CollectiveFailed(now=now, rank=r, generation=cf.generation, cycle=cf.cycle, reason=cf.reason)
+        return CollectiveFailed(
+            now=now, rank=r, generation=cf.generation, cycle=cf.cycle, reason=cf.reason, seeding=cf.seeding
+        )
     step = t.heartbeat.step_count if kind == "heartbeat" else 0
     return HeartbeatSeen(now=now, rank=r, step_count=step)
 

@@ -332,20 +332,24 @@ class Control(_message.Message):
         keep: int
         def __init__(self, epoch: _Optional[int] = ..., keep: _Optional[int] = ...) -> None: ...
     class Rendezvous(_message.Message):
-        __slots__ = ("store_addr", "generation", "new_rank", "new_world_size", "backend", "timeout_s")
+        __slots__ = ("store_addr", "generation", "new_rank", "new_world_size", "backend", "timeout_s", "seed_ranks", "seed_cycle")
         STORE_ADDR_FIELD_NUMBER: _ClassVar[int]
         GENERATION_FIELD_NUMBER: _ClassVar[int]
         NEW_RANK_FIELD_NUMBER: _ClassVar[int]
         NEW_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
         BACKEND_FIELD_NUMBER: _ClassVar[int]
         TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+        SEED_RANKS_FIELD_NUMBER: _ClassVar[int]
+        SEED_CYCLE_FIELD_NUMBER: _ClassVar[int]
         store_addr: str
         generation: int
         new_rank: int
         new_world_size: int
         backend: str
         timeout_s: float
-        def __init__(self, store_addr: _Optional[str] = ..., generation: _Optional[int] = ..., new_rank: _Optional[int] = ..., new_world_size: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+        seed_ranks: _containers.RepeatedScalarFieldContainer[int]
+        seed_cycle: int
+        def __init__(self, store_addr: _Optional[str] = ..., generation: _Optional[int] = ..., new_rank: _Optional[int] = ..., new_world_size: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., seed_ranks: _Optional[_Iterable[int]] = ..., seed_cycle: _Optional[int] = ...) -> None: ...
     class Throttle(_message.Message):
         __slots__ = ()
         def __init__(self) -> None: ...
@@ -689,14 +693,16 @@ class TimeAccount(_message.Message):
     def __init__(self, wall_s: _Optional[float] = ..., training_s: _Optional[float] = ..., barrier_s: _Optional[float] = ..., averaging_s: _Optional[float] = ..., calibration_s: _Optional[float] = ..., recovery_s: _Optional[float] = ..., checkpoint_s: _Optional[float] = ..., eval_s: _Optional[float] = ..., startup_s: _Optional[float] = ...) -> None: ...
 
 class CollectiveFailed(_message.Message):
-    __slots__ = ("generation", "cycle", "reason")
+    __slots__ = ("generation", "cycle", "reason", "seeding")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SEEDING_FIELD_NUMBER: _ClassVar[int]
     generation: int
     cycle: int
     reason: str
-    def __init__(self, generation: _Optional[int] = ..., cycle: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    seeding: bool
+    def __init__(self, generation: _Optional[int] = ..., cycle: _Optional[int] = ..., reason: _Optional[str] = ..., seeding: _Optional[bool] = ...) -> None: ...
 
 class Metrics(_message.Message):
     __slots__ = ("rank", "epoch", "chunk_seq", "avg_loss", "batches_processed", "epoch_ms", "samples_processed", "share_complete_ms", "compute_only_ms", "data_starve_ms", "scalars")
