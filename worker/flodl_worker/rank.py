@@ -122,6 +122,7 @@ from .loader import BatchLoader
 from .output import save_output_model
 from .params import gamma_mass, model_signature, param_digest
 from .run_progress import Progress, ProgressClock
+from .run_world import set_world_size
 from .shell import MachineShell
 
 __all__ = [
@@ -452,6 +453,7 @@ class _Rank(MachineShell):
         self.heartbeat_s = spec.heartbeat_interval_s if spec.heartbeat_interval_s > 0 else DEFAULT_HEARTBEAT_S
         self.liveness_s = spec.liveness_timeout_s if spec.liveness_timeout_s > 0 else DEFAULT_LIVENESS_S
         self.sock.setsockopt(zmq.SNDTIMEO, int(self.liveness_s * 1000))
+        set_world_size(max(int(spec.world_size), 1))  # optimizer_fn may scale its LR by it (run_world)
         global_step = self.build()  # now, so that frames queued behind the ack see a built model
         self.loader = BatchLoader(
             self.dataset, self._samples, self.m.upcoming,
