@@ -380,6 +380,7 @@ class _Rank(MachineShell):
     # -- admission ----------------------------------------------------------------------
 
     def hello(self) -> None:
+        set_world_size(self.cfg.world_size)  # FLODL_WORLD_SIZE: the probe's optimizer_fn may ask (run_world)
         torch.manual_seed(0)
         probe = self.model_fn()
         sig = model_signature(probe)
@@ -453,7 +454,7 @@ class _Rank(MachineShell):
         self.heartbeat_s = spec.heartbeat_interval_s if spec.heartbeat_interval_s > 0 else DEFAULT_HEARTBEAT_S
         self.liveness_s = spec.liveness_timeout_s if spec.liveness_timeout_s > 0 else DEFAULT_LIVENESS_S
         self.sock.setsockopt(zmq.SNDTIMEO, int(self.liveness_s * 1000))
-        set_world_size(max(int(spec.world_size), 1))  # optimizer_fn may scale its LR by it (run_world)
+        set_world_size(max(int(spec.world_size), 1))  # the coordinator's, for the real optimizer_fn
         global_step = self.build()  # now, so that frames queued behind the ack see a built model
         self.loader = BatchLoader(
             self.dataset, self._samples, self.m.upcoming,

@@ -1,7 +1,9 @@
 """flodl_worker.run_world: the run's world size inside a rank, for LR rules that need it.
 
-A rank's ``optimizer_fn`` is called after admission, so the RunSpec's ``world_size``
-(the run's capacity: the ranks it holds) is known by then; ``world_size()`` returns it.
+``world_size()`` is the run's capacity (the ranks it holds): from the start of
+``run_rank`` the rank's ``FLODL_WORLD_SIZE`` (its ``optimizer_fn`` is first called on a
+probe model, before the hello), and from admission the RunSpec's ``world_size`` (the
+coordinator refuses a hello whose world size differs from its own, so the two agree).
 
 Why a script wants it: the learning rate a script was tuned with on one process is not
 what it needs on K ranks. Under DDP the global batch grows K-fold and users scale the LR
@@ -24,16 +26,14 @@ _world: Optional[int] = None
 
 
 def world_size() -> int:
-    """The run's world size (RunSpec.world_size), inside ``run_rank`` once admitted."""
+    """The run's world size (FLODL_WORLD_SIZE, then the RunSpec's), inside ``run_rank``."""
     if _world is None:
-        raise RuntimeError(
-            "flodl_worker.world_size() is only known inside run_rank once the coordinator admitted the rank"
-        )
+        raise RuntimeError("flodl_worker.world_size() is only known inside run_rank (a flodl rank)")
     return _world
 
 
 def set_world_size(n: int) -> None:
-    """The rank runtime publishes the admitted RunSpec's world size (before ``optimizer_fn``)."""
+    """The rank runtime publishes the world size (before any ``optimizer_fn`` call)."""
     global _world
     if n < 1:
         raise ValueError(f"world size must be >= 1, got {n}")

@@ -21,8 +21,8 @@ def world(monkeypatch):
     return run_world
 
 
-def test_world_size_is_unknown_before_admission_and_the_runspecs_after(world):
-    with pytest.raises(RuntimeError, match="once the coordinator admitted"):
+def test_world_size_is_unknown_outside_a_rank_and_the_published_one_inside(world):
+    with pytest.raises(RuntimeError, match="only known inside run_rank"):
         flodl_worker.world_size()
     world.set_world_size(6)
     assert flodl_worker.world_size() == 6

@@ -9,7 +9,7 @@ import sys
 import torch
 from torch import nn
 
-from flodl_worker.run_world import world_size  # known once admitted: optimizer_fn runs after
+from flodl_worker.run_world import world_size  # known inside run_rank, before optimizer_fn is called
 
 __all__ = [
     "mlp", "classification_step", "accuracy_fn", "epoch_report_fn", "make_optimizer", "add_optim_args", "scaled_lr",
