@@ -727,7 +727,9 @@ def run_rank(
 
     - ``model_fn()`` builds the model; it is called under ``torch.manual_seed`` (twice:
       a signature probe, then the real one seeded from the RunSpec).
-    - ``optimizer_fn(model)`` builds its optimizer.
+    - ``optimizer_fn(model)`` builds its optimizer; ``flodl_worker.world_size()`` is
+      known there, for an LR that depends on it (Adam under averaging: ``lr * sqrt(K)``,
+      ``flodl_worker.run_world``).
     - ``step_fn(model, optimizer, batch)`` does one full optimizer step (zero_grad,
       forward, backward, step) and returns the loss (tensor or float). ``batch`` is
       ``[t[idx] for t in train_dataset.tensors]`` for a TensorDataset-like dataset,
