@@ -310,6 +310,7 @@ class CoordinatorService:
                     for dl in (self._drop_log, *self._hello_logs.values()):
                         dl.flush(self.clock())
                     next_tick = self.clock() + self.settings.tick_interval_s
+            self._tell_agents_run_ended()
         finally:
             for dl in (self._drop_log, *self._hello_logs.values()):
                 dl.close(self.clock())
@@ -596,6 +597,15 @@ class CoordinatorService:
             if len(self.agent_errors) < 64:
                 self.agent_errors.append(reason)
             log.error("%s", reason)
+
+    def _tell_agents_run_ended(self) -> None:
+        """Every agent hears that the run is over (the socket's linger carries it out): one
+        with a rank in restart backoff must not start it again for a run that is gone, where
+        it would wait for a hello nobody answers (and fail, and be restarted, ...)."""
+        f = self.finished
+        msg = pb.AgentMsg(run_ended=pb.AgentMsg.RunEnded(ok=bool(f and f.ok), reason=f.reason if f else ""))
+        for route in self.agents.claims:
+            self._send_now(self.endpoint.frames("agent", msg, route=route), quiet=True)
 
     def _answer_agent(self, route: tuple, accepted: bool, reason: str) -> None:
         """The agent learns in one round trip that it reached the right coordinator."""
