@@ -120,3 +120,10 @@ class AgentBook:
         if self.vouched.get(rank) != claim.digest:
             return f"rank {rank} did not name the agent on {claim.host!r} as its launcher in its own hello"
         return ""
+
+    def before_hello(self, route: tuple, rank: int, token: bytes, key: str) -> bool:
+        """Whether a refused report is the agent's own about a rank that never said hello
+        (it died starting, or its host left first): nothing to forget, and no forgery."""
+        claim = self.claims.get(route)
+        return (claim is not None and rank in claim.ranks and claim.key == key and bool(claim.digest)
+                and token_digest(bytes(token)) == claim.digest and rank not in self.vouched)  # fmt: skip

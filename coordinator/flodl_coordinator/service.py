@@ -585,6 +585,10 @@ class CoordinatorService:
         elif which == "rank_exited":
             r = msg.rank_exited
             why = self.agents.report_refusal(route, r.rank, r.token, self._peer_key)
+            if why and self.agents.before_hello(route, r.rank, r.token, self._peer_key):
+                log.info("agent on %s: rank %d ended (code %d) before it said hello",
+                         self.agents.claims[route].host, r.rank, r.code)
+                return
             if why:  # a forged (or misrouted) report: the rank lives on, its own frames decide
                 raise RouteMismatch(why)
             self._feed(RankExitReported(now=now, rank=r.rank, code=r.code, restart_count=r.restart_count))
