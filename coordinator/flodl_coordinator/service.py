@@ -573,7 +573,8 @@ class CoordinatorService:
         msg = env.agent
         which = msg.WhichOneof("msg")
         if which == "hello":
-            record, note = self.agents.hello(route, msg.hello, self._peer_key)
+            # A rank the run no longer holds (dead, left) may be claimed by a new host.
+            record, note = self.agents.hello(route, msg.hello, self._peer_key, set(self.state.addressable_ranks()))
             if record is None:
                 self._answer_agent(route, False, note)
                 raise RouteMismatch(note)

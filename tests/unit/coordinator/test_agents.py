@@ -198,3 +198,31 @@ def test_an_agents_report_of_a_rank_that_never_said_hello_is_no_dropped_frame(se
     agent.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(rank=1, code=-15, token=FORGED)))
     assert _until(lambda: svc.dropped.get("route_mismatch", 0) == 1), dict(svc.dropped)  # only the forged one
     assert "rank 1 ended (code -15) before it said hello" in caplog.text
+
+
+def test_a_new_host_takes_over_the_slots_of_one_that_left_and_may_report_them():
+    # (the churn campaign: the second host to join slots 6, 7 was refused them, so its
+    # ranks' exits were never believed and its leave was seen only as a lost relay link)
+    A, B = b"a" * 16, b"b" * 16
+    book = AgentBook(world_size=8)
+    book.hello((b"agent-a",), _hello([6, 7], A, "a"), "", held=set())
+    book.rank_admitted(6, A)
+    book.rank_admitted(7, A)
+    # Host a left: the run holds neither rank now. Host b claims them, and its ranks vouch.
+    record, note = book.hello((b"agent-b",), _hello([6, 7], B, "b"), "", held={0, 1})
+    assert record["ranks"] == [6, 7] and note == ""
+    records = [record, book.rank_admitted(6, B)]
+    assert book.report_refusal((b"agent-b",), 6, B, "") == ""
+    assert "did not name" in book.report_refusal((b"agent-a",), 6, A, "")  # not a's any more
+    # Still held (an agent restarted before its old ranks were declared dead): refused for
+    # now, and its own once the new process's hello vouches for it.
+    C = b"c" * 16
+    record, note = book.hello((b"agent-c",), _hello([7], C, "c"), "", held={7})
+    assert record["ranks"] == [] and record["asked"] == [7] and "vouched for another agent" in note
+    records += [record, book.rank_admitted(7, C)]
+    assert book.report_refusal((b"agent-c",), 7, C, "") == ""
+    # A restarted coordinator's book, from the journal records, agrees.
+    again = AgentBook(world_size=8)
+    for r in records:
+        again.restore(r)
+    assert again.report_refusal((b"agent-b",), 6, B, "") == "" and again.report_refusal((b"agent-c",), 7, C, "") == ""
