@@ -170,21 +170,23 @@ def join_times(records: list[dict]) -> list[dict]:
     hello: dict[int, dict] = {}
     seeded: dict[int, tuple[float, dict]] = {}
     out = []
+
+    def row(rank: int, at: float, h: dict, commit: float | None) -> dict:
+        return {"rank": rank, "restart_count": h.get("restart_count", 0), "hello_at": h["now"],
+                "hello_to_seeded_s": round(at - h["now"], 3),
+                "hello_to_first_commit_s": None if commit is None else round(commit - h["now"], 3)}  # fmt: skip
+
     for r in records:
         t, rank = r.get("type"), r.get("rank")
+        if t in ("RankHello", "JoinerSeeded") and rank in seeded:  # the last one never committed (it died)
+            out.append(row(rank, *seeded.pop(rank), None))
         if t == "RankHello":
             hello[rank] = r
         elif t == "JoinerSeeded" and rank in hello:
             seeded[rank] = (r["now"], hello[rank])
         elif t == "SyncAcked" and rank in seeded and r.get("step_count", 0) > 0:
-            at, h = seeded.pop(rank)
-            out.append({
-                "rank": rank, "restart_count": h.get("restart_count", 0), "hello_at": h["now"],
-                "hello_to_seeded_s": round(at - h["now"], 3), "hello_to_first_commit_s": round(r["now"] - h["now"], 3),
-            })  # fmt: skip
-    for rank, (at, h) in seeded.items():  # seeded, never committed a step (the run ended, it died)
-        out.append({"rank": rank, "restart_count": h.get("restart_count", 0), "hello_at": h["now"],
-                    "hello_to_seeded_s": round(at - h["now"], 3), "hello_to_first_commit_s": None})  # fmt: skip
+            out.append(row(rank, *seeded.pop(rank), r["now"]))
+    out += [row(rank, at, h, None) for rank, (at, h) in seeded.items()]  # the run ended first
     return sorted(out, key=lambda j: j["hello_at"])
 
 

@@ -24,10 +24,10 @@ __all__ = ["churn_args", "churn"]
 TASK = "flodl_worker.examples.synthetic"
 # The full campaign: minutes of training on 6 ranks (+2 joining), a fault every ~10 s.
 FULL = dict(ranks=6, join_ranks=2, samples=12288, epochs=50, batch_size=32, base_ms=20.0, every=10.0,
-            heartbeat=1.0, liveness_timeout=4.0)  # fmt: skip
+            heartbeat=1.0, liveness_timeout=4.0, join_wait=60.0)  # fmt: skip
 # --quick: a small world, faults every ~3 s, short timeouts; ~30 s for both runs.
 QUICK = dict(ranks=4, join_ranks=2, samples=2048, epochs=16, batch_size=32, base_ms=20.0, every=2.5,
-             heartbeat=0.5, liveness_timeout=2.0)  # fmt: skip
+             heartbeat=0.5, liveness_timeout=2.0, join_wait=5.0)  # fmt: skip
 
 
 def churn_args(ap) -> None:
@@ -42,6 +42,9 @@ def churn_args(ap) -> None:
     g.add_argument("--batch-size", type=int, default=None, help="--churn: samples per step (32)")
     g.add_argument("--heartbeat", type=float, default=None, help="--churn: heartbeat interval s (1; quick 0.5)")
     g.add_argument("--liveness-timeout", type=float, default=None, help="--churn: liveness timeout s (4; quick 2)")
+    g.add_argument("--join-wait", type=float, default=None,
+                   help="--churn: a leave waits this long at most for the joined host to train (60; quick 5): "
+                   "starting a rank takes ~30 s on a loaded 2-core machine")
     g.add_argument("--max-restarts", type=int, default=50, help="--churn: each agent's --max-restarts")
     g.add_argument("--keep", default=None, help="--churn: copy the churn run's files (journal, summary, logs) here")
 
@@ -232,7 +235,7 @@ def churn(args) -> dict:
                        and r["traces"]["trained_again"] <= r["traces"]["explained_up_to"])  # fmt: skip
     config = {k: getattr(args, k) for k in ("quick", "seed", "kinds", "every", "ranks", "join_ranks", "samples",
                                             "epochs", "batch_size", "base_ms", "heartbeat", "liveness_timeout",
-                                            "max_restarts", "policy")}  # fmt: skip
+                                            "max_restarts", "join_wait", "policy")}  # fmt: skip
     return {
         "bench": "elastic", "mode": "churn", "config": config,
         "goodput_ratio": round(g_c / g_b, 3) if g_b and g_c else None,

@@ -31,9 +31,6 @@ from churn_plan import PRE_S, Fault, pick_victim
 PY = sys.executable
 ROOT = Path(__file__).resolve().parents[1]
 AGENT_EXIT_S = 60.0  # after the coordinator's exit, an agent still running this long is a hang
-# A leave waits for the joined host's ranks to train first, at most this long: starting a
-# rank (python, torch, the model) takes ~30 s on a loaded 2-core machine.
-JOIN_WAIT_S = 60.0
 
 
 def _signal(pid: int, sig: int) -> bool:
@@ -96,6 +93,7 @@ class ChurnRun:
         self.forgotten: dict[int, float] = {}  # rank -> when the coordinator logged it forgotten (latest)
         self.agents: list[tuple[str, subprocess.Popen]] = []
         self.joiner: subprocess.Popen | None = None
+        self.coord: subprocess.Popen | None = None
         self.struck: list[dict] = []
         self.threads: list[threading.Thread] = []
         self.stopped: set[int] = set()  # ranks SIGSTOPped and not yet ended
@@ -193,13 +191,16 @@ class ChurnRun:
         if fault.kind == "leave":
             if self.joiner is None:
                 return {**rec, "skipped": "no joined host"}
-            # A host that leaves has trained first; one still starting after JOIN_WAIT_S
-            # leaves all the same (the rest of the schedule waits as long).
+            # A host that leaves has trained first; one still starting after ``join_wait``
+            # s leaves all the same (the rest of the schedule waits as long).
             joined = list(range(a.ranks, a.ranks + a.join_ranks))
             t_wait = time.monotonic()
-            while not set(joined) <= set(self.training()) and time.monotonic() < t_wait + JOIN_WAIT_S:
+            while (not set(joined) <= set(self.training()) and time.monotonic() < t_wait + a.join_wait
+                   and self.coord.poll() is None):  # fmt: skip
                 time.sleep(0.05)  # waiting on the joined ranks' progress (the journal)
             rec["waited_for_joiners_s"] = round(time.monotonic() - t_wait, 3)
+            if self.coord.poll() is not None:
+                return {**rec, "skipped": "the run had ended"}
             rec["joiners_trained"] = set(joined) <= set(self.training())
             rec["t"] = time.monotonic()
             rec["ranks"] = joined
@@ -247,7 +248,7 @@ class ChurnRun:
 
     def run(self) -> dict:
         a = self.args
-        coord = self._coordinator()
+        coord = self.coord = self._coordinator()
         self._thread(self._follow_journal)
         half = a.ranks // 2
         self._agent("hostA", half, 0)

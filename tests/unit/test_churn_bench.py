@@ -80,11 +80,14 @@ def test_join_times_come_from_the_joiners_own_records():
         {"type": "SyncAcked", "rank": 6, "now": 103.0, "step_count": 0},  # the seed's ack folds nothing
         {"type": "SyncAcked", "rank": 6, "now": 104.0, "step_count": 5},
         {"type": "RankHello", "rank": 2, "now": 110.0, "restart_count": 3},
-        {"type": "JoinerSeeded", "rank": 2, "now": 111.0},
+        {"type": "JoinerSeeded", "rank": 2, "now": 111.0},  # it dies before it commits a step ...
+        {"type": "RankHello", "rank": 2, "now": 120.0, "restart_count": 4},  # ... and comes back
+        {"type": "JoinerSeeded", "rank": 2, "now": 120.5},
     ]
-    a, b = plan.join_times(records)
+    a, b, c = plan.join_times(records)
     assert (a["rank"], a["hello_to_seeded_s"], a["hello_to_first_commit_s"]) == (6, 2.5, 4.0)
     assert (b["rank"], b["restart_count"], b["hello_to_seeded_s"], b["hello_to_first_commit_s"]) == (2, 3, 1.0, None)
+    assert (c["rank"], c["restart_count"], c["hello_to_seeded_s"], c["hello_to_first_commit_s"]) == (2, 4, 0.5, None)
 
 
 def test_goodput_and_the_trace_audit():
