@@ -128,8 +128,8 @@ def _fault_rows(struck, records, batches, rates, decisions, joins, args) -> list
         # How fast they trained until the next fault, against their full rate: a slow
         # machine (ranks restarting beside them) reads < 1 with no stall.
         full = sum(rates[r] for r in surv) * (until - t)
-        done = sum(plan.count_in(batches[r], t, until) for r in surv)
-        row["survivor_rate_after"] = round(done / full, 2) if full else None
+        trained = sum(plan.count_in(batches[r], t, until) for r in surv)
+        row["survivor_rate_after"] = round(trained / full, 2) if full else None
         if s["kind"] != "join":
             dec = [(now, rank, why) for now, rank, why in decisions if rank in s["ranks"] and now >= t]
             first = {}
