@@ -24,20 +24,22 @@ __all__ = ["churn_args", "churn"]
 TASK = "flodl_worker.examples.synthetic"
 # The full campaign: minutes of training on 6 ranks (+2 joining), a fault every ~10 s.
 FULL = dict(ranks=6, join_ranks=2, samples=12288, epochs=50, batch_size=32, base_ms=20.0, every=10.0,
-            heartbeat=1.0, liveness_timeout=4.0, join_wait=60.0)  # fmt: skip
-# --quick: a small world, faults every ~3 s, short timeouts; ~30 s for both runs.
-QUICK = dict(ranks=4, join_ranks=2, samples=2048, epochs=16, batch_size=32, base_ms=20.0, every=2.5,
-             heartbeat=0.5, liveness_timeout=2.0, join_wait=5.0)  # fmt: skip
+            heartbeat=1.0, liveness_timeout=4.0, join_wait=60.0, kinds=",".join(plan.KINDS))  # fmt: skip
+# --quick: 4 ranks, a kill or a stop every ~2.5 s, short timeouts (a joining host would
+# not have started yet); the two runs' process start-up is most of its wall time.
+QUICK = dict(ranks=4, join_ranks=1, samples=2048, epochs=12, batch_size=32, base_ms=20.0, every=2.5,
+             heartbeat=0.5, liveness_timeout=2.0, join_wait=5.0, kinds="kill9_rank,sigstop_rank")  # fmt: skip
 
 
 def churn_args(ap) -> None:
     g = ap.add_argument_group("--churn")
-    g.add_argument("--quick", action="store_true", help="--churn: a ~30 s campaign (4 ranks, a fault every ~3 s)")
+    g.add_argument("--quick", action="store_true", help="--churn: a short campaign (4 ranks, a fault every ~2.5 s)")
     g.add_argument("--seed", type=int, default=1, help="--churn: the fault schedule's seed")
-    g.add_argument("--kinds", default=",".join(plan.KINDS), help=f"--churn: fault kinds, of {','.join(plan.KINDS)}")
-    g.add_argument("--every", type=float, default=None, help="--churn: seconds between faults (10; quick 3)")
+    g.add_argument("--kinds", default=None,
+                   help=f"--churn: fault kinds, of {','.join(plan.KINDS)} (default all; quick the first two)")
+    g.add_argument("--every", type=float, default=None, help="--churn: seconds between faults (10; quick 2.5)")
     g.add_argument("--ranks", type=int, default=None, help="--churn: ranks over the two agents (6; quick 4)")
-    g.add_argument("--join-ranks", type=int, default=None, help="--churn: ranks of the joining host (2)")
+    g.add_argument("--join-ranks", type=int, default=None, help="--churn: ranks of the joining host (2; quick 1)")
     g.add_argument("--samples", type=int, default=None, help="--churn: synthetic samples per epoch (8192)")
     g.add_argument("--batch-size", type=int, default=None, help="--churn: samples per step (32)")
     g.add_argument("--heartbeat", type=float, default=None, help="--churn: heartbeat interval s (1; quick 0.5)")

@@ -207,7 +207,10 @@ class ChurnRun:
             self.joiner.send_signal(signal.SIGTERM)
             self.joiner = None
             return rec
-        victim = pick_victim(fault, self.training())
+        training = self.training()
+        if len(training) - 1 < max(1, a.ranks // 2):  # the campaign churns a world, it does not end it
+            return {**rec, "skipped": "too few ranks training"}
+        victim = pick_victim(fault, training)
         pid = None if victim is None else _rank_pid(self.trace, a.task, victim)
         if pid is None:
             return {**rec, "skipped": "no rank training", "victim": victim}

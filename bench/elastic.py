@@ -24,11 +24,12 @@ meaningful; absolute seconds include process start-up under that load.
 
 ``--churn`` (real processes, several minutes): ``--ranks`` ranks (6) over two agents with
 ``--max-restarts``, the synthetic task sized by ``--samples`` / ``--epochs``, and a fault
-every ``--every`` s (10, ± 20 %) from a seeded schedule (``churn_plan``): kill -9 of a
+every ``--every`` s (10, +- 20 %) from a seeded schedule (``churn_plan``; a kill or a stop
+strikes only while at least half the ranks train besides its victim): kill -9 of a
 training rank (its agent restarts it, it rejoins), SIGSTOP of one past the liveness
 timeout then SIGCONT or SIGKILL, a third agent joining with ``--join-ranks`` more ranks,
-and that host leaving (SIGTERM to its agent). The same run without faults, measured first
-in the same invocation, is the baseline. Reported:
+and that host leaving (SIGTERM to its agent, once its ranks trained). The same run
+without faults, measured first in the same invocation, is the baseline. Reported:
 
 * ``goodput_ratio``: committed samples per second (world's first batch -> last commit)
   of the churn run over the baseline's;
@@ -42,7 +43,10 @@ in the same invocation, is the baseline. Reported:
   kill or a join the join times of the rank(s) that (re)joined;
 * ``by_kind``: medians per kind; ``join_times``: every seeded joiner.
 
-``--quick`` is a short one (about 30 s, a fault every 3 s, a small world) to see it work.
+``--quick`` is a short one to see it work: 4 ranks, kills and stops only (a joining host
+would not have started yet), a fault every ~2.5 s, ~10 s of training per run; process
+start-up (twice: the baseline, then the churn run) is most of its wall time, about 30 s on
+an idle 2-core machine and more under load.
 """
 
 from __future__ import annotations
