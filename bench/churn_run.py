@@ -191,12 +191,17 @@ class ChurnRun:
         if fault.kind == "leave":
             if self.joiner is None:
                 return {**rec, "skipped": "no joined host"}
-            # A host that leaves has trained first; one still starting after ``join_wait``
-            # s leaves all the same (the rest of the schedule waits as long).
+            # A host that leaves has trained first, for half a fault interval (its first
+            # commits are its join time); one still starting after ``join_wait`` s leaves
+            # all the same. The rest of the schedule waits as long.
             joined = list(range(a.ranks, a.ranks + a.join_ranks))
             t_wait = time.monotonic()
-            while (not set(joined) <= set(self.training()) and time.monotonic() < t_wait + a.join_wait
-                   and self.coord.poll() is None):  # fmt: skip
+            trained_at = None
+            while time.monotonic() < t_wait + a.join_wait and self.coord.poll() is None:
+                if trained_at is None and set(joined) <= set(self.training()):
+                    trained_at = time.monotonic()
+                if trained_at is not None and time.monotonic() >= trained_at + a.every / 2:
+                    break
                 time.sleep(0.05)  # waiting on the joined ranks' progress (the journal)
             rec["waited_for_joiners_s"] = round(time.monotonic() - t_wait, 3)
             if self.coord.poll() is not None:
