@@ -40,7 +40,7 @@ def churn_args(ap) -> None:
     g.add_argument("--every", type=float, default=None, help="--churn: seconds between faults (10; quick 2.5)")
     g.add_argument("--ranks", type=int, default=None, help="--churn: ranks over the two agents (6; quick 4)")
     g.add_argument("--join-ranks", type=int, default=None, help="--churn: ranks of the joining host (2; quick 1)")
-    g.add_argument("--samples", type=int, default=None, help="--churn: synthetic samples per epoch (8192)")
+    g.add_argument("--samples", type=int, default=None, help="--churn: synthetic samples per epoch (12288; quick 2048)")
     g.add_argument("--batch-size", type=int, default=None, help="--churn: samples per step (32)")
     g.add_argument("--heartbeat", type=float, default=None, help="--churn: heartbeat interval s (1; quick 0.5)")
     g.add_argument("--liveness-timeout", type=float, default=None, help="--churn: liveness timeout s (4; quick 2)")

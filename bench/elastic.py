@@ -214,10 +214,10 @@ def main() -> None:
     ap.add_argument("--policies", default="sync,cadence,async", help="--sim: policies")
     ap.add_argument("--policy", default="cadence", help="processes: the averaging policy")
     ap.add_argument("--runs", type=int, default=3, help="processes: runs (medians)")
-    ap.add_argument("--epochs", type=int, default=None, help="default 20 (joins), sized per mode (--churn)")
+    ap.add_argument("--epochs", type=int, default=None, help="default 20 (joins); --churn 50, quick 12")
     ap.add_argument("--slow", type=float, default=60.0, help="processes: the first agent's slowdown factor")
     ap.add_argument("--base-ms", type=float, default=None, help="emulated ms per batch: default 1 (joins), 20 (--churn)")
-    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take (--churn: each; quick 120)")
     args = ap.parse_args()
     if not args.churn:
         args.epochs = 20 if args.epochs is None else args.epochs
