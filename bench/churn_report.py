@@ -38,7 +38,6 @@ def churn_args(ap) -> None:
     g.add_argument("--kinds", default=None,
                    help=f"--churn: fault kinds, of {','.join(plan.KINDS)} (default all; quick the first two)")
     g.add_argument("--every", type=float, default=None, help="--churn: seconds between faults (10; quick 2.5)")
-    g.add_argument("--ranks", type=int, default=None, help="--churn: ranks over the two agents (6; quick 4)")
     g.add_argument("--join-ranks", type=int, default=None, help="--churn: ranks of the joining host (2; quick 1)")
     g.add_argument("--samples", type=int, default=None, help="--churn: synthetic samples per epoch (12288; quick 2048)")
     g.add_argument("--batch-size", type=int, default=None, help="--churn: samples per step (32)")
@@ -54,7 +53,7 @@ def churn_args(ap) -> None:
 def _resolve(args) -> None:
     base = QUICK if args.quick else FULL
     for k, v in base.items():
-        if getattr(args, k, None) is None:
+        if getattr(args, k, None) is None:  # (--ranks, --epochs, --base-ms: elastic.py's own)
             setattr(args, k, v)
     args.task, args.task_args = TASK, ["--samples", str(args.samples)]
     args.deadline = min(args.timeout, 120.0) if args.quick else args.timeout
