@@ -310,6 +310,7 @@ class CoordinatorService:
                     for dl in (self._drop_log, *self._hello_logs.values()):
                         dl.flush(self.clock())
                     next_tick = self.clock() + self.settings.tick_interval_s
+            self._tell_agents_run_ended()
         finally:
             for dl in (self._drop_log, *self._hello_logs.values()):
                 dl.close(self.clock())
@@ -572,7 +573,8 @@ class CoordinatorService:
         msg = env.agent
         which = msg.WhichOneof("msg")
         if which == "hello":
-            record, note = self.agents.hello(route, msg.hello, self._peer_key)
+            # A rank the run no longer holds (dead, left) may be claimed by a new host.
+            record, note = self.agents.hello(route, msg.hello, self._peer_key, set(self.state.addressable_ranks()))
             if record is None:
                 self._answer_agent(route, False, note)
                 raise RouteMismatch(note)
@@ -584,6 +586,10 @@ class CoordinatorService:
         elif which == "rank_exited":
             r = msg.rank_exited
             why = self.agents.report_refusal(route, r.rank, r.token, self._peer_key)
+            if why and self.agents.before_hello(route, r.rank, r.token, self._peer_key):
+                log.info("agent on %s: rank %d ended (code %d) before it said hello",
+                         self.agents.claims[route].host, r.rank, r.code)
+                return
             if why:  # a forged (or misrouted) report: the rank lives on, its own frames decide
                 raise RouteMismatch(why)
             self._feed(RankExitReported(now=now, rank=r.rank, code=r.code, restart_count=r.restart_count))
@@ -596,6 +602,15 @@ class CoordinatorService:
             if len(self.agent_errors) < 64:
                 self.agent_errors.append(reason)
             log.error("%s", reason)
+
+    def _tell_agents_run_ended(self) -> None:
+        """Every agent hears that the run is over (the socket's linger carries it out): one
+        with a rank in restart backoff must not start it again for a run that is gone, where
+        it would wait for a hello nobody answers (and fail, and be restarted, ...)."""
+        f = self.finished
+        msg = pb.AgentMsg(run_ended=pb.AgentMsg.RunEnded(ok=bool(f and f.ok), reason=f.reason if f else ""))
+        for route in self.agents.claims:
+            self._send_now(self.endpoint.frames("agent", msg, route=route), quiet=True)
 
     def _answer_agent(self, route: tuple, accepted: bool, reason: str) -> None:
         """The agent learns in one round trip that it reached the right coordinator."""
