@@ -56,8 +56,14 @@ def _alarm(_signum: int, _frame: Any) -> None:
     raise OverBudget()
 
 
-def workload(n: int, policy: str, *, batches: int, base_ms: float, batch_size: int) -> SimConfig:
-    """One job of ``n`` unequal ranks, ``batches`` batches each per epoch, two epochs."""
+def workload(n: int, policy: str, *, batches: int, base_ms: float, batch_size: int,
+             reduce_ms: Optional[float] = None) -> SimConfig:  # fmt: skip
+    """One job of ``n`` unequal ranks, ``batches`` batches each per epoch, two epochs.
+
+    ``reduce_ms``: the simulated reducer's time per round, whatever ``n`` (relays fold a
+    host's ranks into one frame); None: the simulator's 0.5 ms per contribution, which
+    at 16,384 ranks makes a round 8 virtual seconds, so heartbeats swamp the journal."""
+    extra = {} if reduce_ms is None else {"reduce_s_per_rank": reduce_ms / 1e3 / n}
     return SimConfig(
         ms_per_batch=tuple(base_ms * SPEEDS[r % len(SPEEDS)] for r in range(n)),
         total_samples=batch_size * batches * n,
@@ -66,6 +72,7 @@ def workload(n: int, policy: str, *, batches: int, base_ms: float, batch_size: i
         policy=policy,
         seed=n,
         liveness_timeout_s=60.0,
+        **extra,
     )
 
 
@@ -173,7 +180,8 @@ def measure(n: int, policy: str, args: argparse.Namespace, peer: str) -> dict[st
     """Simulate, then replay ours and the peer's in turn (so both see the same load)."""
     t0 = time.perf_counter()
     budget = Budget(args.budget_s)
-    cfg = workload(n, policy, batches=args.batches, base_ms=args.base_ms, batch_size=args.batch_size)
+    cfg = workload(n, policy, batches=args.batches, base_ms=args.base_ms, batch_size=args.batch_size,
+                   reduce_ms=args.reduce_ms)  # fmt: skip
     ours: list[dict] = []
     theirs: list[dict] = []
     peer_peak: Optional[float] = None
@@ -224,6 +232,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=8, help="batches per rank per epoch")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--base-ms", type=float, default=50.0, help="the fastest rank's ms per batch")
+    ap.add_argument("--reduce-ms", type=float, default=None,
+                    help="the simulated reducer's ms per round at every size (default: 0.5 ms per rank)")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=300.0,
                     help="cut a size off (and end its curve) after this many seconds")  # fmt: skip
     ap.add_argument("--peer", default="", help="another checkout to replay the same journals through")
@@ -242,6 +252,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     out: dict[str, Any] = {"bench": "core_scale", "sizes": sizes, "repeats": args.repeats,
                            "batches_per_rank": args.batches, "base_ms": args.base_ms, "peer": args.peer or None,
+                           "reduce_ms": args.reduce_ms,
                            "policies": {}}  # fmt: skip
     for policy in args.policies.split(","):
         curve: list[dict] = []

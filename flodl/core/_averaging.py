@@ -138,7 +138,7 @@ def on_refused(st: CoordinatorState, ev: ContributionRefused) -> None:
     """The reducer refused the rank's contribution to the open round: its ack will name
     the window it discarded (``on_ack``)."""
     rs = st.rounds
-    if rs.phase is not PENDING or ev.cycle != rs.cycle or ev.rank not in rs.ranks or ev.rank in rs.acked:
+    if rs.phase is not PENDING or ev.cycle != rs.cycle or ev.rank not in st.index.participants or ev.rank in rs.acked:
         st.count_ignored("ContributionRefused for a round that is not open")
         return
     rs.refused.setdefault(ev.rank, ev.reason)
@@ -146,7 +146,9 @@ def on_refused(st: CoordinatorState, ev: ContributionRefused) -> None:
 
 def on_ack(st: CoordinatorState, ev: SyncAcked, out: list[Command], dispatcher: Dispatcher) -> None:
     rs = st.rounds
-    if rs.phase is not PENDING or ev.cycle != rs.cycle or ev.rank not in rs.ranks:
+    # The index's participants: the set of ``rs.ranks`` (a tuple: a scan per ack made a
+    # round of N ranks O(N^2)).
+    if rs.phase is not PENDING or ev.cycle != rs.cycle or ev.rank not in st.index.participants:
         st.count_ignored("SyncAcked for a round that is not open")
         return
     if ev.rank in rs.acked:

@@ -244,7 +244,8 @@ def ask_seeds(st: CoordinatorState, out: list[Command]) -> None:
 
 def _unseeded_joiners(st: CoordinatorState) -> list[int]:
     """Ranks admitted into the running world whose seed was not asked yet, ascending."""
-    return [r for r in sorted(st.index.phases[JOINING]) if st.ranks[r].joined_at is not None and not st.ranks[r].seeding]
+    joining = sorted(st.index.phases[JOINING])
+    return [r for r in joining if st.ranks[r].joined_at is not None and not st.ranks[r].seeding]
 
 
 def on_seeded(st: CoordinatorState, rank: int, cycle: int) -> bool:

@@ -189,6 +189,8 @@ class RankIndex:
         if not still <= self._in_heap or set(self.still_heap) != self._in_heap:
             bad.append(f"still heap {sorted(self._in_heap)} misses {sorted(still - self._in_heap)}")
         acked_set = set(acked)
+        if self.participants != (frozenset(round_ranks) if pending else frozenset()):
+            bad.append(f"participants: kept {sorted(self.participants)}, the round has {sorted(round_ranks)}")
         waiting = {r for r in round_ranks if records[r].phase is ACTIVE and r not in acked_set} if pending else set()
         if self.waiting != waiting:
             bad.append(f"waiting: kept {sorted(self.waiting)}, recounted {sorted(waiting)}")

@@ -230,7 +230,9 @@ class _World:
             if r is not None:
                 self._to_rank(r.rank, r.on_hello_ack, c.ack, self.incarnation)
         elif isinstance(c, OpenRound):
-            self.round = {"cycle": c.cycle, "expected": set(c.ranks), "got": {}}
+            # "missing": expected minus got, kept as they change (a subset test per
+            # contribution made a round of N ranks O(N^2)).
+            self.round = {"cycle": c.cycle, "expected": set(c.ranks), "got": {}, "missing": set(c.ranks)}
         elif isinstance(c, ForgetRank):
             self.reducer_drop(c.rank)
         elif isinstance(c, SeedJoiner):
@@ -296,17 +298,19 @@ class _World:
         if rd is None or rd["cycle"] != cycle or rank not in rd["expected"]:
             return
         rd["got"][rank] = weight
+        rd["missing"].discard(rank)
         self._maybe_reduce()
 
     def reducer_drop(self, rank: int) -> None:
         if self.round is not None:
             self.round["expected"].discard(rank)
             self.round["got"].pop(rank, None)
+            self.round["missing"].discard(rank)
             self._maybe_reduce()
 
     def _maybe_reduce(self) -> None:
         rd = self.round
-        if rd is None or not rd["expected"].issubset(rd["got"]):
+        if rd is None or rd["missing"]:
             return
         self.round = None
         done = self.now + self.cfg.reduce_s_per_rank * max(1, len(rd["got"]))
