@@ -12,7 +12,13 @@ neighbours) -- medians of ``--repeats`` replays:
 * ``formation_ms``: the step that forms the world (it also dispatches epoch 0);
 * ``epoch_dispatch_ms``: the step that aggregates epoch 0 (and, but under Async, which
   streamed into it already, dispatches epoch 1);
-* ``peak_mib``: tracemalloc's peak over one more replay (the core's state and commands).
+* ``peak_mib``: tracemalloc's peak over one more replay (the core's state and commands);
+* ``sim_s`` / ``sim_cpu_s``: the simulation's wall and CPU seconds (the ranks' side too).
+
+``--reduce-ms`` gives the simulated reducer one time per round at every size (relays
+fold a host's ranks into one frame); by default it takes the simulator's 0.5 ms per
+contribution, which at 16,384 ranks makes each round 8 virtual seconds, so the journal
+is mostly heartbeats. The 16,384 point is measured with ``--reduce-ms 20``.
 
 ``--peer PATH`` replays the same journal, in the same sitting, through another checkout
 (``/work/wt/base``: the code before; a subprocess with that checkout on PYTHONPATH), and
@@ -24,6 +30,7 @@ as a short curve, not as a hung bench). Prints one JSON object.
     python bench/core_scale.py                           # N = 16 ... 16384 (x4), all policies
     python bench/core_scale.py --peer /work/wt/base      # ... and the code before, side by side
     python bench/core_scale.py --quick                   # a smoke run: N = 16, 64, one replay
+    python bench/core_scale.py --policies sync --sizes 1024,4096,16384 --reduce-ms 20 --repeats 1
 """
 
 from __future__ import annotations
@@ -188,9 +195,10 @@ def measure(n: int, policy: str, args: argparse.Namespace, peer: str) -> dict[st
     peer_failed: dict[str, Any] = {}
     journal = ""
     try:
+        cpu0 = time.process_time()
         with budget:
             res = simulate(cfg)
-        sim_s = time.perf_counter() - t0
+        sim_s, sim_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
         config, events = res.state.config, res.events
         if peer:
             with tempfile.NamedTemporaryFile(suffix=".pickle", delete=False) as f:
@@ -216,6 +224,7 @@ def measure(n: int, policy: str, args: argparse.Namespace, peer: str) -> dict[st
     row: dict[str, Any] = {"n": n, "finished_ok": bool(res.finished and res.finished.ok)}
     row.update(summarise(ours, len(events), peak))
     row["sim_s"] = round(sim_s, 2)
+    row["sim_cpu_s"] = round(sim_cpu_s, 2)  # what the simulation costs on a core of its own
     if peer:
         row["peer"] = summarise(theirs, len(events), peer_peak) if theirs and not peer_failed else peer_failed
         if "us_per_event" in row["peer"]:
