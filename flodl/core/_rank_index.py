@@ -137,9 +137,14 @@ class RankIndex:
             self._steps(rec)
 
     def _phase(self, rec: Any, old: Any) -> None:
-        r = rec.rank
-        self.phases.setdefault(old, set()).discard(r)
-        self.phases.setdefault(rec.phase, set()).add(r)
+        r, phases = rec.rank, self.phases
+        was = phases.get(old)  # (not setdefault: it would build a set per call, a world forms N of these)
+        if was is not None:
+            was.discard(r)
+        now = phases.get(rec.phase)
+        if now is None:
+            now = phases[rec.phase] = set()
+        now.add(r)
         if old is ACTIVE or rec.phase is ACTIVE:
             self._alive = None
             self.alive_version += 1
