@@ -12,7 +12,13 @@ neighbours) -- medians of ``--repeats`` replays:
 * ``formation_ms``: the step that forms the world (it also dispatches epoch 0);
 * ``epoch_dispatch_ms``: the step that aggregates epoch 0 (and, but under Async, which
   streamed into it already, dispatches epoch 1);
-* ``peak_mib``: tracemalloc's peak over one more replay (the core's state and commands).
+* ``peak_mib``: tracemalloc's peak over one more replay (the core's state and commands);
+* ``sim_s`` / ``sim_cpu_s``: the simulation's wall and CPU seconds (the ranks' side too).
+
+``--reduce-ms`` gives the simulated reducer one time per round at every size (relays
+fold a host's ranks into one frame); by default it takes the simulator's 0.5 ms per
+contribution, which at 16,384 ranks makes each round 8 virtual seconds, so the journal
+is mostly heartbeats. The 16,384 point is measured with ``--reduce-ms 20``.
 
 ``--peer PATH`` replays the same journal, in the same sitting, through another checkout
 (``/work/wt/base``: the code before; a subprocess with that checkout on PYTHONPATH), and
@@ -24,6 +30,7 @@ as a short curve, not as a hung bench). Prints one JSON object.
     python bench/core_scale.py                           # N = 16 ... 16384 (x4), all policies
     python bench/core_scale.py --peer /work/wt/base      # ... and the code before, side by side
     python bench/core_scale.py --quick                   # a smoke run: N = 16, 64, one replay
+    python bench/core_scale.py --policies sync --sizes 1024,4096,16384 --reduce-ms 20 --repeats 1
 """
 
 from __future__ import annotations
@@ -56,8 +63,14 @@ def _alarm(_signum: int, _frame: Any) -> None:
     raise OverBudget()
 
 
-def workload(n: int, policy: str, *, batches: int, base_ms: float, batch_size: int) -> SimConfig:
-    """One job of ``n`` unequal ranks, ``batches`` batches each per epoch, two epochs."""
+def workload(n: int, policy: str, *, batches: int, base_ms: float, batch_size: int,
+             reduce_ms: Optional[float] = None) -> SimConfig:  # fmt: skip
+    """One job of ``n`` unequal ranks, ``batches`` batches each per epoch, two epochs.
+
+    ``reduce_ms``: the simulated reducer's time per round, whatever ``n`` (relays fold a
+    host's ranks into one frame); None: the simulator's 0.5 ms per contribution, which
+    at 16,384 ranks makes a round 8 virtual seconds, so heartbeats swamp the journal."""
+    extra = {} if reduce_ms is None else {"reduce_s_per_rank": reduce_ms / 1e3 / n}
     return SimConfig(
         ms_per_batch=tuple(base_ms * SPEEDS[r % len(SPEEDS)] for r in range(n)),
         total_samples=batch_size * batches * n,
@@ -66,6 +79,7 @@ def workload(n: int, policy: str, *, batches: int, base_ms: float, batch_size: i
         policy=policy,
         seed=n,
         liveness_timeout_s=60.0,
+        **extra,
     )
 
 
@@ -173,16 +187,18 @@ def measure(n: int, policy: str, args: argparse.Namespace, peer: str) -> dict[st
     """Simulate, then replay ours and the peer's in turn (so both see the same load)."""
     t0 = time.perf_counter()
     budget = Budget(args.budget_s)
-    cfg = workload(n, policy, batches=args.batches, base_ms=args.base_ms, batch_size=args.batch_size)
+    cfg = workload(n, policy, batches=args.batches, base_ms=args.base_ms, batch_size=args.batch_size,
+                   reduce_ms=args.reduce_ms)  # fmt: skip
     ours: list[dict] = []
     theirs: list[dict] = []
     peer_peak: Optional[float] = None
     peer_failed: dict[str, Any] = {}
     journal = ""
     try:
+        cpu0 = time.process_time()
         with budget:
             res = simulate(cfg)
-        sim_s = time.perf_counter() - t0
+        sim_s, sim_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
         config, events = res.state.config, res.events
         if peer:
             with tempfile.NamedTemporaryFile(suffix=".pickle", delete=False) as f:
@@ -208,6 +224,7 @@ def measure(n: int, policy: str, args: argparse.Namespace, peer: str) -> dict[st
     row: dict[str, Any] = {"n": n, "finished_ok": bool(res.finished and res.finished.ok)}
     row.update(summarise(ours, len(events), peak))
     row["sim_s"] = round(sim_s, 2)
+    row["sim_cpu_s"] = round(sim_cpu_s, 2)  # what the simulation costs on a core of its own
     if peer:
         row["peer"] = summarise(theirs, len(events), peer_peak) if theirs and not peer_failed else peer_failed
         if "us_per_event" in row["peer"]:
@@ -224,6 +241,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=8, help="batches per rank per epoch")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--base-ms", type=float, default=50.0, help="the fastest rank's ms per batch")
+    ap.add_argument("--reduce-ms", type=float, default=None,
+                    help="the simulated reducer's ms per round at every size (default: 0.5 ms per rank)")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=300.0,
                     help="cut a size off (and end its curve) after this many seconds")  # fmt: skip
     ap.add_argument("--peer", default="", help="another checkout to replay the same journals through")
@@ -242,6 +261,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     out: dict[str, Any] = {"bench": "core_scale", "sizes": sizes, "repeats": args.repeats,
                            "batches_per_rank": args.batches, "base_ms": args.base_ms, "peer": args.peer or None,
+                           "reduce_ms": args.reduce_ms,
                            "policies": {}}  # fmt: skip
     for policy in args.policies.split(","):
         curve: list[dict] = []

@@ -100,14 +100,16 @@ def should_average(st: CoordinatorState) -> tuple[bool, str]:
         return False, f"round {st.rounds.cycle} pending"
     if not st.alive_count():
         return False, "no active rank"
+    # Asked first, in O(1): with nobody moved there is no blocker to look for -- and at an
+    # epoch's end, when every rank is idle, looking walks all of them on every pass.
+    if not st.any_unfolded():
+        return False, "no rank has stepped since the last average"
     dispatcher = SYNC  # this is Sync's gate (``_policy.SYNC_POLICY``)
     # The lowest ACTIVE rank that has not stepped and still has work (the rank index
     # keeps the ranks without unfolded steps: the gate never walks the movers).
     blocker = st.index.lowest_still(lambda r: not dispatcher.idle(st, r))
     if blocker is not None:
         return False, f"rank {blocker} has not stepped since the last average"
-    if not st.any_unfolded():
-        return False, "no rank has stepped since the last average"
     return True, "every active rank stepped or has no work left"
 
 
@@ -125,18 +127,18 @@ def trigger(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) ->
     st.index.open_round(rs.ranks)
     out.append(OpenRound(rs.cycle, rs.ranks, tuple(st.unfolded(r) for r in rs.ranks)))
     dispatcher.on_trigger(st, list(rs.ranks), out)
-    for r in rs.ranks:
-        st.send(out, r, request_params=pb.Control.RequestParams(cycle=rs.cycle))
+    for r in rs.ranks:  # built in place: a round asks every rank (``CoordinatorState.control``)
+        st.control(out, r).request_params.cycle = rs.cycle
     if not dispatcher.progressive:
         for r in rs.ranks:
-            st.send(out, r, throttle=pb.Control.Throttle())
+            st.control(out, r).throttle.SetInParent()
 
 
 def on_refused(st: CoordinatorState, ev: ContributionRefused) -> None:
     """The reducer refused the rank's contribution to the open round: its ack will name
     the window it discarded (``on_ack``)."""
     rs = st.rounds
-    if rs.phase is not PENDING or ev.cycle != rs.cycle or ev.rank not in rs.ranks or ev.rank in rs.acked:
+    if rs.phase is not PENDING or ev.cycle != rs.cycle or ev.rank not in st.index.participants or ev.rank in rs.acked:
         st.count_ignored("ContributionRefused for a round that is not open")
         return
     rs.refused.setdefault(ev.rank, ev.reason)
@@ -144,7 +146,9 @@ def on_refused(st: CoordinatorState, ev: ContributionRefused) -> None:
 
 def on_ack(st: CoordinatorState, ev: SyncAcked, out: list[Command], dispatcher: Dispatcher) -> None:
     rs = st.rounds
-    if rs.phase is not PENDING or ev.cycle != rs.cycle or ev.rank not in rs.ranks:
+    # The index's participants: the set of ``rs.ranks`` (a tuple: a scan per ack made a
+    # round of N ranks O(N^2)).
+    if rs.phase is not PENDING or ev.cycle != rs.cycle or ev.rank not in st.index.participants:
         st.count_ignored("SyncAcked for a round that is not open")
         return
     if ev.rank in rs.acked:
@@ -252,11 +256,12 @@ def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> 
     rs.global_step += rs.window_steps
     alive = [r for r in rs.ranks if st.ranks[r].phase is ACTIVE]
     plans = dispatcher.on_round_finished(st, alive, out)
-    for r in alive:
-        upd = pb.Control.Update(version=rs.version, cycle=rs.cycle)
+    for r in alive:  # built in place: a round answers every rank (``CoordinatorState.control``)
+        upd = st.control(out, r).update
+        upd.version, upd.cycle = rs.version, rs.cycle
         if r in plans:
             upd.next_plan.CopyFrom(plans[r])
-        st.send(out, r, update=upd)
     committed = _coverage.committed_samples(st.coverage)  # the ranks' LR schedules follow it
     for r in alive:
-        st.send(out, r, set_global_step=pb.Control.SetGlobalStep(global_step=rs.global_step, samples_committed=committed))
+        gs = st.control(out, r).set_global_step
+        gs.global_step, gs.samples_committed = rs.global_step, committed

@@ -29,8 +29,10 @@ the coordinator never shuffles, it hands out *position ranges* (§8.1-8.3).
   handed out (``ExtendPartition``) -- ``_repartition``. The range arithmetic of all of
   this is ``_ranges``.
 * Roles: the epoch-callback role is ``st.roles.epoch_role`` (elected by ``_roles``);
-  ``SetEpochCallbackRole`` is broadcast at a dispatch whenever it is dirty (changed
-  since last announced: once, unless its holder dies or calibration elects another).
+  the ranks are told it at a dispatch whenever it is dirty (changed since last
+  announced: once, unless its holder dies or calibration elects another) -- inside each
+  ``StartEpoch`` (``epoch_callback_role``), and by ``SetEpochCallbackRole`` to a rank
+  that got no plan: a dispatch is one command per rank, not two.
 
 The ``Dispatcher`` protocol is the seam a policy engine replaces: it owns
 ``dispatch_epoch``, ``reassign`` and ``idle``, plus the hooks the step calls on every
@@ -47,7 +49,7 @@ Sync's hooks do nothing; the Cadence engine (``cadence._dispatcher``) registers 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Container, Optional, Protocol
 
 from flodl.wire import pb
 
@@ -68,6 +70,8 @@ __all__ = [
     "subtract_ranges",
     "lost_by_epoch",
     "announce_role",
+    "role_to_tell",
+    "send_plan",
     "check_batch",
     "record_batch",
 ]
@@ -103,16 +107,38 @@ def lost_by_epoch(lost: list[tuple[int, int, int]]) -> dict[int, list[tuple[int,
     return per
 
 
-def announce_role(st: CoordinatorState, out: list[Command]) -> None:
-    """``SetEpochCallbackRole`` to every alive rank when the epoch role is dirty (it
-    changed since last told)."""
-    d, ro = st.dispatch, st.roles
-    role = ro.epoch_role
-    if role is not None and (ro.dirty or role != d.announced_role):
-        for r in st.alive_ranks():
-            st.send(out, r, set_epoch_callback_role=pb.Control.SetEpochCallbackRole(rank=role))
-        d.announced_role = role
-        ro.dirty = False
+def role_to_tell(st: CoordinatorState) -> Optional[int]:
+    """The epoch role when the ranks must be told it (it changed since last told), else
+    None: a dispatch carries it in each ``StartEpoch`` (``send_plan``), then
+    ``announce_role`` tells the ranks that got no plan."""
+    role = st.roles.epoch_role
+    if role is not None and (st.roles.dirty or role != st.dispatch.announced_role):
+        return role
+    return None
+
+
+def send_plan(st: CoordinatorState, out: list[Command], rank: int, epoch: int, offset: int, size: int,
+              role: Optional[int] = None) -> None:  # fmt: skip
+    """``StartEpoch{plan, epoch_callback_role}`` to ``rank``, built in place (a dispatch
+    sends one per rank: ``CoordinatorState.control``)."""
+    start = st.control(out, rank).start_epoch
+    plan = start.plan
+    plan.epoch, plan.partition_offset, plan.partition_size = epoch, offset, size
+    if role is not None:
+        start.epoch_callback_role = role
+
+
+def announce_role(st: CoordinatorState, out: list[Command], told: Container[int] = ()) -> None:
+    """``SetEpochCallbackRole`` to every alive rank not in ``told`` (those a ``StartEpoch``
+    carrying the role reached) when the epoch role is dirty (changed since last told)."""
+    role = role_to_tell(st)
+    if role is None:
+        return
+    for r in st.alive_ranks():
+        if r not in told:
+            st.control(out, r).set_epoch_callback_role.rank = role
+    st.dispatch.announced_role = role
+    st.roles.dirty = False
 
 
 def check_batch(st: CoordinatorState, ev: BatchDone) -> None:
@@ -227,17 +253,19 @@ class SyncDispatcher:
         plans = self.plans_for_epoch(st, epoch)
         d = st.dispatch
         _repartition.settled(st)
-        announce_role(st, out)
+        role = role_to_tell(st)
         _coverage.open_epoch(st.coverage, epoch, sum(size for _, size in plans.values()))
         assigned = d.assigned.setdefault(epoch, {})
-        for r in st.alive_ranks():
+        rank_epoch, planned = d.rank_epoch, set()
+        for r in st.index.alive():
             off, size = plans.get(r, (0, 0))
             if size == 0:
                 continue
-            plan = pb.EpochPlan(epoch=epoch, partition_offset=off, partition_size=size)
-            st.send(out, r, start_epoch=pb.Control.StartEpoch(plan=plan))
+            send_plan(st, out, r, epoch, off, size, role)
             assigned[r] = [(off, size)]
-            d.rank_epoch[r] = epoch
+            rank_epoch[r] = epoch
+            planned.add(r)
+        announce_role(st, out, told=planned)  # a rank whose share is 0 got no plan
         d.reported.setdefault(epoch, {})
         d.last_dispatched = epoch
         d.dispatched_at.setdefault(epoch, st.now)
@@ -248,20 +276,21 @@ class SyncDispatcher:
         split equally; a rank's first range is its ``StartEpoch`` plan, the rest
         ``ExtendPartition``s. The coverage was opened, covered positions committed."""
         d = st.dispatch
-        announce_role(st, out)
+        role, planned = role_to_tell(st), set()
         assigned = d.assigned.setdefault(epoch, {})
         alive = st.alive_ranks()
         for r, ranges in zip(alive, split_ranges(list(st.checkpoints.resume_holes[epoch]), len(alive))):
             if not ranges:
                 continue
+            planned.add(r)
             (off, size), rest = ranges[0], ranges[1:]
-            plan = pb.EpochPlan(epoch=epoch, partition_offset=off, partition_size=size)
-            st.send(out, r, start_epoch=pb.Control.StartEpoch(plan=plan))
+            send_plan(st, out, r, epoch, off, size, role)
             for o, s in rest:
                 ext = pb.Control.ExtendPartition(epoch=epoch, partition_offset=o, partition_size=s)
                 st.send(out, r, extend_partition=ext)
             assigned[r] = list(ranges)
             d.rank_epoch[r] = epoch
+        announce_role(st, out, told=planned)
         d.reported.setdefault(epoch, {})
         d.last_dispatched = epoch
         d.dispatched_at.setdefault(epoch, st.now)

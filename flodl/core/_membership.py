@@ -220,8 +220,10 @@ def seed_due(st: CoordinatorState) -> tuple[bool, str]:
     """A rank admitted into the running world waits for its seed: asked at an averaging
     boundary (no round open) once a consensus exists (a round finished), so it starts
     from the latest consensus, never from the initial parameters the others left."""
-    waiting = [rec.rank for rec in st.ranks if rec.phase is JOINING and rec.joined_at is not None and not rec.seeding]
-    if not waiting or st.run.phase is not TRAINING:
+    if st.run.phase is not TRAINING or not st.index.phases[JOINING]:
+        return False, ""  # asked on every step: only the (few) JOINING ranks are looked at
+    waiting = _unseeded_joiners(st)
+    if not waiting:
         return False, ""
     if st.rounds.phase is not IDLE:
         return False, f"joiner(s) {waiting}: seeded at the next averaging boundary (round {st.rounds.cycle} open)"
@@ -236,14 +238,19 @@ def ask_seeds(st: CoordinatorState, out: list[Command]) -> list[int]:
     """Mark every joiner not asked yet ``seeding``; returns them. On the bus plane each
     gets ``SeedJoiner`` (the shell sends the consensus); on the collective plane the
     new generation's broadcast seeds them (``_collective.include``)."""
-    asked = []
-    for rec in st.ranks:
-        if rec.phase is JOINING and rec.joined_at is not None and not rec.seeding:
-            rec.seeding = True
-            asked.append(rec.rank)
-            if st.collective is None:
-                out.append(SeedJoiner(rec.rank))
+    asked = _unseeded_joiners(st)
+    for rank in asked:
+        st.ranks[rank].seeding = True
+        if st.collective is None:
+            out.append(SeedJoiner(rank))
     return asked
+
+
+def _unseeded_joiners(st: CoordinatorState) -> list[int]:
+    """Ranks admitted into the running world whose seed was not asked yet, ascending
+    (only the JOINING ranks are looked at: ``seed_due`` asks on every step)."""
+    joining = sorted(st.index.phases[JOINING])
+    return [r for r in joining if st.ranks[r].joined_at is not None and not st.ranks[r].seeding]
 
 
 def on_seeded(st: CoordinatorState, rank: int, cycle: int) -> bool:
@@ -360,15 +367,15 @@ def stale_ranks(st: CoordinatorState, now: float) -> list[tuple[int, str]]:
 
 def beacon(st: CoordinatorState, now: float, out: list[Command]) -> None:
     """``CoordHeartbeat`` to every addressable rank, at most once per interval."""
+    if st.last_beacon is not None and now - st.last_beacon < st.config.heartbeat_interval_s:
+        return  # before listing the targets: a Tick that beacons nothing costs nothing
     targets = st.addressable_ranks()
     if not targets:
-        return
-    if st.last_beacon is not None and now - st.last_beacon < st.config.heartbeat_interval_s:
         return
     st.beats += 1
     st.last_beacon = now
     for r in targets:
-        st.send(out, r, coord_heartbeat=pb.Control.CoordHeartbeat(beat=st.beats))
+        st.control(out, r).coord_heartbeat.beat = st.beats
 
 
 def stale_exit_report(st: CoordinatorState, rank: int, restart_count: int) -> bool:

@@ -167,9 +167,8 @@ def aggregate_next(st: CoordinatorState, out: list[Command]) -> int:
     cohort = pb.EpochMetrics(epoch=metrics.epoch, scalars=metrics.scalars, avg_loss=metrics.avg_loss,
                              epoch_ms=metrics.epoch_ms)  # fmt: skip
     role = st.dispatch.announced_role  # what the ranks believe: who runs epoch_fn with these
-    for r in st.alive_ranks():
-        agg = pb.Control.EpochAggregated(metrics=metrics if r == role else cohort)
-        st.send(out, r, epoch_aggregated=agg)
+    for r in st.index.alive():
+        st.control(out, r).epoch_aggregated.metrics.CopyFrom(metrics if r == role else cohort)
     _coverage.freeze(st.coverage, epoch)
     st.metrics.last_aggregated = epoch
     row = {k: m[k] for k in ("epoch", "avg_loss", "epoch_ms", "per_rank_throughput")}

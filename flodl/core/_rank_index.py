@@ -137,9 +137,14 @@ class RankIndex:
             self._steps(rec)
 
     def _phase(self, rec: Any, old: Any) -> None:
-        r = rec.rank
-        self.phases.setdefault(old, set()).discard(r)
-        self.phases.setdefault(rec.phase, set()).add(r)
+        r, phases = rec.rank, self.phases
+        was = phases.get(old)  # (not setdefault: it would build a set per call, a world forms N of these)
+        if was is not None:
+            was.discard(r)
+        now = phases.get(rec.phase)
+        if now is None:
+            now = phases[rec.phase] = set()
+        now.add(r)
         if old is ACTIVE or rec.phase is ACTIVE:
             self._alive = None
             self.alive_version += 1
@@ -189,6 +194,8 @@ class RankIndex:
         if not still <= self._in_heap or set(self.still_heap) != self._in_heap:
             bad.append(f"still heap {sorted(self._in_heap)} misses {sorted(still - self._in_heap)}")
         acked_set = set(acked)
+        if self.participants != (frozenset(round_ranks) if pending else frozenset()):
+            bad.append(f"participants: kept {sorted(self.participants)}, the round has {sorted(round_ranks)}")
         waiting = {r for r in round_ranks if records[r].phase is ACTIVE and r not in acked_set} if pending else set()
         if self.waiting != waiting:
             bad.append(f"waiting: kept {sorted(self.waiting)}, recounted {sorted(waiting)}")

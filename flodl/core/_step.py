@@ -282,7 +282,11 @@ FAILURES: tuple[Callable[[CoordinatorState], Optional[tuple[str, int]]], ...] = 
 
 
 def _failure(st: CoordinatorState) -> Optional[tuple[str, int]]:
-    return next((hit for hit in (f(st) for f in FAILURES) if hit is not None), None)
+    for f in FAILURES:  # a plain loop: asked on every pass of every step
+        hit = f(st)
+        if hit is not None:
+            return hit
+    return None
 
 
 def _fail_due(st: CoordinatorState, policy: Policy) -> tuple[bool, str]:

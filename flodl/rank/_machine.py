@@ -52,7 +52,7 @@ clock: the only time is the ``now`` the shell passes to ``next_action`` (a chunk
    plan) may have died with a coordinator that restarted, whose successor acks it as a
    member awaiting resync; found by the simulator's restart campaign (seed 20, sync).
 6. ``ExecuteEval`` for this rank: ``RunEval``; ``EpochAggregated`` on the rank
-   ``SetEpochCallbackRole`` named: ``RunEpochFn``; ``Rendezvous`` on the collective
+   ``SetEpochCallbackRole`` (or a ``StartEpoch``'s ``epoch_callback_role``) named: ``RunEpochFn``; ``Rendezvous`` on the collective
    plane: ``FormGroup``; ``Shutdown``/``ShutdownWithSave``: ``Exit`` (the machine then
    ignores everything).
 
@@ -330,6 +330,8 @@ class RankMachine:
         out.append(TakeSnapshot(cycle=cycle, n=snap.n, step_count=snap.step_count, weight=snap.weight))
 
     def _start_epoch(self, c: pb.Control, out: list[Command]) -> None:
+        if c.start_epoch.HasField("epoch_callback_role"):  # a dispatch tells the role with the plan
+            self.epoch_role = c.start_epoch.epoch_callback_role
         self._queue(c.start_epoch.plan, "StartEpoch", out)
 
     def _update(self, c: pb.Control, out: list[Command]) -> None:

@@ -137,6 +137,7 @@ class _World:
                               **cfg.core_overrides)  # fmt: skip
         self.state = initial_state(core_cfg)
         self.ranks = [SimRank(self, r, ms) for r, ms in enumerate(cfg.ms_per_batch)]
+        self._by_route = {r.route: r for r in self.ranks}  # a Reply's addressee, without a walk
         self.events: list = []  # the journal
         self.commands = 0
         self.finished: Optional[RunFinished] = None
@@ -225,11 +226,13 @@ class _World:
             r = self.ranks[c.rank]
             self._to_rank(c.rank, r.on_control, c.control, self.incarnation)
         elif isinstance(c, Reply):
-            for r in self.ranks:
-                if r.route == c.route:
-                    self._to_rank(r.rank, r.on_hello_ack, c.ack, self.incarnation)
+            r = self._by_route.get(c.route)
+            if r is not None:
+                self._to_rank(r.rank, r.on_hello_ack, c.ack, self.incarnation)
         elif isinstance(c, OpenRound):
-            self.round = {"cycle": c.cycle, "expected": set(c.ranks), "got": {}}
+            # "missing": expected minus got, kept as they change (a subset test per
+            # contribution made a round of N ranks O(N^2)).
+            self.round = {"cycle": c.cycle, "expected": set(c.ranks), "got": {}, "missing": set(c.ranks)}
         elif isinstance(c, ForgetRank):
             self.reducer_drop(c.rank)
         elif isinstance(c, SeedJoiner):
@@ -251,6 +254,8 @@ class _World:
         old = self.ranks[rank]
         new = SimRank(self, rank, old.ms, generation=old.generation + 1)
         self.ranks[rank] = new
+        del self._by_route[old.route]  # the old process's route reaches nobody any more
+        self._by_route[new.route] = new
         self.respawns += 1
         new.hello()
         self.at(self.now + self.cfg.heartbeat_s, new.heartbeat)
@@ -293,17 +298,19 @@ class _World:
         if rd is None or rd["cycle"] != cycle or rank not in rd["expected"]:
             return
         rd["got"][rank] = weight
+        rd["missing"].discard(rank)
         self._maybe_reduce()
 
     def reducer_drop(self, rank: int) -> None:
         if self.round is not None:
             self.round["expected"].discard(rank)
             self.round["got"].pop(rank, None)
+            self.round["missing"].discard(rank)
             self._maybe_reduce()
 
     def _maybe_reduce(self) -> None:
         rd = self.round
-        if rd is None or not rd["expected"].issubset(rd["got"]):
+        if rd is None or rd["missing"]:
             return
         self.round = None
         done = self.now + self.cfg.reduce_s_per_rank * max(1, len(rd["got"]))

@@ -306,10 +306,12 @@ class Control(_message.Message):
         cycle: int
         def __init__(self, cycle: _Optional[int] = ...) -> None: ...
     class StartEpoch(_message.Message):
-        __slots__ = ("plan",)
+        __slots__ = ("plan", "epoch_callback_role")
         PLAN_FIELD_NUMBER: _ClassVar[int]
+        EPOCH_CALLBACK_ROLE_FIELD_NUMBER: _ClassVar[int]
         plan: EpochPlan
-        def __init__(self, plan: _Optional[_Union[EpochPlan, _Mapping]] = ...) -> None: ...
+        epoch_callback_role: int
+        def __init__(self, plan: _Optional[_Union[EpochPlan, _Mapping]] = ..., epoch_callback_role: _Optional[int] = ...) -> None: ...
     class ExtendPartition(_message.Message):
         __slots__ = ("epoch", "partition_offset", "partition_size")
         EPOCH_FIELD_NUMBER: _ClassVar[int]

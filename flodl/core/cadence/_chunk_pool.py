@@ -471,18 +471,28 @@ def fastest_alive_rank(counts: Sequence[int], alive: Sequence[bool]) -> Optional
 
 def consolidate_lone_ones(alloc: Sequence[int], alive: Sequence[bool]) -> list[int]:
     """While an alive rank holds exactly 1, move it onto the alive peer holding the
-    smallest non-zero amount (first such); stop when no such peer exists."""
+    smallest non-zero amount (first such); stop when no such peer exists.
+
+    O(N log N): the orphans are taken in index order (an amount only ever leaves 1, so
+    none appears later), and the peers come from a heap of ``(amount, rank)`` whose
+    stale entries are dropped when they reach the top (a world of lone ones was O(N^2))."""
     out = list(alloc)
-    while True:
-        orphan = next((r for r in range(len(out)) if alive[r] and out[r] == 1), None)
-        if orphan is None:
-            return out
-        peers = [p for p in range(len(out)) if p != orphan and alive[p] and out[p] >= 1]
-        if not peers:
+    orphans = deque(r for r in range(len(out)) if alive[r] and out[r] == 1)
+    holders = [(v, r) for r, v in enumerate(out) if alive[r] and v >= 1]
+    heapq.heapify(holders)
+    while orphans:
+        orphan = orphans.popleft()
+        if out[orphan] != 1:
+            continue  # a peer of an earlier orphan: it holds 2 now
+        while holders and (holders[0][1] == orphan or out[holders[0][1]] != holders[0][0]):
+            heapq.heappop(holders)  # the orphan itself (it empties now) or a stale amount
+        if not holders:
             return out  # irreducible (rem 1): that window falls back to the compute feed
-        peer = min(peers, key=lambda p: out[p])
-        out[peer] += 1
+        amount, peer = heapq.heappop(holders)
+        out[peer] = amount + 1
+        heapq.heappush(holders, (amount + 1, peer))
         out[orphan] = 0
+    return out
 
 
 def final_window_alloc(rem: int, counts: Sequence[int], alive: Sequence[bool]) -> list[int]:

@@ -322,9 +322,9 @@ def start_window(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int
     return taken
 
 
-def _send_plan(st: CoordinatorState, rank: int, epoch: int, got: tuple[int, int], out: list[Command]) -> None:
-    plan = pb.EpochPlan(epoch=epoch, partition_offset=got[0], partition_size=got[1])
-    st.send(out, rank, start_epoch=pb.Control.StartEpoch(plan=plan))
+def _send_plan(st: CoordinatorState, rank: int, epoch: int, got: tuple[int, int], out: list[Command],
+               role: Optional[int] = None) -> None:  # fmt: skip
+    _dispatch.send_plan(st, out, rank, epoch, got[0], got[1], role)
 
 
 # -- streaming ----------------------------------------------------------------------------
@@ -516,7 +516,7 @@ class CadenceDispatcher:
         cad, d = st.cadence, st.dispatch
         if epoch in cad.pools:
             raise LocalViolation(f"epoch {epoch} was already dispatched")
-        _dispatch.announce_role(st, out)
+        role = _dispatch.role_to_tell(st)  # carried by the plans; announce_role tells the rest
         _coverage.open_epoch(st.coverage, epoch, total)
         d.assigned.setdefault(epoch, {})
         d.reported.setdefault(epoch, {})
@@ -532,8 +532,10 @@ class CadenceDispatcher:
         _slack.stage(st, epoch, out)  # a callback holder's first window is shorter
         counts_changed(st)
         rearm(st)
-        for r, got in start_window(st, epoch, alive).items():
-            _send_plan(st, r, epoch, got, out)
+        taken = start_window(st, epoch, alive)
+        for r, got in taken.items():
+            _send_plan(st, r, epoch, got, out, role)
+        _dispatch.announce_role(st, out, told=taken)
         wake(st, out)
 
     def reassign(self, st: CoordinatorState, rank: int, out: list[Command]) -> None:

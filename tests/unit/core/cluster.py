@@ -516,11 +516,26 @@ class Cluster:
         """The ordered kinds of control the rank received (heartbeats excluded)."""
         return [c.WhichOneof("cmd") for c in self.ranks[rank].received if c.WhichOneof("cmd") != "coord_heartbeat"]
 
+    def roles_told(self, rank: int) -> list[int]:
+        """The epoch roles the rank was told, in order (``role_told``)."""
+        return [role for role in map(role_told, self.ranks[rank].received) if role is not None]
+
     def sends(self, kind: Optional[str] = None) -> list[Send]:
         return [c for c in self.commands if isinstance(c, Send) and (kind is None or c.kind == kind)]
 
     def of_type(self, cls: type) -> list:
         return [c for c in self.commands if isinstance(c, cls)]
+
+
+def role_told(ctl: pb.Control) -> Optional[int]:
+    """The epoch-callback role a control tells: ``SetEpochCallbackRole``, or a
+    ``StartEpoch`` that carries it (a dispatch); None if it tells none."""
+    kind = ctl.WhichOneof("cmd")
+    if kind == "set_epoch_callback_role":
+        return ctl.set_epoch_callback_role.rank
+    if kind == "start_epoch" and ctl.start_epoch.HasField("epoch_callback_role"):
+        return ctl.start_epoch.epoch_callback_role
+    return None
 
 
 def controls(cmds: list, kind: Optional[str] = None) -> list[tuple[int, pb.Control]]:

@@ -203,8 +203,9 @@ def _cold_start():
 def test_progressive_cold_start_sends_one_window_each():
     # Scenario 42 (we send no StageAdvisory: the rank's stager is not wired yet).
     c = _cold_start()
-    assert c.out(0) == ["set_epoch_callback_role", "start_epoch"]
-    assert c.out(1) == ["set_epoch_callback_role", "start_epoch"]
+    assert c.out(0) == ["start_epoch"]  # carrying the role
+    assert c.out(1) == ["start_epoch"]
+    assert c.roles_told(0) == c.roles_told(1) == [0]
     assert _plan(c.ranks[0].received[-1]) == (0, 0, 4)
     assert _plan(c.ranks[1].received[-1]) == (0, 50, 4)
     assert c.state.dispatch.rank_epoch == {0: 0, 1: 0}

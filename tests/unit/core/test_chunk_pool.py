@@ -376,6 +376,30 @@ def test_final_window_alloc_cases():
     assert 1 not in out and sum(out) == 4
 
 
+def _lone_ones_by_walking(alloc, alive):
+    """The rule as §8.7 words it, one walk per orphan (the O(N^2) oracle)."""
+    out = list(alloc)
+    while True:
+        orphan = next((r for r in range(len(out)) if alive[r] and out[r] == 1), None)
+        if orphan is None:
+            return out
+        peers = [p for p in range(len(out)) if p != orphan and alive[p] and out[p] >= 1]
+        if not peers:
+            return out
+        peer = min(peers, key=lambda p: out[p])
+        out[peer] += 1
+        out[orphan] = 0
+
+
+def test_consolidate_lone_ones_matches_the_walk():
+    rng = random.Random(7)
+    for _ in range(400):
+        n = rng.randint(1, 12)
+        alloc = [rng.choice((0, 1, 1, 1, 2, 3, 5)) for _ in range(n)]
+        alive = [rng.random() < 0.8 for _ in range(n)]
+        assert consolidate_lone_ones(alloc, alive) == _lone_ones_by_walking(alloc, alive), (alloc, alive)
+
+
 def test_final_window_fold_band_lone_survivor_and_fastest():
     assert final_window_alloc(10, [4, 4], [True, False]) == [10, 0]
     assert fastest_alive_rank([71, 18, 15], [False, True, True]) == 1

@@ -67,10 +67,11 @@ def test_equal_plans_first_dispatch():
     # Scenario 36: ws 2, total 10, bs 2.
     c = Cluster(policy="sync", world_size=2, total=10, batch_size=2)
     c.join_all()
-    assert c.out(0) == ["set_epoch_callback_role", "start_epoch"]
-    assert c.out(1) == ["set_epoch_callback_role", "start_epoch"]
+    assert c.out(0) == ["start_epoch"]  # the role rides in the plan: one command per rank
+    assert c.out(1) == ["start_epoch"]
     assert _plans(c, 0) == [(0, 0, 5)] and _plans(c, 1) == [(0, 5, 5)]
-    assert c.ranks[1].received[0].set_epoch_callback_role.rank == 0
+    assert c.ranks[1].received[0].start_epoch.epoch_callback_role == 0
+    assert c.roles_told(0) == c.roles_told(1) == [0]
     assert c.state.dispatch.rank_epoch == {0: 0, 1: 0}
 
 
@@ -84,7 +85,8 @@ def test_plan_cache_reuses_plans():
     assert SYNC.plans_for_epoch(c.state, 0) is first
     for x in out:
         c._route(x)
-    assert c.out(0) == ["set_epoch_callback_role", "start_epoch", "start_epoch"]
+    assert c.out(0) == ["start_epoch", "start_epoch"]
+    assert c.roles_told(0) == [0]  # the second plan does not carry it again
     assert _plans(c, 1) == [(0, 5, 5), (0, 5, 5)]
 
 
@@ -94,7 +96,8 @@ def test_role_broadcast_once_across_epochs():
     c.join_all()
     assert c.run().ok
     for r in range(3):
-        assert c.out(r).count("set_epoch_callback_role") == 1
+        assert c.roles_told(r) == [0]
+        assert "set_epoch_callback_role" not in c.out(r)  # every rank got it with a plan
         assert [p[0] for p in _plans(c, r)] == [0, 1, 2]
 
 
@@ -103,9 +106,7 @@ def test_role_reannounced_when_holder_dies():
     c.join_all()
     c.kill(0)
     assert c.run().ok
-    roles = [ctl.set_epoch_callback_role.rank for ctl in c.ranks[1].received
-             if ctl.WhichOneof("cmd") == "set_epoch_callback_role"]
-    assert roles == [0, 1]
+    assert c.roles_told(1) == [0, 1]
 
 
 def test_total_samples_guard():
@@ -127,7 +128,8 @@ def test_partitions_follow_the_survivors():
 def test_zero_share_gets_no_start_epoch_and_run_completes():
     c = Cluster(policy="sync", world_size=3, total=2, batch_size=4, epochs=2)
     c.join_all()
-    assert c.out(2) == ["set_epoch_callback_role"]
+    assert c.out(2) == ["set_epoch_callback_role"]  # no plan to carry the role: told on its own
+    assert c.roles_told(2) == [0]
     res = c.run()
     assert res.ok
     assert [e["missing"] for e in res.summary["coverage"]] == [0, 0]

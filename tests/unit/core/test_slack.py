@@ -204,7 +204,7 @@ class EpochFnCluster(Cluster):
         head = r.inbox[0] if r.active and r.inbox else None
         handled = super().deliver_one(rank)
         if head is not None and head.WhichOneof("cmd") == "epoch_aggregated":
-            roles = [c.set_epoch_callback_role.rank for c in r.received if c.WhichOneof("cmd") == "set_epoch_callback_role"]
+            roles = self.roles_told(rank)
             if roles and roles[-1] == rank:
                 epoch = head.epoch_aggregated.metrics.epoch
                 self.feed(EpochFnElapsed(now=self.now, rank=rank, epoch=epoch, elapsed_ms=self.epoch_fn_ms))

@@ -197,6 +197,20 @@ def test_evals_roles_rendezvous_and_shutdown():
     assert m.handle(plan(0, 0, 8)) == []  # gone: nothing more is decided
 
 
+def test_a_plan_that_carries_the_epoch_role_names_who_runs_epoch_fn():
+    ea = pb.Control()
+    ea.epoch_aggregated.metrics.epoch = 0
+    holder, other = machine(rank=1), machine(rank=0)
+    carrying = pb.Control.StartEpoch(plan=pb.EpochPlan(epoch=0, partition_size=8), epoch_callback_role=1)
+    for m in (holder, other):
+        assert m.handle(ctl(start_epoch=carrying)) == []
+        assert m.epoch_role == 1
+    assert isinstance(holder.handle(ControlReceived(control=ea))[0], RunEpochFn)
+    assert other.handle(ControlReceived(control=ea)) == []
+    holder.handle(plan(0, 8, 8))  # a plan without it keeps the role told before
+    assert holder.epoch_role == 1
+
+
 def test_upcoming_lists_the_batches_next_action_will_hand_out_without_taking_them():
     m = machine()
     m.handle(plan(0, 0, 20))
