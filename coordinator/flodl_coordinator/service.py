@@ -46,6 +46,9 @@ import zmq
 
 from flodl.core import (
     LEFT,
+    MAX_EXIT_LINE_CHARS,
+    MAX_EXIT_LINES,
+    UNPLACED,
     hello_event,
     hello_oversized,
     metrics_event,
@@ -582,11 +585,7 @@ class CoordinatorService:
                 log.warning("%s", note)
             log.info("agent on %s supervises ranks %s", msg.hello.host, record["ranks"])
         elif which == "rank_exited":
-            r = msg.rank_exited
-            why = self.agents.report_refusal(route, r.rank, r.token, self._peer_key)
-            if why:  # a forged (or misrouted) report: the rank lives on, its own frames decide
-                raise RouteMismatch(why)
-            self._feed(RankExitReported(now=now, rank=r.rank, code=r.code, restart_count=r.restart_count))
+            self._feed(self._exit_report(now, route, msg.rank_exited))
         elif which == "relay_restarting":
             self._on_relay_restarting(now, route, msg.relay_restarting)
         elif which == "abort":  # the agent gives its host up (its relay died), before its ranks' exits
@@ -596,6 +595,25 @@ class CoordinatorService:
             if len(self.agent_errors) < 64:
                 self.agent_errors.append(reason)
             log.error("%s", reason)
+
+    def _exit_report(self, now: float, route: tuple, r) -> RankExitReported:
+        """The core event for an agent's believed ``rank_exited`` (RouteMismatch if not
+        believed: a forged or misrouted report; the rank lives on, its own frames decide)."""
+        lines = tuple(line[:MAX_EXIT_LINE_CHARS] for line in r.last_lines[-MAX_EXIT_LINES:])
+        kw = dict(now=now, code=r.code, restart_count=r.restart_count, restarting=r.restarting, last_lines=lines)
+        rank = r.rank
+        if r.HasField("unpinned_slot"):  # the agent names its process; the core knows its slot
+            why = self.agents.agent_refusal(route, r.token, self._peer_key, "exit report of an unpinned process")
+            if why:
+                raise RouteMismatch(why)
+            digest = self.agents.claims[route].digest
+            rank = self.state.unpinned_slot_of(digest, r.unpinned_slot)
+            if rank is None:  # it never held a slot
+                return RankExitReported(rank=UNPLACED, agent=digest, local_rank=r.unpinned_slot, **kw)
+        why = self.agents.report_refusal(route, rank, r.token, self._peer_key, self.state.route_of(rank) is not None)
+        if why:
+            raise RouteMismatch(why)
+        return RankExitReported(rank=rank, **kw)
 
     def _answer_agent(self, route: tuple, accepted: bool, reason: str) -> None:
         """The agent learns in one round trip that it reached the right coordinator."""

@@ -53,7 +53,7 @@ from typing import Any, Optional
 
 from flodl.wire import pb
 
-from . import _coverage
+from . import _coverage, _formation
 from ._commands import Command, ForgetRank, Notice, Reply, SeedJoiner
 from ._events import RankHello
 from ._phases import (
@@ -205,6 +205,7 @@ def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
             st.cohort_sig, st.cohort_len = ev.model_sig, ev.dataset_len
         st.run.not_admitted.pop(ev.rank, None)
         st.run.cohort_votes.pop(ev.rank, None)
+        _formation.on_admitted(st, ev.rank)
         if st.run.phase is TRAINING:
             rec.joined_at, rec.seeding, rec.refill = ev.now, False, refill
             out.append(Notice("rank_admitted_running", {"rank": ev.rank, "host": ev.host, "refill": refill}))
@@ -307,6 +308,7 @@ def _deferred(st: CoordinatorState, ev: RankHello, reason: str, out: list[Comman
         h.route, h.incarnation = (), 0
         out.append(ForgetRank(r, why))
         st.run.not_admitted[r] = why
+        st.run.evicted.add(r)  # its process's exit report is no loss (``_formation``)
     out.append(Notice("cohort_evicted", {"ranks": holders, "voters": voters, "reason": conflict}))
     st.cohort_sig = st.cohort_len = None
     on_hello(st, ev, out)  # the cohort (and maybe this slot) is free now: admit this one

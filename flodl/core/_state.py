@@ -222,6 +222,12 @@ class RunState:
     cohort_votes: dict[int, tuple] = field(default_factory=dict)  # rank -> ((sig, len), route) of its deferred hello
     joins: list[dict[str, Any]] = field(default_factory=list)  # mid-run joins: {rank, host, admitted_at, joined_at, cycle, refill, restart_count}
     formed_with: tuple[int, ...] = ()  # the ranks the world formed with (elastic: maybe fewer than the slots)
+    # FORMING, what can never come (``_formation``): slot -> why its process ended for good;
+    # an unpinned process that ended for good before taking a slot ("agent/local" -> why);
+    # slots whose holder the cohort vote evicted (their process's exit is no loss).
+    gone: dict[int, str] = field(default_factory=dict)
+    unplaced_gone: dict[str, str] = field(default_factory=dict)
+    evicted: set[int] = field(default_factory=set)
 
 
 def _plain(x: Any) -> Any:

@@ -86,7 +86,7 @@ from typing import Any, Callable, Iterable, Optional
 from flodl.wire import pb
 
 from . import _averaging, _checkpointing, _coverage, _dispatch, _membership, _metrics, _roles, _run
-from . import _resync
+from . import _formation, _resync
 from . import _collective
 from .cadence import _feedback
 from . import _summary
@@ -117,8 +117,9 @@ from ._events import (
     CoordinatorRestarted,
     RankResynced,
     JoinerSeeded,
+    UNPLACED,
 )
-from ._phases import ACTIVE, FINAL_EVAL, FINISHED, JOINING, TRAINING
+from ._phases import ACTIVE, FINAL_EVAL, FINISHED, FORMING, JOINING, TRAINING
 from ._state import CoordinatorState, RankRecord
 
 __all__ = ["initial_state", "step", "replay", "forget_rank", "RULES", "HANDLERS", "FAILURES"]
@@ -441,10 +442,23 @@ def _on_exiting(st: CoordinatorState, ev: RankExiting, out: list[Command]) -> No
 
 
 def _on_exit_report(st: CoordinatorState, ev: RankExitReported, out: list[Command]) -> None:
+    """An agent saw a process end: a loss of an admitted rank; before the world forms,
+    also whether its slot can still be filled (``_formation``)."""
+    if ev.rank == UNPLACED:
+        _formation.on_unplaced_exit(st, ev, _membership.exit_reason(st, -1, ev.code)[1], out)
+        return
+    if not 0 <= ev.rank < st.config.world_size:
+        raise RankViolation(f"rank {ev.rank} out of range [0, {st.config.world_size})")
+    addressable = st.addressable(ev.rank)
+    if not addressable and st.run.phase is not FORMING:
+        st.count_ignored("exit report for a rank that is not in the run")
+        return
     if _membership.stale_exit_report(st, ev.rank, ev.restart_count):
         return
     trigger, reason = _membership.exit_reason(st, ev.rank, ev.code)
-    forget_rank(st, ev.rank, trigger, reason, out)
+    if addressable:
+        forget_rank(st, ev.rank, trigger, reason, out)
+    _formation.on_exit(st, ev, reason, out)  # (FORMING only: the slot is VACANT now)
 
 
 def _on_send_failed(st: CoordinatorState, ev: SendFailed, out: list[Command]) -> None:
@@ -534,7 +548,9 @@ HANDLERS: dict[type, Handler] = {
     EvalDone: Handler(_run.on_eval_done, touches_liveness=True),
     CheckpointDone: Handler(_checkpointing.on_done, touches_liveness=True),
     IntentRaised: Handler(_run.on_intent, touches_liveness=True),
-    RankExitReported: Handler(_on_exit_report, not_in_run="exit report for a rank that is not in the run"),
+    # Range-checked and admitted by its handler: an unpinned process may hold no slot, and
+    # before the world forms a report for a VACANT slot says whether it can still come.
+    RankExitReported: Handler(_on_exit_report, checks_rank=False),
     SendFailed: Handler(_on_send_failed, not_in_run="send failure for a rank that is not in the run"),
     StopRequested: Handler(_on_stop),
     EpochFnElapsed: Handler(lambda st, ev, out: _roles.on_epoch_fn_elapsed(st, ev), touches_liveness=True),

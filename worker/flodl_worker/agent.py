@@ -17,8 +17,9 @@ prefix. Every pass then reaps children (``Popen.poll``) and runs the termination
    FLODL_LOCAL_RANK = i, FLODL_WORLD_SIZE, FLODL_CONNECT, FLODL_SESSION, FLODL_HOST,
    FLODL_SLOWDOWN, FLODL_BASE_MS, FLODL_TRACE_DIR, and FLODL_AGENT_TOKEN: this agent's
    random token). Send ``agent.hello{host, ranks, token}``.
-3. The moment a rank ends, send ``agent.rank_exited{rank, code, token}`` (Popen semantics:
-   negative = killed by that signal). Restart nothing. The coordinator believes the
+3. The moment a rank ends, send ``agent.rank_exited{rank, code, token, restarting,
+   last_lines}`` (Popen semantics: negative = killed by that signal; ``restarting``: it is
+   started again, ``--max-restarts``; its last stderr lines). Restart nothing else. The coordinator believes the
    report only because the rank's own hello named the same token
    (``flodl_coordinator.agents``): nobody else can report this agent's ranks dead.
    A failed rank's exit is logged with its last stderr lines (``TAIL_LINES``: a
@@ -96,6 +97,7 @@ HELLO_WARN_S = 5.0
 HELLO_REWARN_S = 30.0
 RESTART_BACKOFF_S = 1.0  # a failed rank's first restart; doubles per restart, at most 30 s
 TAIL_LINES = 12  # a failed rank's last stderr lines, repeated with its exit (a traceback's end)
+EXIT_LINE_CHARS = 300  # ... each cut to this in the exit report (what the coordinator keeps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -472,11 +474,10 @@ class Agent:
             code = child.proc.poll()
             if code is not None and not child.reported:
                 child.reported = True
-                self._send_agent(rank_exited=pb.AgentMsg.RankExited(rank=child.rank, code=code, token=self.token,
-                                                                    restart_count=child.restarts))  # fmt: skip
-                self._drain_child(child)
+                self._drain_child(child)  # its last lines travel with the report
                 self._said_exit(child, code)
-                self._maybe_restart(child, code)
+                restarting = self._maybe_restart(child, code)
+                self._send_agent(rank_exited=self._exit_report(child, code, restarting))
         now = time.monotonic()
         for rank, (at, old) in list(self.restart_at.items()):
             if now >= at and self.stop_reason is None:
@@ -505,17 +506,26 @@ class Agent:
             except OSError as e:
                 log.error("cannot append to the exit log %s: %s", self.cfg.exit_log, e)
 
-    def _maybe_restart(self, child: _Child, code: int) -> None:
-        """A failed rank process is started again (bounded, with backoff): see max_restarts."""
+    def _exit_report(self, child: _Child, code: int, restarting: bool) -> pb.AgentMsg.RankExited:
+        """``rank_exited``: the exit, whether it comes again, and its last stderr lines (the
+        coordinator names them when the world can no longer form without the rank)."""
+        lines = [line[:EXIT_LINE_CHARS] for line in list(child.tail)[-TAIL_LINES:]]
+        return pb.AgentMsg.RankExited(rank=child.rank, code=code, token=self.token, restart_count=child.restarts,
+                                      restarting=restarting, last_lines=lines)  # fmt: skip
+
+    def _maybe_restart(self, child: _Child, code: int) -> bool:
+        """A failed rank process is started again (bounded, with backoff): see max_restarts.
+        True when it will be (the exit report says so)."""
         if code == 0 or code == 2 or self.stop_reason is not None or child.restarts >= self.cfg.max_restarts:
             if code not in (0, 2) and self.cfg.max_restarts and child.restarts >= self.cfg.max_restarts:
                 log.error("%s failed %d time(s): no restarts left (--max-restarts %d)",
                           child.name, child.restarts + 1, self.cfg.max_restarts)
-            return
+            return False
         delay = min(30.0, RESTART_BACKOFF_S * 2**child.restarts)
         log.warning("%s failed (%s): restarting it in %gs (restart %d of %d)",
                     child.name, _exit_str(code), delay, child.restarts + 1, self.cfg.max_restarts)
         self.restart_at[child.rank] = (time.monotonic() + delay, child)
+        return True
 
     def _restart_rank(self, old: _Child) -> None:
         local = old.rank - self.cfg.rank_offset

@@ -40,6 +40,23 @@ def test_a_report_is_believed_only_from_the_agent_the_rank_vouched_for():
     assert "CURVE key" in book.report_refusal((b"agent-curve",), 2, REAL, "KEY-B")
 
 
+def test_a_rank_that_never_said_hello_is_believed_from_its_only_claimant_while_it_holds_no_slot():
+    # A script that failed at import never vouches: its agent's report is what tells the
+    # coordinator, before the world forms, that the slot will never come.
+    book = AgentBook(world_size=3)
+    real, rogue = (b"agent-real",), (b"agent-rogue",)
+    book.hello(real, _hello([0, 1]), "")
+    assert book.report_refusal(real, 1, REAL, "", admitted=False) == ""
+    assert "did not name" in book.report_refusal(real, 1, REAL, "", admitted=True)  # a live rank: never
+    assert "without the agent's token" in book.report_refusal(real, 1, FORGED, "", admitted=False)
+    book.rank_admitted(0, REAL)
+    book.hello(rogue, _hello([0, 1, 2], FORGED, "evil"), "")
+    assert "another agent claims it too" in book.report_refusal(real, 1, REAL, "", admitted=False)
+    assert "another agent claims it too" in book.report_refusal(rogue, 1, FORGED, "", admitted=False)
+    assert "did not announce" in book.report_refusal(rogue, 0, FORGED, "", admitted=False)  # vouched for the real one
+    assert book.report_refusal(rogue, 2, FORGED, "", admitted=False) == ""  # its own claim, alone
+
+
 def test_an_agent_hello_out_of_range_twice_or_oversized_is_refused_whole():
     book = AgentBook(world_size=2)
     for bad in (_hello([0, 2]), _hello([1, 1]), _hello([0], host="h" * 300), _hello([0], token=b"t" * 65)):
