@@ -854,6 +854,15 @@ class CoordinatorService:
         elif isinstance(cmd, RunFinished):
             self.finished = cmd
             self._finished_at = time.monotonic()
+            if not cmd.ok and self.state.run.formed_at is None:
+                self._abort_agents(f"the world did not form: {cmd.reason}")
+
+    def _abort_agents(self, reason: str) -> None:
+        """A world that never formed: ranks still starting (torch imports) have not said
+        hello and get no Shutdown; their agents stop them now, not after their hello timeout."""
+        msg = pb.AgentMsg(abort=pb.AgentMsg.Abort(reason=reason[:2000]))
+        for route in self.agents.claims:
+            self._send_frames(self.endpoint.frames("agent", msg, route=route))
 
     def _seed_joiner(self, rank: int) -> None:
         """A rank admitted into the running world gets the latest consensus (the seed); a

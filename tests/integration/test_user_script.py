@@ -112,7 +112,8 @@ def test_a_script_failing_at_import_in_one_of_three_ranks_ends_the_run_naming_it
     assert not summary["ok"] and reason.startswith("the world can no longer form (every slot is needed): "), reason
     assert f"rank 1: exited with code 1 before the world formed; its last line: {error}" in reason
     assert "its agent does not start it again" in reason
-    failed = [(e["rank"], e["code"], e["last_lines"][-1]) for e in summary["rank_exits"] if e["code"] != 0]
+    # (0 and 2 may not have said hello yet: the launcher stops them, SIGTERM, once the run ended)
+    failed = [(e["rank"], e["code"], e["last_lines"][-1]) for e in summary["rank_exits"] if e["code"] not in (0, -15)]
     assert failed == [(1, 1, error)]
     assert summary["model"] == {"written": False, "reason": "the run did not complete"}
     assert not (tmp_path / "model.pt").exists()

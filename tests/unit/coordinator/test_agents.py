@@ -196,3 +196,31 @@ def test_with_curve_a_report_must_come_with_the_key_of_the_agents_hello(serve, t
         back.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(rank=1, code=-9, token=REAL)))
         _until(lambda: svc.state.route_of(1) is None, 0.5)
     assert svc.state.route_of(1) is None, dict(svc.dropped)
+
+
+def test_a_rank_that_failed_before_its_hello_ends_a_forming_run_and_the_agents_are_told(serve, tmp_path):
+    svc, ep, ctx = serve(load_settings(env={}, flags={
+        "world_size": 2, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 1, "batch_size": 4,
+        "liveness_timeout_s": 30.0,
+    }))  # fmt: skip
+    rank0 = _Peer(ctx, ep, pb.Sender.KIND_RANK, rank=0, incarnation=10)
+    rank0.send("hello", pb.RankHello(rank=0, world_size=2, model_sig=b"a" * 32, dataset_len=100, agent_token=REAL))
+    assert rank0.hello_ack().accepted
+    agent = _Peer(ctx, ep, pb.Sender.KIND_AGENT, host="gpu1", incarnation=1)
+    agent.send("agent", pb.AgentMsg(hello=_hello([0, 1])))
+    lines = ["Traceback (most recent call last):", "ModuleNotFoundError: No module named 'x'"]
+    agent.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(
+        rank=1, code=1, token=REAL, restarting=True, last_lines=lines)))  # fmt: skip
+    assert _until(lambda: "its agent starts it again" in svc.state.run.not_admitted.get(1, ""))
+    assert svc.finished is None  # its agent restarts it: the world still waits
+    agent.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(
+        rank=1, code=1, token=REAL, restart_count=1, last_lines=lines)))  # fmt: skip
+    assert _until(lambda: svc.finished is not None)
+    assert not svc.finished.ok and "rank 1: exited with code 1 before the world formed" in svc.finished.reason
+    assert "its last line: ModuleNotFoundError: No module named 'x'" in svc.finished.reason
+    while True:  # the agent is told to stop its ranks (those still starting never said hello)
+        assert agent.sock.poll(5000), "no abort"
+        d = decode(split_routing(agent.sock.recv_multipart())[1], session=SESSION)
+        if d.kind == "agent" and d.envelope.agent.WhichOneof("msg") == "abort":
+            assert d.envelope.agent.abort.reason.startswith("the world did not form: the world can no longer form")
+            break

@@ -40,6 +40,7 @@ def expect_exit(coordinator, rank: int, code: int):
     env = d.envelope
     assert env.sender.kind == pb.Sender.KIND_AGENT and env.sender.host == "hostB"
     assert (env.agent.rank_exited.rank, env.agent.rank_exited.code) == (rank, code)
+    return env.agent.rank_exited
 
 
 @pytest.mark.integration
@@ -49,7 +50,8 @@ def test_agent_reports_exit_code_and_signal(coordinator, procs, py, lines, tmp_p
     _, d = coordinator.expect("agent", "hello")
     assert d.envelope.sender.kind == pb.Sender.KIND_AGENT
     assert (d.envelope.agent.hello.host, list(d.envelope.agent.hello.ranks)) == ("hostB", [0, 1])
-    expect_exit(coordinator, 0, 3)
+    report = expect_exit(coordinator, 0, 3)
+    assert list(report.last_lines) == ["rank zero fails"] and not report.restarting  # (no --max-restarts)
 
     out = lines(agent.stdout)
     env1 = dict(kv.split("=", 1) for kv in out.wait_for(r"^\[rank 1\] ENV 1 (.*)$").group(1).split())
