@@ -102,10 +102,10 @@ def _one_run(args, tmp: Path) -> dict:
                "flodl_worker.examples.digits"]  # fmt: skip
         return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    procs = [coord, agent("--ranks", "2", "--slowdown", str(args.slow))]
+    procs = [coord, agent("--ranks", "2", "--rank-offset", "0", "--slowdown", str(args.slow))]
     try:
         _wait_for(log, "world_formed", coord)
-        procs.append(agent("--ranks", "2", "--rank-offset", "2", "--slowdown", "1"))
+        procs.append(agent("--ranks", "2", "--slowdown", "1"))  # unpinned: the free slots 2, 3
         coord.wait(timeout=args.timeout)
         for p in procs[1:]:
             p.wait(timeout=60)

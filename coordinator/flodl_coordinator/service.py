@@ -92,7 +92,7 @@ from flodl.wire import (
 from flodl import sdnotify, strictjson
 
 from . import dashboard, recovery
-from .agents import AgentBook
+from .agents import MAX_TOKEN_BYTES, AgentBook, token_digest
 from .checkpointing import Checkpointing
 from .curve import CurveServer, load_server_keys
 from .droplog import DropLog
@@ -520,9 +520,12 @@ class CoordinatorService:
                 ack = pb.HelloAck(accepted=False, reason=why)
                 self._send_frames(self.endpoint.frames("hello_ack", ack, route=route))
                 raise Oversized(why)
-            self._feed(hello_event(now, route, env))
-            if tuple(self.state.route_of(env.hello.rank) or ()) == route:  # admitted: whom it vouches for
-                record = self.agents.rank_admitted(env.hello.rank, env.hello.agent_token)
+            unpinned = env.hello.HasField("unpinned_slot")  # the core picks its slot
+            agent = token_digest(bytes(env.hello.agent_token[:MAX_TOKEN_BYTES])) if unpinned else ""
+            self._feed(hello_event(now, route, env, agent=agent))
+            rank = self.state.admitted_on(route, env.sender.incarnation) if unpinned else env.hello.rank
+            if rank is not None and tuple(self.state.route_of(rank) or ()) == route:  # admitted: whom it vouches for
+                record = self.agents.rank_admitted(rank, env.hello.agent_token)
                 if record is not None:
                     self._journal_write(record)  # a restart still knows (recovery)
             return
@@ -601,19 +604,20 @@ class CoordinatorService:
         believed: a forged or misrouted report; the rank lives on, its own frames decide)."""
         lines = tuple(line[:MAX_EXIT_LINE_CHARS] for line in r.last_lines[-MAX_EXIT_LINES:])
         kw = dict(now=now, code=r.code, restart_count=r.restart_count, restarting=r.restarting, last_lines=lines)
-        rank = r.rank
         if r.HasField("unpinned_slot"):  # the agent names its process; the core knows its slot
             why = self.agents.agent_refusal(route, r.token, self._peer_key, "exit report of an unpinned process")
             if why:
                 raise RouteMismatch(why)
+            # The slot whose hello carried this agent's token and local rank: the rank vouched.
             digest = self.agents.claims[route].digest
             rank = self.state.unpinned_slot_of(digest, r.unpinned_slot)
             if rank is None:  # it never held a slot
                 return RankExitReported(rank=UNPLACED, agent=digest, local_rank=r.unpinned_slot, **kw)
-        why = self.agents.report_refusal(route, rank, r.token, self._peer_key, self.state.route_of(rank) is not None)
+            return RankExitReported(rank=rank, **kw)
+        why = self.agents.report_refusal(route, r.rank, r.token, self._peer_key, self.state.route_of(r.rank) is not None)
         if why:
             raise RouteMismatch(why)
-        return RankExitReported(rank=rank, **kw)
+        return RankExitReported(rank=r.rank, **kw)
 
     def _answer_agent(self, route: tuple, accepted: bool, reason: str) -> None:
         """The agent learns in one round trip that it reached the right coordinator."""

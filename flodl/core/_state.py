@@ -113,6 +113,11 @@ class RankRecord:
     joined_at: Optional[float] = None  # admitted mid-run (JOINING while TRAINING): when
     refill: bool = False  # ... into a slot a DEAD or LEFT rank held (a restart)
     restart_count: int = 0  # the admitted process's FLODL_RESTART_COUNT (its hello)
+    # The unpinned process slot that took this slot last (its agent's token digest, its
+    # FLODL_LOCAL_RANK; "" / -1: pinned): its restart gets the slot back, its agent's exit
+    # report finds it (``_membership.unpinned_slot``).
+    agent: str = ""
+    local_rank: int = -1
     # Training counters (monotone; last_step and folded_step restart at 0 with a process that
     # takes the slot again mid-run, ``_membership.on_seeded``; the totals never reset).
     last_step: int = 0  # highest step_count reported by a BatchDone
@@ -415,6 +420,18 @@ class CoordinatorState:
         if 0 <= rank < len(self.ranks) and self.addressable(rank):
             return self.ranks[rank].route
         return None
+
+    def unpinned_slot_of(self, agent: str, local_rank: int) -> Optional[int]:
+        """The slot an unpinned process of ``agent`` (its ``local_rank``) took last, or None."""
+        if not agent:
+            return None
+        return next((r.rank for r in self.ranks if r.agent == agent and r.local_rank == local_rank), None)
+
+    def admitted_on(self, route: tuple[bytes, ...], incarnation: int) -> Optional[int]:
+        """The addressable rank admitted on ``route`` with ``incarnation`` (an unpinned
+        hello's slot, for the shell), or None."""
+        return next((r.rank for r in self.ranks if r.route == route and r.incarnation == incarnation
+                     and self.addressable(r.rank)), None)  # fmt: skip
 
     def addressable(self, rank: int) -> bool:
         return self.ranks[rank].phase is JOINING or self.ranks[rank].phase is ACTIVE

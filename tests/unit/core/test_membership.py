@@ -55,7 +55,7 @@ def test_hello_accepted_carries_run_spec():
 def test_hello_refused_rank_out_of_range():
     c = Cluster(policy="sync", world_size=2)
     assert _refused(c.hello(2)) == "rank 2 out of range [0, 2)"
-    assert _refused(c.hello(-1)) == "rank -1 out of range [0, 2)"
+    assert _refused(c.hello(-2)) == "rank -2 out of range [0, 2)"  # (-1 is UNPINNED: the core picks)
 
 
 def test_hello_refused_world_size_differs():

@@ -30,8 +30,9 @@ time.sleep(60)
 
 
 def start_agent(procs, py, coordinator, *flags, command=(sys.executable, "-c", CHILD), env=None):
+    pin = () if "--rank-offset" in flags else ("--rank-offset", "0")  # CHILD behaves by FLODL_RANK
     argv = py("flodl_worker", "agent", "--coordinator", coordinator.endpoint, "--session", coordinator.session,
-              "--host", "hostB", *flags, "--", *command)
+              "--host", "hostB", *pin, *flags, "--", *command)
     return procs.start(argv, env=env)
 
 
