@@ -224,3 +224,30 @@ def test_a_rank_that_failed_before_its_hello_ends_a_forming_run_and_the_agents_a
         if d.kind == "agent" and d.envelope.agent.WhichOneof("msg") == "abort":
             assert d.envelope.agent.abort.reason.startswith("the world did not form: the world can no longer form")
             break
+
+
+def test_unpinned_ranks_get_their_slot_in_the_ack_and_their_agents_reports_find_it(serve, tmp_path):
+    svc, ep, ctx = serve(load_settings(env={}, flags={
+        "world_size": 3, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 1, "batch_size": 4,
+        "liveness_timeout_s": 30.0,
+    }))  # fmt: skip
+    agent = _Peer(ctx, ep, pb.Sender.KIND_AGENT, host="gpu1", incarnation=1)
+    agent.send("agent", pb.AgentMsg(hello=_hello([])))  # unpinned: it claims no rank
+    pinned = _Peer(ctx, ep, pb.Sender.KIND_RANK, rank=0, incarnation=10)
+    pinned.send("hello", pb.RankHello(rank=0, world_size=3, model_sig=b"a" * 32, dataset_len=100))
+    assert pinned.hello_ack().rank == 0
+    rank = _Peer(ctx, ep, pb.Sender.KIND_RANK, rank=0, incarnation=11)
+    hello = pb.RankHello(rank=0, world_size=3, model_sig=b"a" * 32, dataset_len=100, agent_token=REAL, unpinned_slot=1)
+    rank.send("hello", hello)
+    ack = rank.hello_ack()
+    assert ack.accepted and ack.rank == 1  # the lowest free slot
+    rank.send("hello", hello)  # a retransmit: the same slot
+    assert rank.hello_ack().rank == 1
+    assert svc.agents.vouched[1] == token_digest(REAL)
+    # Its agent reports local rank 0 (never admitted: a process fewer) and local rank 1 (slot 1).
+    agent.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(
+        code=1, token=REAL, unpinned_slot=0, restarting=True)))  # fmt: skip
+    agent.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(code=-9, token=REAL, unpinned_slot=1)))
+    assert _until(lambda: svc.state.route_of(1) is None), "the report did not find slot 1"
+    assert svc.finished is not None and "rank 1: killed by signal 9 before the world formed" in svc.finished.reason
+    assert svc.state.ranks[1].agent == token_digest(REAL) and svc.state.ranks[1].local_rank == 1

@@ -117,3 +117,14 @@ def test_before_forming_a_restart_gets_its_slot_back_unless_another_took_it():
     _unpinned(c, (b"b0",), 3, agent="agent-b")  # takes the lowest free: slot 1
     assert _ack(_unpinned(c, (b"a1'",), 4, local=1, restart_count=1)).rank == 2
     assert c.state.unpinned_slot_of("agent-a", 1) == 2 and c.state.ranks[1].agent == "agent-b"
+
+
+def test_the_wire_hello_names_no_rank_when_unpinned_and_the_shell_keeps_the_agent_digest():
+    from flodl.core import hello_event
+    from flodl.wire import pb
+
+    env = pb.Envelope(hello=pb.RankHello(rank=0, world_size=4, unpinned_slot=1, dataset_len=9))
+    ev = hello_event(1.0, (b"r",), env, agent="d1")
+    assert (ev.rank, ev.local_rank, ev.agent) == (UNPINNED, 1, "d1")
+    pinned = hello_event(1.0, (b"r",), pb.Envelope(hello=pb.RankHello(rank=0, world_size=4)), agent="d1")
+    assert (pinned.rank, pinned.local_rank, pinned.agent) == (0, -1, "")  # slot 0 named: not placed
