@@ -128,6 +128,7 @@ def test_cli_bad_flags_one_line_exit_2(capsys, monkeypatch):
         ([*coord, "--ranks", "2"], "after --"),
         ([*coord, "--ranks", "2", "--slowdown", "1,2,3", "--", "x"], "--slowdown"),
         ([*coord, "--ranks", "2", "--world-size", "1", "--", "x"], "exceed"),
+        ([*coord, "--ranks", "2", "--world-size", "4", "--slowdown", "1,2,3,4", "--", "x"], "needs --rank-offset"),
         (["agent", "--coordinator", "nope", "--ranks", "1", "--", "x"], "not a ZeroMQ endpoint"),
         (["agent", "--ranks", "1", "--", "x"], "--coordinator is required"),
         (["relay", "--coordinator", "tcp://127.0.0.1:1"], "--bind"),
