@@ -145,7 +145,7 @@ def initial_state(config: CoreConfig, resume: Optional[ResumePoint] = None) -> C
 
 def _validate(st: CoordinatorState, ev: Event, h: "Handler") -> None:
     rank = getattr(ev, "rank", None)
-    if not h.checks_rank or rank is None:
+    if not h.checks_rank or rank is None or (h.unplaced_ok and rank == UNPLACED):
         return
     if not 0 <= rank < st.config.world_size:
         raise RankViolation(f"rank {rank} out of range [0, {st.config.world_size})")
@@ -392,8 +392,8 @@ class Handler:
     changes (only for an addressable rank's frame); ``touches_liveness``: a frame from the
     rank (refreshes its liveness; from a rank not in the run: ignored, counted);
     ``not_in_run``: for a rank event that is not its frame, the count when the rank is not
-    in the run; ``checks_rank``: the rank is range-checked; ``after_finish``: still handled
-    once the run finished."""
+    in the run; ``checks_rank``: the rank is range-checked (``unplaced_ok``: but for
+    ``UNPLACED``); ``after_finish``: still handled once the run finished."""
 
     apply: Callable[[CoordinatorState, Any, list[Command]], None]
     validate: Optional[Callable[[CoordinatorState, Any], None]] = None
@@ -401,6 +401,7 @@ class Handler:
     not_in_run: str = ""
     checks_rank: bool = True
     after_finish: bool = False
+    unplaced_ok: bool = False  # rank UNPLACED (a process that holds no slot) is not range-checked
 
 
 def _check_batch(st: CoordinatorState, ev: BatchDone) -> None:
@@ -447,8 +448,6 @@ def _on_exit_report(st: CoordinatorState, ev: RankExitReported, out: list[Comman
     if ev.rank == UNPLACED:
         _formation.on_unplaced_exit(st, ev, _membership.exit_reason(st, -1, ev.code)[1], out)
         return
-    if not 0 <= ev.rank < st.config.world_size:
-        raise RankViolation(f"rank {ev.rank} out of range [0, {st.config.world_size})")
     addressable = st.addressable(ev.rank)
     if not addressable and st.run.phase is not FORMING:
         st.count_ignored("exit report for a rank that is not in the run")
@@ -548,9 +547,9 @@ HANDLERS: dict[type, Handler] = {
     EvalDone: Handler(_run.on_eval_done, touches_liveness=True),
     CheckpointDone: Handler(_checkpointing.on_done, touches_liveness=True),
     IntentRaised: Handler(_run.on_intent, touches_liveness=True),
-    # Range-checked and admitted by its handler: an unpinned process may hold no slot, and
-    # before the world forms a report for a VACANT slot says whether it can still come.
-    RankExitReported: Handler(_on_exit_report, checks_rank=False),
+    # Admitted by its handler: before the world forms a report for a VACANT slot says
+    # whether it can still come, and an unpinned process may hold no slot (UNPLACED).
+    RankExitReported: Handler(_on_exit_report, unplaced_ok=True),
     SendFailed: Handler(_on_send_failed, not_in_run="send failure for a rank that is not in the run"),
     StopRequested: Handler(_on_stop),
     EpochFnElapsed: Handler(lambda st, ev, out: _roles.on_epoch_fn_elapsed(st, ev), touches_liveness=True),

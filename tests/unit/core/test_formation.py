@@ -1,12 +1,17 @@
 """Formation fails fast (issue 13): a slot whose process ended for good before the world
 formed, when the world cannot form without it, ends the run at once (``_formation``)."""
 
+import copy
+
+import pytest
+
 from flodl.core import (
     UNPLACED,
     ForgetRank,
     HeartbeatSeen,
     Notice,
     RankExitReported,
+    RankViolation,
     Reply,
     Send,
     Tick,
@@ -159,3 +164,12 @@ def test_the_journal_replays_to_the_same_failure():
     assert st == c.state and record == c.commands
     assert not st.run.ok and "rank 2: exited with code 1" in st.run.reason
     assert any(isinstance(x, Reply) for x in record)
+
+
+def test_an_exit_report_out_of_range_is_refused_and_changes_nothing():
+    c = _forming()
+    c.hello(0)
+    before = copy.deepcopy(c.state)
+    with pytest.raises(RankViolation, match=r"rank 7 out of range \[0, 3\)"):
+        c.feed(RankExitReported(now=5.0, rank=7, code=1))
+    assert c.state == before and c.state.now == before.now
