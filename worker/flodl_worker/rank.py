@@ -286,7 +286,7 @@ class _Rank(MachineShell):
         self.ep.sender.rank = rank
         self.ep.session = self.ep.session  # (re-serialises the envelope's fixed fields)
         self._open_traces()
-        log.info("admitted as rank %d (FLODL_RANK unset: the coordinator's lowest free slot)", rank)
+        log.info("admitted as rank %d (FLODL_RANK unset: the slot the coordinator gave it)", rank)
 
     @property
     def local_step(self) -> int:

@@ -62,7 +62,9 @@ def test_the_agent_names_its_ranks_token_in_hello_and_exit_report(coordinator, p
     _, d = coordinator.expect("agent", "hello")
     token = d.envelope.agent.hello.token
     assert len(token) == 16
+    assert list(d.envelope.agent.hello.ranks) == []  # no --rank-offset: it pins (claims) no rank
     _, d = coordinator.expect("agent", "rank_exited")
-    assert (d.envelope.agent.rank_exited.code, d.envelope.agent.rank_exited.token) == (4, token)
-    assert lines(agent.stdout).wait_for(r"^\[rank 0\] TOKEN (\S+)$").group(1) == token.hex()
+    exited = d.envelope.agent.rank_exited
+    assert (exited.code, exited.token, exited.HasField("unpinned_slot"), exited.unpinned_slot) == (4, token, True, 0)
+    assert lines(agent.stdout).wait_for(r"^\[local 0\] TOKEN (\S+)$").group(1) == token.hex()
     assert agent.wait(15) == 1
