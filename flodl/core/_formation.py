@@ -17,10 +17,10 @@ A report with ``restarting`` True changes nothing but the slot's note: the next 
 comes. A slot is admitted again (``on_admitted``) -- another agent pinned to it, a report
 that overtook a restarted process's hello -- and it is no longer gone.
 
-What "possible" means: every slot is possible unless it is known lost. The capacity less
-the gone slots that are still VACANT (a deferred hello waiting for the slot keeps it
-possible) less the unpinned processes gone before taking one (each would have taken
-one) is what can still be filled. When that is below the quorum (``min_ranks``; a fixed
+What "possible" means: every slot is possible unless it is known lost. The admitted
+slots, plus the VACANT ones less those gone (a deferred hello waiting for the slot keeps
+it possible) and less one for each unpinned process gone before taking one (it would
+have taken one), is what the world can still have. When that is below the quorum (``min_ranks``; a fixed
 world needs every slot), ``hopeless`` names the lost slots and the run fails at once
 (``_run._forming_move``: ``fail_formation``). A slot nobody has claimed yet counts as
 possible -- an agent not started yet may still bring it -- so such a world waits for
@@ -39,7 +39,7 @@ from typing import Optional
 
 from ._commands import Command, Notice
 from ._events import RankExitReported
-from ._phases import FORMING, VACANT
+from ._phases import FORMING, JOINING, VACANT
 from ._state import CoordinatorState
 
 __all__ = ["on_exit", "on_unplaced_exit", "on_admitted", "hopeless", "MAX_EXIT_LINES", "MAX_EXIT_LINE_CHARS"]
@@ -112,7 +112,9 @@ def hopeless(st: CoordinatorState) -> Optional[str]:
         return None
     lost = _lost_slots(st)
     unplaced = st.run.unplaced_gone
-    possible = len(st.ranks) - len(lost) - len(unplaced)
+    admitted = st.index.count(JOINING)
+    vacant = len(st.ranks) - admitted  # (before the world forms a slot is JOINING or VACANT)
+    possible = admitted + max(0, vacant - len(lost) - len(unplaced))
     quorum = st.config.quorum
     if possible >= quorum:
         return None

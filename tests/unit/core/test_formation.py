@@ -173,3 +173,16 @@ def test_an_exit_report_out_of_range_is_refused_and_changes_nothing():
     with pytest.raises(RankViolation, match=r"rank 7 out of range \[0, 3\)"):
         c.feed(RankExitReported(now=5.0, rank=7, code=1))
     assert c.state == before and c.state.now == before.now
+
+
+def test_unpinned_processes_gone_never_count_against_the_admitted_ranks():
+    c = _forming(world_size=3, min_ranks=2, join_timeout_s=5.0, form_timeout_s=60.0)
+    c.hello(0)
+    c.hello(1)
+    for local in (0, 1):  # more unpinned processes gone than there are vacant slots
+        _exit(c, UNPLACED, agent="ef", local_rank=local)
+    assert c.finished is None  # the quorum is in: 2 admitted, 0 vacant slots still possible
+    c.feed(HeartbeatSeen(now=5.0, rank=0))
+    c.feed(HeartbeatSeen(now=5.0, rank=1))
+    c.feed(Tick(now=5.0))
+    assert c.state.run.formed_with == (0, 1)
