@@ -230,9 +230,10 @@ def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
     An unpinned hello (``rank`` UNPINNED) is placed first (``unpinned_slot``)."""
     if ev.rank == UNPINNED:
         slot = unpinned_slot(st, ev)
-        if slot is None:
-            why = refusal(st, replace(ev, rank=0)) if st.run.phase is not FORMING and st.run.phase is not TRAINING else None
-            why = why or f"no free slot: all {len(st.ranks)} ranks of the world are alive"
+        if slot is None:  # every slot is alive, or the run admits nobody
+            admitting = st.run.phase is FORMING or st.run.phase is TRAINING
+            why = f"no free slot: all {len(st.ranks)} ranks of the world are alive" if admitting else (
+                f"run is not admitting ranks ({st.run.phase!r})")  # fmt: skip
             out.append(Reply(ev.route, pb.HelloAck(accepted=False, reason=why)))
             return
         ev = replace(ev, rank=slot)
