@@ -143,10 +143,6 @@ class AgentConfig:
     def world(self) -> int:
         return self.world_size or (self.rank_offset or 0) + self.ranks
 
-    @property
-    def pinned(self) -> bool:
-        return self.rank_offset is not None
-
     def rank_of(self, local: int) -> int | None:
         """The global rank local rank ``local`` is pinned to; None when unpinned."""
         return None if self.rank_offset is None else self.rank_offset + local
