@@ -16,7 +16,9 @@ FLODL_CONNECT          yes         endpoint to dial: the host's relay frontend o
 FLODL_SESSION          no          run id every frame names (default ``flodl``, the
                                    coordinator's default)
 FLODL_HOST             no          logical host name (default: socket.gethostname())
-FLODL_LOCAL_RANK       no          index of this rank on its host (default 0): device="auto" picks cuda:LOCAL_RANK
+FLODL_LOCAL_RANK       no          index of this rank on its host (default 0): device="auto" picks cuda:LOCAL_RANK;
+                                   without FLODL_RANK the hello names it (its agent's
+                                   exit reports name the process by it)
 FLODL_SLOWDOWN         no          emulated device speed: every batch additionally sleeps
                                    FLODL_BASE_MS x factor. Unset = no emulation.
 FLODL_BASE_MS          no          base of the emulated sleep in ms (default 10)
