@@ -21,7 +21,7 @@ demo: setup
 	$(BIN)/flodl run --local --ranks 3 --task digits --slowdown 1,2,4 --epochs 12 --policy cadence --summary demo-summary.json --output demo-model
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests --durations=30
 
 test-fast: setup
 	$(BIN)/python -m pytest -q tests -m "not integration"

@@ -9,7 +9,8 @@ side by side:
 * solo: each rank's throughput training alone (the ceiling is their sum), measured
   before each repeat of the modes (interleaved, so a drifting load moves both), median;
 * flodl sync, cadence and async: ``flodl run --local`` (real coordinator, relay, ranks),
-  on the bus plane;
+  on the bus plane; ``cadence_barrier`` (on request) is cadence with ``run_ahead`` off,
+  the default before issue 11;
 * flodl collective: cadence with ``--plane collective`` (torch.distributed all-reduce,
   the coordinator only orchestrates) -- reported as skipped, with the reason, when this
   checkout's ``flodl run`` does not accept ``--plane`` yet;
@@ -68,6 +69,7 @@ def solo(slow: float, base_ms: float, batch: int, batches: int = 60) -> float:
 MODES = {
     "sync": ("sync", []),
     "cadence": ("cadence", []),
+    "cadence_barrier": ("cadence", ["--no-run-ahead"]),  # run_ahead off: the default before issue 11
     "async": ("async", []),
     "collective": ("cadence", ["--plane", "collective"]),
 }

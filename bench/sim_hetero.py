@@ -11,9 +11,10 @@ ratios are the scheduler's alone. Per rig and policy, medians over ``--seeds``:
 * ``boundary_wait_ms``: the longest idle gap between a rank's last batch of an epoch and
   its first of the next (an epoch barrier shows here).
 
-Policies: ``cadence`` (the default: windows run on across epoch ends, a rank waits at its
-reduce barrier), ``cadence_run_ahead`` (``run_ahead`` on: it trains on past it),
-``async``, ``sync``. Prints one JSON object.
+Policies: ``cadence`` (the default: windows run on across epoch ends, and a rank that ran
+its window trains on past its reduce barrier, ``run_ahead``), ``cadence_barrier``
+(``run_ahead`` off: it waits there -- the default before issue 11), ``async``, ``sync``.
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from flodl.sim import SimConfig, simulate
 
 POLICIES = {
     "cadence": ("cadence", {}),
-    "cadence_run_ahead": ("cadence", {"run_ahead": True}),
+    "cadence_barrier": ("cadence", {"run_ahead": False}),
     "async": ("async", {}),
     "sync": ("sync", {}),
 }

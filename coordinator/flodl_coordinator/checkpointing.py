@@ -47,7 +47,7 @@ from flodl.core import CHECKPOINT_META, Notice, StageCheckpoint
 from flodl.fsutil import describe_write_error
 from flodl.wire import pb
 
-from .checkpoints import Checkpoint, CheckpointError, CheckpointStore, Committed, resolve_resume
+from .checkpoints import Checkpoint, CheckpointError, CheckpointStore, Committed, epoch_of, resolve_resume
 from .outer import OuterError, OuterOptimizer, load_state, save_state
 from .settings import Settings, SettingsError
 
@@ -66,7 +66,9 @@ class Checkpointing:
         self.resumed: Optional[Checkpoint] = None
         self.point = None  # flodl.core.ResumePoint of a resumed run
         self._linger_until: Optional[float] = None
-        self.asked: set[int] = set()  # versions whose meta the core decided (each must commit)
+        # (version, epoch) of every meta the core decided: each must commit. Two epochs
+        # aggregated at one consensus are two checkpoints of one save.
+        self.asked: set[tuple[int, Optional[int]]] = set()
         self._why: dict[int, str] = {}  # version -> the last reason it did not commit
         # The bus reducer's outer optimizer lives here: its state is saved with every
         # checkpoint (``outer.npz``) and restored on resume, before the reducer exists.
@@ -142,8 +144,8 @@ class Checkpointing:
         if self.store is None:
             log.warning("checkpoint v%d decided but no checkpoint_dir is set: ignored", version)
             return
-        self.asked.add(version)
         meta = cmd.meta
+        self.asked.add((version, epoch_of(meta)))
         self._report(self.store.stage_meta(version, meta, sidecars=self._outer_sidecar(version, meta)))
 
     def on_notice(self, cmd: Notice) -> bool:
@@ -178,7 +180,8 @@ class Checkpointing:
     def _report(self, outcomes: list) -> None:
         for o in outcomes:
             if isinstance(o, Committed):
-                log.info("checkpoint v%d committed: %s (model saved by rank %d)", o.version, o.path, o.rank)
+                log.info("checkpoint v%d (epoch %s) committed: %s (model saved by rank %d)",
+                         o.version, o.epoch, o.path, o.rank)
             else:
                 self._why[o.version] = o.reason
                 log.warning("checkpoint v%d not saved by rank %d: %s", o.version, o.rank, o.reason)
@@ -201,7 +204,7 @@ class Checkpointing:
         if now < self._linger_until:
             return True
         log.warning("checkpoint save not answered within %gs: abandoned", self.settings.liveness_timeout_s)
-        for v in self.asked:
+        for v, _ in self.asked:
             self._why.setdefault(v, f"the save was not answered within {self.settings.liveness_timeout_s:g}s")
         self.store.forget()
         return False
@@ -210,21 +213,24 @@ class Checkpointing:
         """Every asked checkpoint that was not committed, with why (empty = all made)."""
         if self.store is None:
             return []
-        done = {c.version for c in self.store.committed}
+        done = {(c.version, c.epoch) for c in self.store.committed}
         ck = getattr(state, "checkpoints", None)
         abandoned = set(getattr(ck, "abandoned", ()) or ())
+        keys = self.asked | {(v, None) for v in abandoned if not any(a == v for a, _ in self.asked)}
         out = []
-        for v in sorted((self.asked | abandoned) - done):
+        for v, e in sorted(keys - done, key=lambda k: (k[0], -1 if k[1] is None else k[1])):
             why = self._why.get(v) or ("abandoned: no rank could save it" if v in abandoned else "never answered")
-            out.append({"version": v, "reason": why})
+            out.append({"version": v, "epoch": e, "reason": why})
         if ck is not None and getattr(ck, "deferred", None) is not None:
             cycle = state.rounds.cycle
-            out.append({"version": None, "reason": f"a checkpoint was due while round {cycle} was open, "
-                                                   f"and that round never finished"})
+            epochs = list(getattr(ck, "deferred_epochs", ()) or ())
+            out.append({"version": None, "epoch": epochs[0] if epochs else None,
+                        "reason": f"a checkpoint of epoch(s) {epochs} was due while round {cycle} was open, "
+                                  f"and that round never finished"})
         return out
 
     def missing_reason(self, missing: list[dict[str, Any]]) -> str:
-        names = ", ".join(f"v{m['version']}" if m["version"] is not None else "one deferred" for m in missing)
+        names = ", ".join(_name(m) for m in missing)
         first = missing[0]["reason"]
         return f"{len(missing)} asked checkpoint(s) not committed ({names}): {first}"
 
@@ -232,8 +238,11 @@ class Checkpointing:
         s = self.store
         return {
             "dir": s.root if s else None,
-            "asked": sorted(self.asked),
-            "committed": [{"version": c.version, "rank": c.rank, "path": c.path} for c in (s.committed if s else [])],
+            "asked": [{"version": v, "epoch": e} for v, e in _sorted(self.asked)],
+            "committed": [
+                {"version": c.version, "epoch": c.epoch, "rank": c.rank, "path": c.path} for c in (s.committed if s else [])
+            ],
+            "epochs": sorted({c.epoch for c in (s.committed if s else []) if c.epoch is not None}),
             "failed": [{"version": f.version, "rank": f.rank, "reason": f.reason} for f in (s.failed if s else [])],
             "missing": self.missing(state),  # asked, never committed: the run is not ok
             "resumed_from": self.resumed.path if self.resumed else None,
@@ -247,6 +256,17 @@ class Checkpointing:
         return {
             "asked": len(self.asked),
             "committed": len(s.committed) if s else 0,
+            "epochs": sorted({c.epoch for c in (s.committed if s else []) if c.epoch is not None}),
             "latest": s.committed[-1].path if s and s.committed else None,
             "missing": missing,
         }
+
+
+def _sorted(keys) -> list[tuple[int, Optional[int]]]:
+    return sorted(keys, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+
+
+def _name(m: dict[str, Any]) -> str:
+    if m["version"] is None:
+        return "one deferred"
+    return f"v{m['version']}" + ("" if m.get("epoch") is None else f" (epoch {m['epoch']})")

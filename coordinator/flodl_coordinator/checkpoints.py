@@ -27,6 +27,17 @@ Commit protocol (nothing half-written is ever visible under a ``ckpt-*`` name):
    ``<root>/<name>`` (atomic within one file system) and replaces ``<root>/latest``
    (a one-line file naming it) atomically.
 
+Several epochs, one consensus: when two epochs aggregate at the same averaging version
+(Cadence streams short epochs, ``run_ahead`` folds two windows in a round), the core asks
+one save and stages one meta per epoch, each as of its epoch (``flodl.core._checkpoint``:
+a later epoch the weights hold is recorded as covered). The first meta commits as
+above; each other one commits its own directory ``ckpt-<version>-e<epoch>`` whose
+``model.pt`` (and sidecars) are *hard links* to the first one's files: no byte is
+written twice, and every directory stays whole on its own -- pruning, moving or
+deleting one never breaks another, and ``load_checkpoint`` needs no indirection (a
+meta naming another directory's tensors would). Where the file system refuses links the
+files are copied and re-hashed.
+
 ``load_checkpoint(path)`` accepts a checkpoint directory, its ``meta.json`` or
 ``model.pt``, a ``latest`` file, or the root (it follows ``latest``). It refuses --
 ``CheckpointError`` with one line -- a missing commit marker, unreadable JSON, a
@@ -59,6 +70,7 @@ __all__ = [
     "Checkpoint",
     "Committed",
     "Failed",
+    "epoch_of",
     "CheckpointStore",
     "load_checkpoint",
     "resolve_resume",
@@ -97,6 +109,13 @@ class Committed:
     version: int
     rank: int
     path: str
+    epoch: Optional[int] = None  # the meta's last_aggregated_epoch: the epoch it is of
+
+
+def epoch_of(meta: dict) -> Optional[int]:
+    """The epoch a checkpoint meta is of (its ``last_aggregated_epoch``; None before any)."""
+    e = meta.get("last_aggregated_epoch")
+    return e if isinstance(e, int) and not isinstance(e, bool) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +240,25 @@ def resolve_resume(
 # -- the store: staging, joining, committing ------------------------------------------------
 
 
+def _order(epoch: Optional[int]) -> int:
+    """Metas of one version commit oldest epoch first (None: before any epoch)."""
+    return -1 if epoch is None else epoch
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """``dst`` holds ``src``'s bytes: a hard link (no byte written twice), else a copy
+    whose sha256 must match (a file system without hard links)."""
+    try:
+        os.link(src, dst)
+        return
+    except OSError as e:
+        if no_space(e):
+            raise
+    shutil.copyfile(src, dst)
+    if sha256_file(src) != sha256_file(dst):
+        raise CheckpointError(f"copy of {src} is torn")
+
+
 @dataclass(slots=True)
 class _Request:
     staging: str
@@ -234,7 +272,8 @@ class CheckpointStore:
         self.root = os.path.abspath(root)
         self.keep = keep  # keep the newest ``keep`` checkpoints; 0 = all
         self._requests: dict[tuple[int, int], _Request] = {}
-        self._metas: dict[int, dict] = {}
+        self._metas: dict[int, dict[Optional[int], dict]] = {}  # version -> epoch -> meta
+        self._saved: dict[int, Committed] = {}  # version -> its first committed directory
         self._sidecars: dict[int, dict[str, Callable[[IO], None]]] = {}  # version -> name -> writer
         self.committed: list[Committed] = []
         self.failed: list[Failed] = []
@@ -259,12 +298,14 @@ class CheckpointStore:
     def stage_meta(
         self, version: int, meta: dict, *, sidecars: Optional[dict[str, Callable[[IO], None]]] = None
     ) -> list[Committed | Failed]:
-        """The core's meta for ``version``; commits at once if a rank already saved it.
+        """The core's meta for ``version``; commits at once if a rank already saved it
+        (or, for a second epoch of one consensus, once its first checkpoint is committed).
 
         ``sidecars``: coordinator-side files of this checkpoint (name -> ``write(fh)``),
         written atomically into it before ``meta.json``, which records their sha256."""
-        self._metas[version] = meta
-        self._sidecars[version] = dict(sidecars or {})
+        self._metas.setdefault(version, {})[epoch_of(meta)] = meta
+        if sidecars or version not in self._sidecars:
+            self._sidecars[version] = dict(sidecars or {})
         self._bound()
         return self._try_commit(version)
 
@@ -300,16 +341,76 @@ class CheckpointStore:
         return f
 
     def _try_commit(self, version: int) -> list:
-        meta = self._metas.get(version)
-        if meta is None:
+        metas = self._metas.get(version)
+        if not metas:
+            return []
+        if not any(v == version for v, _ in self._requests):  # no save of it under way
+            if version not in self._saved:
+                self._find_saved(version)  # committed before a coordinator restart?
+            if version in self._saved:  # the save is committed: the other epochs share it
+                out = [self._commit_shared(version, metas.pop(e)) for e in sorted(metas, key=_order)]
+                del self._metas[version]
+                return out
             return []
         for (v, rank), req in list(self._requests.items()):
             if v == version and req.result is not None:
-                out = self._commit(version, rank, req, meta)
+                first = min(metas, key=_order)
+                out = self._commit(version, rank, req, metas[first])
                 if isinstance(out, Committed):
-                    return [out]
-                return [out] + self._try_commit(version)  # another rank's save may still do
+                    del metas[first]  # the other epochs now share it
+                return [out] + self._try_commit(version)  # (or another rank's save may still do)
         return []
+
+    def _find_saved(self, version: int) -> None:
+        """The committed checkpoint of ``version`` on disk, if there is one (a restarted
+        coordinator forgot it): a later epoch of that consensus can still share it."""
+        prefix = f"ckpt-{version:08d}"
+        try:
+            names = sorted(n for n in os.listdir(self.root) if n == prefix or n.startswith(prefix + "-"))
+        except OSError:
+            return
+        for n in names:
+            try:
+                ck = load_checkpoint(os.path.join(self.root, n))
+            except CheckpointError:
+                continue
+            if ck.meta.get("version") == version:
+                rank = ck.meta["model"].get("rank", -1)
+                self._saved[version] = Committed(version, rank if isinstance(rank, int) else -1, ck.path, epoch_of(ck.meta))
+                return
+
+    def _commit_shared(self, version: int, meta: dict) -> Committed | Failed:
+        """Commit ``meta`` -- another epoch of an already committed consensus -- as its
+        own directory whose files are hard links to that checkpoint's (see the module doc)."""
+        first = self._saved[version]
+        epoch = epoch_of(meta)
+        staging = os.path.join(self.root, STAGING_DIR, f"ckpt-{version:08d}-e{epoch}-{secrets.token_hex(4)}")
+        try:
+            with open(os.path.join(first.path, META_FILE), encoding="utf-8") as fh:
+                saved = json.load(fh)
+            if saved.get("cycle") != meta.get("cycle"):  # other weights than the ones saved
+                raise CheckpointError(f"it names cycle {meta.get('cycle')}, the save holds cycle {saved.get('cycle')}")
+            os.makedirs(staging)
+            names = [MODEL_FILE, *saved.get("sidecars", {})]
+            for name in names:
+                _link_or_copy(os.path.join(first.path, name), os.path.join(staging, name))
+            full = dict(meta, model=saved["model"])
+            if saved.get("sidecars"):
+                full["sidecars"] = saved["sidecars"]
+            write_json_atomic(os.path.join(staging, META_FILE), full)
+            fsync_dir(staging)
+            final = self._final_name(version, str(meta.get("reason", "checkpoint")), epoch=epoch)
+            os.rename(staging, os.path.join(self.root, final))
+            fsync_dir(self.root)
+            write_text_atomic(os.path.join(self.root, LATEST_FILE), final + "\n")
+        except (OSError, ValueError, KeyError, CheckpointError) as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            why = describe_write_error(e, self.root, "checkpoint_dir") if isinstance(e, OSError) and no_space(e) else e
+            return self._fail(version, first.rank, f"epoch {epoch}'s checkpoint sharing {first.path} failed: {why}")
+        c = Committed(version, first.rank, os.path.join(self.root, final), epoch)
+        self.committed.append(c)
+        self._prune(final)
+        return c
 
     def _commit(self, version: int, rank: int, req: _Request, meta: dict) -> Committed | Failed:
         del self._requests[(version, rank)]
@@ -350,17 +451,17 @@ class CheckpointStore:
             else:
                 why = f"commit failed: {e}"
             return self._fail(version, rank, why)
-        self._metas.pop(version, None)
-        self._sidecars.pop(version, None)
         for key in [k for k in self._requests if k[0] == version]:  # superseded saves
             shutil.rmtree(self._requests.pop(key).staging, ignore_errors=True)
-        c = Committed(version, rank, os.path.join(self.root, final))
+        c = Committed(version, rank, os.path.join(self.root, final), epoch_of(meta))
         self.committed.append(c)
+        self._saved[version] = c
         self._prune(final)
         return c
 
-    def _final_name(self, version: int, reason: str) -> str:
+    def _final_name(self, version: int, reason: str, epoch: Optional[int] = None) -> str:
         base = f"ckpt-{version:08d}" + ("" if reason == "checkpoint" else f"-{reason}")
+        base += "" if epoch is None else f"-e{epoch}"
         name, n = base, 1
         while os.path.exists(os.path.join(self.root, name)):
             n += 1
@@ -379,9 +480,10 @@ class CheckpointStore:
                 shutil.rmtree(os.path.join(self.root, n), ignore_errors=True)
 
     def _bound(self) -> None:
-        versions = sorted({v for v, _ in self._requests} | set(self._metas))
+        versions = sorted({v for v, _ in self._requests} | set(self._metas) | set(self._saved))
         for old in versions[:-MAX_PENDING_VERSIONS]:
             self._metas.pop(old, None)
             self._sidecars.pop(old, None)
+            self._saved.pop(old, None)
             for key in [k for k in self._requests if k[0] == old]:
                 shutil.rmtree(self._requests.pop(key).staging, ignore_errors=True)

@@ -187,7 +187,7 @@ def recover(settings: Settings, checkpointing, observe=None) -> Optional[Recover
     except ValueError as e:
         raise SettingsError(f"journal {path}: its resume_meta is unreadable: {e}") from None
     rec = Recovered(path=path, state=initial_state(settings.core_config(), point), endpoint=start.get("endpoint", ""))
-    metas: dict[int, StageCheckpoint] = {}
+    metas: dict[int, list[StageCheckpoint]] = {}  # version -> one meta per epoch of that save
     for i, r in enumerate(records[1:], start=2):
         kind = r.get("type", "")
         if kind == "_agent":
@@ -216,7 +216,7 @@ def recover(settings: Settings, checkpointing, observe=None) -> Optional[Recover
             observe(ev, cmds)
         for c in cmds:
             if isinstance(c, StageCheckpoint):
-                metas[c.version] = c
+                metas.setdefault(c.version, []).append(c)
     if rec.state.run.phase is FINISHED:
         if getattr(settings, "rotate_journal", False):
             moved = _rotate(path)
@@ -228,7 +228,7 @@ def recover(settings: Settings, checkpointing, observe=None) -> Optional[Recover
             f"move it away (or set rotate_journal) to start a new run"
         )
     _truncate(path, intact)
-    rec.pending_metas = [metas[v] for v in sorted(rec.state.checkpoints.pending) if v in metas]
+    rec.pending_metas = [m for v in sorted(rec.state.checkpoints.pending) for m in metas.get(v, [])]
     log.warning(
         "recovering from journal %s: %d events replayed (run %r, %d epoch(s) aggregated, round cycle %d)",
         path, rec.events, rec.state.run.phase, len(rec.state.metrics.history), rec.state.rounds.cycle,

@@ -165,7 +165,8 @@ class ServiceKeys:
     )  # fmt: skip
     checkpoint_dir: str = setting(
         "", help="write consensus checkpoints under this directory (shared storage); empty = none",
-        doc="where consensus checkpoints go (`ckpt-<version>/model.pt` + `meta.json`, `latest`)",
+        doc="where consensus checkpoints go (`ckpt-<version>/model.pt` + `meta.json`, `latest`; a second "
+        "epoch of one consensus: `ckpt-<version>-e<epoch>`, hard-linked)",
     )  # fmt: skip
     checkpoint_keep: int = setting(0, per_process=True, help="keep only the newest N checkpoints (0 = all)")
     resume: str = setting(

@@ -167,34 +167,36 @@ def checkpoint_meta(
     reason: str = "checkpoint",
     cycle: Optional[int] = None,
     policy_state: Optional[Mapping[str, Any]] = None,
+    through: Optional[int] = None,
 ) -> dict[str, Any]:
     """The JSON-safe meta of a checkpoint at averaging ``version`` (reads, never writes).
 
     ``cycle`` is the consensus cycle whose weights the rank saves (default: the last
     round's); ``policy_state`` defaults to ``default_policy_state(state)``. Call it at
     the step where the save is decided, so the coverage is the one of that instant.
+
+    ``through``: the epoch this checkpoint is *of* (default: the last aggregated). An
+    epoch aggregated after it at the same consensus is recorded as wholly covered
+    (the weights hold all of it), so a resume re-enters at ``through + 1`` and skips
+    exactly what the weights hold.
     """
     if reason not in SAVE_REASONS:
         raise LocalViolation(f"checkpoint reason {reason!r} is not one of {SAVE_REASONS}")
     ps = dict(default_policy_state(state) if policy_state is None else policy_state)
     _check_json_safe(ps)
     cfg = state.config
-    last = state.metrics.last_aggregated
+    last = state.metrics.last_aggregated if through is None else through
     epochs = []
     for e in sorted(state.coverage.epochs):
         ec = state.coverage.epochs[e]
-        if (last is not None and e <= last) or ec.frozen:
+        if last is not None and e <= last:
             continue
-        epochs.append(
-            {
-                "epoch": e,
-                "expected": ec.expected,
-                "covered": [[o, s] for o, s in covered_ranges(ec.committed)],
-                "discarded": ec.discarded,
-            }
-        )
+        # Frozen past ``through``: aggregated after it at this consensus, all of it held.
+        covered = ([[0, ec.expected]] if ec.expected else []) if ec.frozen else [[o, s] for o, s in covered_ranges(ec.committed)]
+        epochs.append({"epoch": e, "expected": ec.expected, "covered": covered, "discarded": ec.discarded})
     cad = state.cadence
     done = [e for e in sorted(state.coverage.epochs) if last is not None and e <= last]
+    rows = [dict(row) for row in state.metrics.history if last is not None and row.get("epoch", 0) <= last]
     return {
         "schema_version": SCHEMA_VERSION,
         "reason": reason,
@@ -217,7 +219,7 @@ def checkpoint_meta(
         "coverage": {"epochs": epochs},
         "history": {
             "coverage": [_summary_row(state, e) for e in done],
-            "epochs": [dict(row) for row in state.metrics.history],
+            "epochs": rows,
         },
         "policy_state": ps,
     }

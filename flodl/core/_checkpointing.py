@@ -19,6 +19,15 @@ rank if it is gone) and ``StageCheckpoint(version, meta)`` with
   Cadence the ranks train on while a round is open and after it, so the rank keeps the
   last consensus it applied (``flodl_worker.checkpoint_duty``) and saves that; a rank
   that no longer holds the cycle answers an error and the failover below applies.
+  *One checkpoint per asked epoch.* Epochs shorter than a window (Cadence streams
+  the boundary; ``run_ahead`` folds up to two windows in a round) can aggregate at one
+  consensus. There is nothing new to save for the later one, so it gets no second
+  ``Checkpoint``, only its own ``StageCheckpoint`` of the same version and cycle
+  (``_also_epoch``); the shell commits it as a second directory sharing the save's
+  file. Likewise a round during which several epochs aggregated saves once at its
+  finish, with one meta per epoch. Each meta is *of its epoch* (``checkpoint_meta``'s
+  ``through``: it resumes at ``epoch + 1``) and records what the weights hold of later
+  epochs -- all of one aggregated at the same consensus -- so a resume skips exactly that.
   A pending checkpoint intent (``IntentRaised("checkpoint")``) makes the next
   aggregation save too, when checkpoints are configured (``configured``); otherwise it
   is dropped with ``Notice("intent_dropped")``.
@@ -34,8 +43,10 @@ rank if it is gone) and ``StageCheckpoint(version, meta)`` with
   -- with the meta's ``reason``.
 * ``apply_resume(state, point)``: a fresh state continues from a ``ResumePoint``:
   counters, history, done epochs' coverage rows, Cadence averages / ElChe / guard, and
-  the resumed epoch's coverage opened with its covered positions pre-committed. The
-  dispatchers then hand out only ``resume_holes`` for that epoch.
+  the coverage of every epoch the checkpoint has samples of (the resume epoch and any
+  later one) opened with its covered positions pre-committed. The dispatchers then hand
+  out only ``resume_holes[e]`` for those epochs (none for an epoch the weights hold
+  whole: it aggregates as soon as the run reaches it).
 """
 
 from __future__ import annotations
@@ -70,12 +81,30 @@ def _role(st: CoordinatorState) -> Optional[int]:
     return _roles.lowest_alive_except(st, ())
 
 
-def _save(st: CoordinatorState, out: list[Command], rank: int, version: int, cycle: int, reason: str) -> None:
+def _save(
+    st: CoordinatorState, out: list[Command], rank: int, version: int, cycle: int, reason: str,
+    through: Optional[int] = None,
+) -> None:
     ck = st.checkpoints
-    ck.last_version = version
+    ck.last_version, ck.last_cycle = version, cycle
+    ck.last_epoch = st.metrics.last_aggregated if through is None else through
     ck.pending[version] = (cycle, (rank,))
     st.send(out, rank, checkpoint=pb.Control.Checkpoint(version=version, target_rank=rank, cycle=cycle))
-    out.append(StageCheckpoint.of(version, checkpoint_meta(st, version, reason=reason, cycle=cycle)))
+    out.append(StageCheckpoint.of(version, checkpoint_meta(st, version, reason=reason, cycle=cycle, through=through)))
+
+
+def _also_epoch(st: CoordinatorState, out: list[Command], epoch: int, through: Optional[int] = None) -> bool:
+    """``epoch`` aggregated at the consensus already saved for an earlier epoch: no new
+    save (the same weights), only its own meta for that save -- the shell commits a
+    second checkpoint sharing the first one's ``model.pt``. False if this epoch has its
+    meta already, or the save of this consensus is not this run's (a resume)."""
+    ck, rs = st.checkpoints, st.rounds
+    if ck.last_cycle is None or ck.last_version != rs.version or ck.last_epoch == epoch:
+        return False
+    ck.last_epoch = epoch
+    meta = checkpoint_meta(st, rs.version, reason="checkpoint", cycle=ck.last_cycle, through=through)
+    out.append(StageCheckpoint.of(rs.version, meta))
+    return True
 
 
 def configured(st: CoordinatorState) -> bool:
@@ -107,10 +136,16 @@ def on_epoch_aggregated(st: CoordinatorState, epoch: int, out: list[Command]) ->
         # this instant: save at the open round's finish, at its cycle, with the meta of
         # that moment (``on_round_finished``).
         ck.deferred = "checkpoint"
+        if epoch not in ck.deferred_epochs:
+            ck.deferred_epochs.append(epoch)
         return True
+    if rs.version == ck.last_version or rs.version in ck.pending:
+        # Nothing trained since the last save: when that was an earlier epoch's (two
+        # epochs aggregated at one consensus), this epoch still gets its own checkpoint.
+        return _also_epoch(st, out, epoch)
     role = _role(st)
-    if role is None or rs.version == ck.last_version or rs.version in ck.pending:
-        return False  # nothing new since the last save (or nobody to save it)
+    if role is None:
+        return False  # nobody to save it
     _save(st, out, role, rs.version, rs.cycle, "checkpoint")
     return True
 
@@ -122,12 +157,21 @@ def on_round_finished(st: CoordinatorState, out: list[Command]) -> None:
     (``flodl_worker.checkpoint_duty``)."""
     ck, rs = st.checkpoints, st.rounds
     reason, ck.deferred = ck.deferred, None
+    epochs, ck.deferred_epochs = ck.deferred_epochs, []
     if reason is None:
         return
+    # Every epoch that aggregated while the round was open gets its own checkpoint of
+    # this one consensus: one save, one meta per epoch, each as of its epoch.
     role = _role(st)
-    if role is None or rs.version == ck.last_version or rs.version in ck.pending:
+    rest = epochs[1:]
+    if rs.version == ck.last_version or rs.version in ck.pending:
+        rest = epochs  # this consensus is saved already (for an earlier epoch)
+    elif role is None:
         return
-    _save(st, out, role, rs.version, rs.cycle, reason)
+    else:
+        _save(st, out, role, rs.version, rs.cycle, reason, through=epochs[0] if epochs else None)
+    for e in rest:
+        _also_epoch(st, out, e, through=e)
 
 
 def _failover(st: CoordinatorState, version: int, out: list[Command], why: str) -> None:
@@ -195,16 +239,19 @@ def apply_resume(st: CoordinatorState, point: ResumePoint) -> None:
         st.coverage.epochs[ec.epoch] = ec
     ck = st.checkpoints
     ck.last_version = point.version
-    expected = dict(point.expected)
-    if point.epoch in expected:
-        _coverage.open_epoch(st.coverage, point.epoch, expected[point.epoch])
-        ec = st.coverage.epochs[point.epoch]
-        for off, size in point.covered_in(point.epoch):
-            ec.committed[off : off + size] = b"\x01" * size
-            ec.unique += size
-            ec.trained += size
-        ck.resume_epoch = point.epoch
-        ck.resume_holes = tuple(point.uncovered(point.epoch))
+    # Every epoch the checkpoint has samples of (the resume epoch, and later ones the
+    # weights already hold a part -- or all -- of) is opened with those positions
+    # committed; only its holes are dispatched, so nothing the weights hold is trained twice.
+    for epoch, size in point.expected:
+        if epoch < point.epoch or epoch >= st.config.num_epochs:
+            continue
+        _coverage.open_epoch(st.coverage, epoch, size)
+        ec = st.coverage.epochs[epoch]
+        for off, n in point.covered_in(epoch):
+            ec.committed[off : off + n] = b"\x01" * n
+            ec.unique += n
+            ec.trained += n
+        ck.resume_holes[epoch] = tuple(point.uncovered(epoch))
     cad = st.cadence
     if cad is not None:
         cad.averages = {e: n for e, n in point.averages_per_epoch}

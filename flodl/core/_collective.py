@@ -62,6 +62,24 @@ group forming is exhaustion: the run ends (``ShutdownWithSave``), loudly, rather
 training on without ever averaging. A re-formation for any other reason (a death, an
 all-reduce failure) starts a fresh tried list.
 
+Joining a running world (issue 12). A rank admitted while training (``_membership``)
+waits, JOINING, for the next averaging boundary; there the step's ``seed_joiners`` rule
+marks it ``seeding`` and ``include`` makes a re-formation due. The new generation's
+members are the ACTIVE ranks *and* those joiners (``cs.joiners``); its store host is an
+ACTIVE rank (``new_rank`` 0), and its ``Rendezvous`` names the joiners
+(``seed_ranks``): once the group forms, its first collective is a broadcast from
+``new_rank`` 0 of that rank's parameters and f32 buffers. A joiner loads it and answers
+``Timing.seeded`` (``JoinerSeeded``): only then is it ACTIVE (``on_seeded``) and the
+dispatcher gives it work. No round opens while the generation has a joiner left
+(``seeding``): every member's next all-reduce would wait for a rank that is not in the
+round. A joiner lost before it is seeded re-forms the group without it
+(``on_joiner_gone``); a member lost during the broadcast re-forms it with the joiners
+again (the ACTIVE set changed). A failed broadcast (``CollectiveFailed.seeding``) re-forms
+the same members without blaming the store host; ``SEED_ATTEMPTS`` failures in a row
+drop the joiners (``joiners_to_drop``: shut down, the reason naming the fix), so a
+joiner that cannot be reached never stops the members averaging. After a coordinator
+restart the joiners stay ``seeding``: the generation the restart re-forms seeds them.
+
 What a failed or abandoned round means for coverage is the rank's business
 (``flodl_worker.collective``): it keeps its parameters and credit and acks the cycle
 with its last folded step, committing nothing new, so the round completes and the dead
@@ -77,7 +95,7 @@ from flodl.wire import pb
 from ._commands import Command, Notice
 from ._config import CoreConfig
 from ._events import CollectiveFailed, StoreReady
-from ._phases import ACTIVE, TRAINING
+from ._phases import ACTIVE, JOINING, TRAINING
 from ._state import CollectiveState, CoordinatorState  # CollectiveState re-exported (the records live in _state)
 
 __all__ = [
@@ -89,12 +107,21 @@ __all__ = [
     "on_store_ready",
     "on_failed",
     "on_restarted",
+    "include",
+    "on_seeded",
+    "on_joiner_gone",
+    "joiners_to_drop",
+    "seeding",
+    "SEED_ATTEMPTS",
     "summary",
 ]
 
 # Members build their group on PrefixStore(f"{STORE_PREFIX}{generation}", store): every
 # generation has its own key space on a store host that may serve several.
 STORE_PREFIX = "flodl/g"
+
+# Seed broadcasts that may fail in a row before the joiners are dropped (module doc).
+SEED_ATTEMPTS = 2
 
 
 def setup(st: CoordinatorState) -> None:
@@ -112,6 +139,8 @@ def _rendezvous(st: CoordinatorState, cs: CollectiveState, out: list[Command]) -
             new_world_size=size,
             backend=st.config.collective_backend,
             timeout_s=st.config.collective_timeout_s,
+            seed_ranks=cs.joiners,
+            seed_cycle=st.rounds.cycle if cs.joiners else 0,
         )
         st.send(out, r, rendezvous=msg)
 
@@ -123,8 +152,8 @@ def _due(st: CoordinatorState, cs: CollectiveState) -> tuple[str, bool]:
     event, this must not walk the world."""
     if cs.generation == 0:
         return "world formed", False
-    if cs.members_version != st.index.alive_version and set(st.index.alive()) != set(cs.members):
-        gone = sorted(set(cs.members) - set(st.index.alive()))
+    if cs.members_version != st.index.alive_version and set(st.index.alive()) | set(cs.joiners) != set(cs.members):
+        gone = sorted(set(cs.members) - set(st.index.alive()) - set(cs.joiners))
         return (f"rank(s) {gone} gone" if gone else "membership changed"), False
     if cs.reform_reason:
         return cs.reform_reason, cs.host_failed
@@ -155,13 +184,14 @@ def announce(st: CoordinatorState, out: list[Command]) -> None:
     cs = st.collective
     assert cs is not None
     alive = tuple(st.alive_ranks())
+    joiners = tuple(r for r in st.addressable_ranks() if st.ranks[r].phase is JOINING and st.ranks[r].seeding)
     why, blame_host = _due(st, cs)
     if blame_host:
         cs.tried += (cs.store_host,)  # type: ignore[operator]  # set once a generation was announced
     else:
         cs.tried = ()  # a new membership (or a group that had formed): every member may host
     cs.reform_reason, cs.host_failed = "", False
-    candidates = [r for r in alive if r not in cs.tried]
+    candidates = [r for r in alive if r not in cs.tried]  # a joiner has no parameters to seed from
     if not candidates:
         cs.exhausted = f"collective rendezvous exhausted: no store host among {list(alive)} formed a group (last: {why})"
         out.append(Notice("collective_exhausted", {"generation": cs.generation, "tried": list(cs.tried)}))
@@ -170,7 +200,8 @@ def announce(st: CoordinatorState, out: list[Command]) -> None:
     if cs.generation > 0:
         cs.reforms += 1
     cs.generation += 1
-    cs.members = (host,) + tuple(r for r in alive if r != host)
+    cs.members = (host,) + tuple(sorted(r for r in alive + joiners if r != host))
+    cs.joiners = joiners
     cs.members_version = st.index.alive_version
     cs.store_host = host
     cs.store_addr = ""
@@ -179,10 +210,17 @@ def announce(st: CoordinatorState, out: list[Command]) -> None:
     out.append(
         Notice(
             "collective_generation",
-            {"generation": cs.generation, "members": list(cs.members), "store_host": host, "reason": why},
+            {"generation": cs.generation, "members": list(cs.members), "store_host": host, "reason": why,
+             "joiners": list(joiners)},  # fmt: skip
         )
     )
     _rendezvous(st, cs, out)
+
+
+def _gone(st: CoordinatorState, cs: CollectiveState, rank: int) -> bool:
+    """Is this member of the generation no longer in it (neither ACTIVE nor its joiner)?"""
+    phase = st.ranks[rank].phase
+    return phase is not ACTIVE and not (phase is JOINING and rank in cs.joiners)
 
 
 def on_store_ready(st: CoordinatorState, ev: StoreReady, out: list[Command]) -> None:
@@ -199,7 +237,7 @@ def on_store_ready(st: CoordinatorState, ev: StoreReady, out: list[Command]) -> 
     if not ev.addr:
         st.count_ignored("StoreReady without an address")
         return
-    if cs.reform_reason or st.run.phase is not TRAINING or any(st.ranks[r].phase is not ACTIVE for r in cs.members):
+    if cs.reform_reason or st.run.phase is not TRAINING or any(_gone(st, cs, r) for r in cs.members):
         st.count_ignored("StoreReady for a generation being replaced")
         return
     cs.store_addr = ev.addr
@@ -223,9 +261,11 @@ def on_failed(st: CoordinatorState, ev: CollectiveFailed, out: list[Command]) ->
         st.count_ignored("duplicate CollectiveFailed")
         return
     cs.failures += 1
-    what = f"cycle {ev.cycle}" if ev.cycle else "formation"
+    what = "the seed broadcast" if ev.seeding else f"cycle {ev.cycle}" if ev.cycle else "formation"
     cs.reform_reason = f"rank {ev.rank}: group failed in {what}: {ev.reason or 'no reason given'}"
-    cs.host_failed = ev.cycle == 0
+    cs.host_failed = ev.cycle == 0 and not ev.seeding  # a broadcast ran: the group had formed
+    if ev.seeding and cs.joiners:
+        cs.seed_failures += 1
     out.append(
         Notice(
             "collective_failed",
@@ -245,8 +285,58 @@ def on_restarted(st: CoordinatorState) -> None:
     cs.host_failed = False
 
 
+def include(st: CoordinatorState, ranks: list[int]) -> None:
+    """The ``seed_joiners`` rule marked ``ranks`` seeding: a generation that includes them is due."""
+    cs = st.collective
+    if cs is not None and ranks and not cs.reform_reason:
+        cs.reform_reason = f"joiner(s) {ranks} admitted"
+
+
+def on_seeded(st: CoordinatorState, rank: int) -> None:
+    """A joiner loaded the seed broadcast and is ACTIVE now: one joiner fewer to wait for."""
+    cs = st.collective
+    if cs is not None and rank in cs.joiners:
+        cs.joiners = tuple(r for r in cs.joiners if r != rank)
+        cs.seeds += 1
+        cs.seed_failures = 0
+
+
+def on_joiner_gone(st: CoordinatorState, rank: int) -> None:
+    """A joiner was lost before it was seeded: its generation is re-formed without it."""
+    cs = st.collective
+    if cs is not None and rank in cs.joiners:
+        cs.joiners = tuple(r for r in cs.joiners if r != rank)
+        cs.seed_failures = 0
+        if not cs.reform_reason:
+            cs.reform_reason = f"joiner {rank} gone before it was seeded"
+            cs.host_failed = False
+
+
+def joiners_to_drop(st: CoordinatorState) -> list[tuple[int, str]]:
+    """``(rank, reason)`` for the joiners to refuse once ``SEED_ATTEMPTS`` seed
+    broadcasts failed in a row (the members re-form without them and average again)."""
+    cs = st.collective
+    if cs is None or cs.seed_failures < SEED_ATTEMPTS:
+        return []
+    cs.seed_failures = 0
+    why = (
+        f"the seed broadcast of the collective group failed {SEED_ATTEMPTS} times ({cs.reform_reason}); "
+        f"check that this host reaches the others (GLOO_SOCKET_IFNAME), then start it again"
+    )
+    return [(r, why) for r in cs.joiners]
+
+
+def seeding(st: CoordinatorState) -> str:
+    """Why no round may open now ("" when one may): the generation still seeds joiners."""
+    cs = st.collective
+    if cs is None or not cs.joiners:
+        return ""
+    return f"generation {cs.generation} is seeding joiner(s) {list(cs.joiners)}: rounds wait until they hold the parameters"
+
+
 def summary(cs: CollectiveState, config: CoreConfig) -> dict[str, Any]:
-    """``{backend, timeout_s, generation, members, store_host, reforms, failures, rendezvous_s}``."""
+    """``{backend, timeout_s, generation, members, store_host, reforms, failures,
+    rendezvous_s, seeds}`` (``seeds``: joiners seeded by a broadcast)."""
     return {
         "backend": config.collective_backend,
         "timeout_s": config.collective_timeout_s,
@@ -256,4 +346,5 @@ def summary(cs: CollectiveState, config: CoreConfig) -> dict[str, Any]:
         "reforms": cs.reforms,
         "failures": cs.failures,
         "rendezvous_s": cs.rendezvous_s,
+        "seeds": cs.seeds,
     }

@@ -23,6 +23,11 @@ the coordinator never shuffles, it hands out *position ranges* (§8.1-8.3).
   equally among the survivors in rank order, as ``ExtendPartition{epoch, offset,
   size}`` -- one command per contiguous range slice. The lost rank's assignment is
   emptied, so a position always belongs to at most one live rank.
+* Join (Sync, mid-epoch): the joiner is owed a share of the live epoch; at the next
+  finished round its untrained rest is split in equal shares over the alive ranks, the
+  members above theirs trimmed (``TrimPartition``) and what they answer they gave back
+  handed out (``ExtendPartition``) -- ``_repartition``. The range arithmetic of all of
+  this is ``_ranges``.
 * Roles: the epoch-callback role is ``st.roles.epoch_role`` (elected by ``_roles``);
   ``SetEpochCallbackRole`` is broadcast at a dispatch whenever it is dirty (changed
   since last announced: once, unless its holder dies or calibration elects another).
@@ -46,10 +51,11 @@ from typing import Protocol
 
 from flodl.wire import pb
 
-from . import _coverage
+from . import _coverage, _repartition
 from ._commands import Command
 from ._errors import LocalViolation, RankViolation
 from ._events import BatchDone
+from ._ranges import equal_sizes, split_ranges, subtract_ranges
 from ._state import CoordinatorState
 
 __all__ = [
@@ -74,14 +80,6 @@ def epoch_samples(total: int, splits: int, epoch: int) -> int:
     return total // splits + (1 if i < total % splits else 0)
 
 
-def equal_sizes(n: int, total: int) -> list[int]:
-    """``total // n`` each, the first ``total % n`` get one more (§8.2)."""
-    if n < 1:
-        return []
-    per, extra = divmod(total, n)
-    return [per + (1 if i < extra else 0) for i in range(n)]
-
-
 def contiguous_plans(ranks: list[int], sizes: list[int]) -> dict[int, tuple[int, int]]:
     """``rank -> (offset, size)`` with offsets cumulative in rank order."""
     plans, cursor = {}, 0
@@ -89,45 +87,6 @@ def contiguous_plans(ranks: list[int], sizes: list[int]) -> dict[int, tuple[int,
         plans[r] = (cursor, size)
         cursor += size
     return plans
-
-
-def split_ranges(ranges: list[tuple[int, int]], n: int) -> list[list[tuple[int, int]]]:
-    """Split the positions of ``ranges`` (in order) into ``n`` equal consecutive slices."""
-    sizes = equal_sizes(n, sum(size for _, size in ranges))
-    out: list[list[tuple[int, int]]] = []
-    queue = list(ranges)
-    for want in sizes:
-        mine: list[tuple[int, int]] = []
-        while want > 0:
-            off, size = queue[0]
-            take = min(want, size)
-            mine.append((off, take))
-            want -= take
-            if take == size:
-                queue.pop(0)
-            else:
-                queue[0] = (off + take, size - take)
-        out.append(mine)
-    return out
-
-
-def subtract_ranges(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``ranges`` (in order) without the positions of ``holes``."""
-    out = list(ranges)
-    for h_off, h_size in holes:
-        h_end = h_off + h_size
-        nxt: list[tuple[int, int]] = []
-        for off, size in out:
-            end = off + size
-            if h_end <= off or end <= h_off:
-                nxt.append((off, size))
-                continue
-            if off < h_off:
-                nxt.append((off, h_off - off))
-            if h_end < end:
-                nxt.append((h_end, end - h_end))
-        out = nxt
-    return out
 
 
 def lost_by_epoch(lost: list[tuple[int, int, int]]) -> dict[int, list[tuple[int, int]]]:
@@ -231,7 +190,11 @@ class SyncDispatcher:
     def on_round_finished(
         self, st: CoordinatorState, ranks: list[int], out: list[Command]
     ) -> dict[int, pb.EpochPlan]:
-        return {}  # Sync: the next plan is the rest of the partition the rank already has
+        """The barrier: a joiner owed a share of the live epoch gets one (``_repartition``:
+        the members above their equal share are trimmed before their ``Update``). The
+        next plan is otherwise the rest of the partition each rank already has."""
+        _repartition.plan(st, out)
+        return {}
 
     def after_round(self, st: CoordinatorState, out: list[Command]) -> None:
         pass
@@ -240,10 +203,10 @@ class SyncDispatcher:
         pass  # Sync has no windows to make room in
 
     def on_join(self, st: CoordinatorState, rank: int, out: list[Command]) -> None:
-        """A joiner in the middle of an epoch: the uncommitted remainder nobody is training
-        is only what a death left, and that went to the survivors already, so Sync's
-        joiner gets its equal share from the next epoch's partition on (it takes part in
-        every round from now: idle, it counts as ready)."""
+        """A joiner in the middle of an epoch is owed a share of its rest: it gets one at
+        the next finished round (``on_round_finished``); until then it is idle, and idle
+        counts as ready at the gate. From the next epoch on, the partition counts it."""
+        _repartition.owe(st, rank)
 
     def plans_for_epoch(self, st: CoordinatorState, epoch: int) -> dict[int, tuple[int, int]]:
         cached = st.dispatch.plans.get(epoch)
@@ -258,11 +221,12 @@ class SyncDispatcher:
         return plans
 
     def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
-        if st.checkpoints.resume_epoch == epoch:
+        if epoch in st.checkpoints.resume_holes:
             self._dispatch_resumed(st, epoch, out)
             return
         plans = self.plans_for_epoch(st, epoch)
         d = st.dispatch
+        _repartition.settled(st)
         announce_role(st, out)
         _coverage.open_epoch(st.coverage, epoch, sum(size for _, size in plans.values()))
         assigned = d.assigned.setdefault(epoch, {})
@@ -279,14 +243,15 @@ class SyncDispatcher:
         d.dispatched_at.setdefault(epoch, st.now)
 
     def _dispatch_resumed(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
-        """The resumed epoch: only its uncovered ranges (``checkpoints.resume_holes``),
+        """An epoch the resumed checkpoint has samples of: only its uncovered ranges
+        (``checkpoints.resume_holes``; none when the weights hold all of it),
         split equally; a rank's first range is its ``StartEpoch`` plan, the rest
         ``ExtendPartition``s. The coverage was opened, covered positions committed."""
         d = st.dispatch
         announce_role(st, out)
         assigned = d.assigned.setdefault(epoch, {})
         alive = st.alive_ranks()
-        for r, ranges in zip(alive, split_ranges(list(st.checkpoints.resume_holes), len(alive))):
+        for r, ranges in zip(alive, split_ranges(list(st.checkpoints.resume_holes[epoch]), len(alive))):
             if not ranges:
                 continue
             (off, size), rest = ranges[0], ranges[1:]
@@ -303,6 +268,7 @@ class SyncDispatcher:
 
     def reassign(self, st: CoordinatorState, rank: int, out: list[Command]) -> None:
         d = st.dispatch
+        _repartition.forget(st, rank)  # a trim it owed an answer to: its whole rest goes below
         epoch = d.rank_epoch.get(rank)
         if epoch is None or st.coverage.epochs[epoch].frozen:
             return

@@ -42,6 +42,7 @@ __all__ = [
     "CoordinatorRestarted",
     "RankResynced",
     "JoinerSeeded",
+    "PartitionTrimmed",
     "EVENT_TYPES",
     "UNPINNED",
     "UNPLACED",
@@ -239,12 +240,14 @@ class StoreReady(Event):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CollectiveFailed(Event):
     """Collective plane: the process group of ``generation`` failed on ``rank`` (while
-    forming, ``cycle`` 0, or in the all-reduce of ``cycle``); it must be re-formed."""
+    forming, ``cycle`` 0, or in the all-reduce of ``cycle``); it must be re-formed.
+    ``seeding``: it was the generation's seed broadcast to its joiners that failed."""
 
     rank: int
     generation: int
     cycle: int = 0
     reason: str = ""
+    seeding: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -299,6 +302,23 @@ class RankResynced(Event):
             object.__setattr__(self, name, _tuples(getattr(self, name)))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartitionTrimmed(Event):
+    """A rank's answer to ``TrimPartition`` (command ``command_id``): ``released``,
+    ``(offset, size)`` positions of ``epoch`` it held untrained and gave back (it will
+    never train them); ``kept``: the samples of ``epoch`` it still holds
+    (``_repartition``)."""
+
+    rank: int
+    command_id: int
+    epoch: int
+    kept: int = 0
+    released: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:  # a journal record holds lists: make them tuples
+        object.__setattr__(self, "released", _tuples(self.released))
+
+
 EVENT_TYPES = {
     cls.__name__: cls
     for cls in (
@@ -322,6 +342,7 @@ EVENT_TYPES = {
         CoordinatorRestarted,
         RankResynced,
         JoinerSeeded,
+        PartitionTrimmed,
     )
 }
 

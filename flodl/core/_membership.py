@@ -21,7 +21,9 @@ boundary (no round open, a consensus exists: ``seed_due``) the step asks the she
 send it the latest consensus (``SeedJoiner``); the rank overwrites its parameters (its
 optimizer state is fresh: it was just built) and confirms (``JoinerSeeded``), and only
 then is it ACTIVE (``on_seeded``): the dispatcher's ``on_join`` hands it work, and the
-next round counts it. A live rank id (JOINING or ACTIVE under another route or
+next round counts it. On the collective plane the coordinator holds no consensus: the
+joiner is seeded by a broadcast from a member of a new generation that includes it
+(``flodl.core._collective``), asked for at the same boundary. A live rank id (JOINING or ACTIVE under another route or
 incarnation) is still refused, and so is the very process that left.
 
 Unpinned hellos (issue 12). An agent started without ``--rank-offset`` pins no rank: its
@@ -141,11 +143,6 @@ def refusal(st: CoordinatorState, ev: RankHello) -> Optional[str]:
         return None  # a retransmit of the admitted hello
     if (rec.phase is DEAD or rec.phase is LEFT) and st.run.phase is not TRAINING:
         return f"rank {ev.rank} already left the run ({rec.phase!r}: {rec.reason}); a slot is refilled only while training"
-    if st.run.phase is TRAINING and cfg.plane != "bus":
-        return (
-            f"rank {ev.rank}: joining a running world needs plane = bus (the collective plane does not "
-            f"re-form its group with newcomers yet)"
-        )
     if (rec.phase is DEAD or rec.phase is LEFT) and rec.incarnation == ev.incarnation and rec.route == ev.route:
         return f"rank {ev.rank}: this process already left the run ({rec.phase!r}: {rec.reason}); a new process may rejoin"
     if cfg.model_signature and ev.model_sig != cfg.model_signature:
@@ -286,17 +283,25 @@ def seed_due(st: CoordinatorState) -> tuple[bool, str]:
         return False, ""
     if st.rounds.phase is not IDLE:
         return False, f"joiner(s) {waiting}: seeded at the next averaging boundary (round {st.rounds.cycle} open)"
+    if st.collective is not None:  # the seed is a member's parameters, not a consensus
+        return True, f"seed joiner(s) {waiting} by a broadcast in a new collective generation"
     if st.rounds.version == 0:
         return False, f"joiner(s) {waiting}: seeded once the first consensus exists"
     return True, f"seed joiner(s) {waiting} with the consensus of round {st.rounds.cycle}"
 
 
-def ask_seeds(st: CoordinatorState, out: list[Command]) -> None:
-    """``SeedJoiner`` for every joiner not asked yet (the shell sends the consensus)."""
+def ask_seeds(st: CoordinatorState, out: list[Command]) -> list[int]:
+    """Mark every joiner not asked yet ``seeding``; returns them. On the bus plane each
+    gets ``SeedJoiner`` (the shell sends the consensus); on the collective plane the
+    new generation's broadcast seeds them (``_collective.include``)."""
+    asked = []
     for rec in st.ranks:
         if rec.phase is JOINING and rec.joined_at is not None and not rec.seeding:
             rec.seeding = True
-            out.append(SeedJoiner(rec.rank))
+            asked.append(rec.rank)
+            if st.collective is None:
+                out.append(SeedJoiner(rec.rank))
+    return asked
 
 
 def on_seeded(st: CoordinatorState, rank: int, cycle: int) -> bool:
@@ -317,7 +322,11 @@ def on_seeded(st: CoordinatorState, rank: int, cycle: int) -> bool:
 
 
 def reseed_after_restart(st: CoordinatorState) -> None:
-    """The coordinator restarted: a seed in flight may have died with it; ask again."""
+    """The coordinator restarted: a seed in flight may have died with it; ask again.
+    (Collective plane: the members hold the seed; the generation the restart re-forms
+    includes the joiners and broadcasts it again.)"""
+    if st.collective is not None:
+        return
     for rec in st.ranks:
         if rec.phase is JOINING and rec.joined_at is not None:
             rec.seeding = False

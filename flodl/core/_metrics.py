@@ -173,6 +173,10 @@ def aggregate_next(st: CoordinatorState, out: list[Command]) -> int:
     _coverage.freeze(st.coverage, epoch)
     st.metrics.last_aggregated = epoch
     row = {k: m[k] for k in ("epoch", "avg_loss", "epoch_ms", "per_rank_throughput")}
+    if not any(m["per_rank_batches"]):
+        # No batch of it was reported in this run: a resumed checkpoint's weights held
+        # all of it. Its loss is unknown here, not 0.
+        row["avg_loss"] = None
     st.metrics.history.append(row)
     wall = st.now - st.dispatch.dispatched_at.get(epoch, st.now)
     out.append(

@@ -154,6 +154,14 @@ class DispatchState:
     dispatched_at: dict[int, float] = field(default_factory=dict)
     announced_role: Optional[int] = None  # last SetEpochCallbackRole broadcast (st.roles.epoch_role)
     extensions: int = 0  # ExtendPartition commands sent (diagnostics)
+    # Sync, a rank joined mid-epoch (``_repartition``): joiners still owed a share of the
+    # live epoch, the trims awaiting their answer (rank -> (command_id, epoch, joiners,
+    # allotment ((to, samples), ...))),
+    # and how trims ended ("sent", "answered", "settled_by_resync", "void", "dropped":
+    # the member died) with the samples they moved ("samples").
+    share_owed: list[int] = field(default_factory=list)
+    trims: dict[int, tuple[int, int, tuple[int, ...], tuple[tuple[int, int], ...]]] = field(default_factory=dict)
+    trim_counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -326,21 +334,27 @@ class CheckpointState:
     """Consensus checkpoints in flight and the resume point (``_checkpointing``).
 
     ``pending[version] = (cycle, tried)``: a save asked of ``tried[-1]`` not answered
-    yet (earlier entries refused it). ``resume_holes``: the uncovered ranges of the
-    resumed epoch ``resume_epoch``, dispatched instead of the whole epoch.
+    yet (earlier entries refused it). ``resume_holes[e]``: the uncovered ranges of
+    epoch ``e`` recorded by the resumed checkpoint (the resume epoch and any later one
+    it had samples of), dispatched instead of the whole epoch.
     """
 
     armed_epoch: Optional[int] = None  # last epoch whose end armed a regular checkpoint
     last_version: Optional[int] = None  # the latest version a save was decided for
+    # The consensus cycle of ``last_version``'s save and the epoch its last meta was
+    # staged for: a later epoch aggregated at the same consensus stages its own meta
+    # for that save (``_checkpointing``). None after a resume: no save of this run.
+    last_cycle: Optional[int] = None
+    last_epoch: Optional[int] = None
     pending: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     given_up: int = 0
     # A checkpoint due while a round was open (some of its acks may already have
     # committed batches that only its consensus holds): taken when that round finishes,
     # at its cycle (``_checkpointing.on_round_finished``). The value is the reason.
     deferred: Optional[str] = None
+    deferred_epochs: list[int] = field(default_factory=list)  # each gets its own meta at that finish
     abandoned: list[int] = field(default_factory=list)  # versions given up (no rank could save them)
-    resume_epoch: Optional[int] = None
-    resume_holes: tuple[tuple[int, int], ...] = ()
+    resume_holes: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -375,6 +389,11 @@ class CollectiveState:
     reforms: int = 0  # generations after the first
     failures: int = 0  # CollectiveFailed reports that caused a re-formation
     rendezvous_s: float = 0.0  # summed announce -> store address time
+    # Joining a running world (issue 12): the members of this generation that are JOINING
+    # and get the parameters by its seed broadcast; no round opens while any is left.
+    joiners: tuple[int, ...] = ()
+    seed_failures: int = 0  # seed broadcasts failed in a row (``SEED_ATTEMPTS`` drops the joiners)
+    seeds: int = 0  # joiners seeded by a broadcast
 
 
 @dataclass(slots=True)

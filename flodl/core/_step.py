@@ -39,11 +39,11 @@ Theory of operation
    stall         the open round waited > ``reduce_stall_s``:       only while some
                  the run fails (REDUCE_STALL)                       participant still owes
    seed_joiners  a rank admitted mid-run waits, no round is open,   the boundary between
-                 a consensus exists: ``SeedJoiner``                 two rounds: before
-                                                                   the next one opens
+                 a consensus exists: ``SeedJoiner``; collective     two rounds: before
+                 plane: a generation that includes it is due        the next one opens
    open_round    ``policy.gate``, or the final tail (the last        a tail must fold
-                 epoch aggregated, some rank has unfolded steps)     before its epoch's
-                                                                   coverage completes
+                 epoch aggregated, some rank has unfolded steps);    before its epoch's
+                 never while a collective generation seeds joiners  coverage completes
    aggregate     the next epoch is complete: ``EpochAggregated``,  the checkpoint comes
                  its checkpoint, an eval intent served              before the next
                                                                    epoch's dispatch (FIFO)
@@ -67,6 +67,11 @@ fails over (lost only) -> a final eval it owed is resent (``_run.on_rank_gone``)
 A ``BatchDone`` also reaches the dispatcher (``on_batch``): Cadence feeds its window
 ledger and streams the rank's next chunk when this batch finished the current one.
 
+Sync, a rank joined mid-epoch (``_repartition``): a member's ``PartitionTrimmed`` (its
+answer to the ``TrimPartition`` a finished round sent it) hands what it gave back to the
+joiner; a resync report settles a trim whose answer a restart lost, before the lost
+positions are resent.
+
 A coordinator restart (``_resync``) is two more events: ``CoordinatorRestarted`` (fed by
 a service rebuilt from its journal) and ``RankResynced`` (a rank's report of what the
 crash may have lost; its unknown batches go through ``_on_batch``). After every step,
@@ -86,7 +91,7 @@ from typing import Any, Callable, Iterable, Optional
 from flodl.wire import pb
 
 from . import _averaging, _checkpointing, _coverage, _dispatch, _membership, _metrics, _roles, _run
-from . import _formation, _resync
+from . import _formation, _repartition, _resync
 from . import _collective
 from .cadence import _feedback
 from . import _summary
@@ -117,6 +122,7 @@ from ._events import (
     CoordinatorRestarted,
     RankResynced,
     JoinerSeeded,
+    PartitionTrimmed,
     UNPLACED,
 )
 from ._phases import ACTIVE, FINAL_EVAL, FINISHED, FORMING, JOINING, TRAINING
@@ -233,6 +239,7 @@ def forget_rank(st: CoordinatorState, rank: int, trigger: str, reason: str, out:
         rec.route, rec.incarnation = (), 0
         if rec.joined_at is not None:  # a joiner of the running world, lost before it was seeded
             rec.joined_at, rec.seeding = None, False
+            _collective.on_joiner_gone(st, rank)
             out.append(Notice("rank_lost", {"rank": rank, "reason": reason, "discarded_samples": 0, "joining": True}))
             return
         _membership.on_slot_reopened(st, rank, reason)
@@ -307,7 +314,16 @@ def _stall(st: CoordinatorState, out: list[Command], policy: Policy) -> None:
         out.append(Notice("reduce_stall", {"cycle": st.rounds.cycle, "detail": reason}))
 
 
+def _seed_joiners(st: CoordinatorState, out: list[Command], policy: Policy) -> None:
+    asked = _membership.ask_seeds(st, out)  # bus: SeedJoiner each
+    _collective.include(st, asked)  # collective: a generation that includes them is due
+
+
 def _open_due(st: CoordinatorState, policy: Policy) -> tuple[bool, str]:
+    held = _collective.seeding(st)
+    if held:  # every member's next all-reduce would wait for a joiner not in the round
+        st.rounds.gate_reason = held
+        return False, held
     fire, why = policy.gate(st)
     st.rounds.gate_reason = why
     if fire:
@@ -357,7 +373,7 @@ RULES: tuple[Rule, ...] = (
     Rule("reform_group", lambda st, p: _collective.due(st), lambda st, out, p: _collective.announce(st, out)),
     Rule("finish_round", lambda st, p: _averaging.finish_due(st), _finish_round),
     Rule("stall", lambda st, p: _averaging.stall_due(st), _stall),
-    Rule("seed_joiners", lambda st, p: _membership.seed_due(st), lambda st, out, p: _membership.ask_seeds(st, out)),
+    Rule("seed_joiners", lambda st, p: _membership.seed_due(st), _seed_joiners),
     Rule("open_round", _open_due, _open_round),
     Rule("aggregate", lambda st, p: _metrics.next_ready(st), _aggregate),
     Rule("advance", _advance_due, _advance),
@@ -494,6 +510,7 @@ def _on_resynced(st: CoordinatorState, ev: RankResynced, out: list[Command]) -> 
         return
     _resync.fold_swallowed_ack(st, ev)
     lost = _resync.lost_positions(st, ev)  # before ingesting
+    lost = _repartition.on_resynced(st, ev, lost, out)  # a trim whose answer the crash lost
     recovered = 0
     for bev in _resync.unknown_batches(st, ev):
         try:
@@ -523,12 +540,22 @@ def _on_seeded(st: CoordinatorState, ev: JoinerSeeded, out: list[Command]) -> No
     """A joiner holds the consensus: a member now; the dispatcher gives it work."""
     if not _membership.on_seeded(st, ev.rank, ev.cycle):
         return
+    _collective.on_seeded(st, ev.rank)
     rec = st.ranks[ev.rank]
     waited = st.now - st.run.joins[-1]["admitted_at"]
     out.append(Notice("rank_joined", {"rank": ev.rank, "host": rec.host, "cycle": ev.cycle, "refill": rec.refill,
                                       "waited_s": round(waited, 3), "members": st.alive_ranks()}))  # fmt: skip
     rec.refill = False
     policy_of(st.config).dispatcher.on_join(st, ev.rank, out)
+
+
+def _on_collective_failed(st: CoordinatorState, ev: CollectiveFailed, out: list[Command]) -> None:
+    """Re-form the group (``_collective.on_failed``); joiners whose seed broadcast failed
+    too often are refused, so that the members average again without them."""
+    _collective.on_failed(st, ev, out)
+    for rank, reason in _collective.joiners_to_drop(st):
+        st.send(out, rank, shutdown=pb.Control.Shutdown(reason=reason))
+        forget_rank(st, rank, "lost", reason, out)
 
 
 def _nothing(st: CoordinatorState, ev: Event, out: list[Command]) -> None:
@@ -554,11 +581,12 @@ HANDLERS: dict[type, Handler] = {
     StopRequested: Handler(_on_stop),
     EpochFnElapsed: Handler(lambda st, ev, out: _roles.on_epoch_fn_elapsed(st, ev), touches_liveness=True),
     StoreReady: Handler(_collective.on_store_ready, touches_liveness=True),
-    CollectiveFailed: Handler(_collective.on_failed, touches_liveness=True),
+    CollectiveFailed: Handler(_on_collective_failed, touches_liveness=True),
     # The shell's verdict on the rank's round frame, not a frame from the rank: no liveness.
     ContributionRefused: Handler(lambda st, ev, out: _averaging.on_refused(st, ev),
                                  not_in_run="ContributionRefused for a rank that is not in the run"),  # fmt: skip
     CoordinatorRestarted: Handler(_on_restarted),
     RankResynced: Handler(_on_resynced, touches_liveness=True),
     JoinerSeeded: Handler(_on_seeded, touches_liveness=True),
+    PartitionTrimmed: Handler(_repartition.on_trimmed, _repartition.check_trimmed, touches_liveness=True),
 }

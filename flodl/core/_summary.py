@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import _collective, _coverage, _membership, _resync
+from . import _collective, _coverage, _membership, _repartition, _resync
 from ._state import CoordinatorState
 
 __all__ = ["summary"]
@@ -68,6 +68,8 @@ def summary(st: CoordinatorState, summarise: Callable[[CoordinatorState, dict[st
     }
     if st.config.elastic or st.run.joins:  # the quorum it formed from, who joined, the slots nobody took
         out["elastic"] = _membership.elastic_summary(st)
+        if st.dispatch.trim_counts:  # Sync re-partitioned an epoch for a joiner
+            out["elastic"]["repartition"] = _repartition.summary(st)
     if st.resync.restarts:  # coordinator restarts survived
         out["coordinator_restarts"] = _resync.summary(st)
     summarise(st, out)  # the policy's part (Cadence: ``elche``, each epoch's ``averages``)

@@ -15,6 +15,7 @@ from ._events import (
     HeartbeatSeen,
     IntentRaised,
     JoinerSeeded,
+    PartitionTrimmed,
     RankExiting,
     RankHello,
     RankResynced,
@@ -129,11 +130,17 @@ def timing_event(now: float, t: pb.Timing):
             return IntentRaised(now=now, rank=r, kind=k)
     if kind == "seeded":
         return JoinerSeeded(now=now, rank=r, cycle=t.seeded.cycle)
+    if kind == "partition_trimmed":
+        p = t.partition_trimmed
+        released = tuple((s.offset, s.size) for s in p.released)
+        return PartitionTrimmed(now=now, rank=r, command_id=p.command_id, epoch=p.epoch, kept=p.kept, released=released)
     if kind == "store_ready":
         return StoreReady(now=now, rank=r, generation=t.store_ready.generation, addr=t.store_ready.addr)
     if kind == "collective_failed":
         cf = t.collective_failed
-        return CollectiveFailed(now=now, rank=r, generation=cf.generation, cycle=cf.cycle, reason=cf.reason)
+        return CollectiveFailed(
+            now=now, rank=r, generation=cf.generation, cycle=cf.cycle, reason=cf.reason, seeding=cf.seeding
+        )
     step = t.heartbeat.step_count if kind == "heartbeat" else 0
     return HeartbeatSeen(now=now, rank=r, step_count=step)
 

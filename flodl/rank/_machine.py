@@ -20,6 +20,11 @@ clock: the only time is the ``now`` the shell passes to ``next_action`` (a chunk
    resync report sent meanwhile (a shell that handles frames while its device works,
    like the simulator) neither loses nor doubles it. ``WAIT_PLAN`` / ``WAIT_THROTTLE`` tell the shell to block (servicing
    frames, heartbeating) until ``has_plan`` / ``not throttled``.
+   ``TrimPartition{epoch, keep}`` (Sync, a rank joined mid-epoch): of the positions of
+   ``epoch`` still held, in training order (the batch in hand first: it cannot be given
+   back), the first ``keep`` stay and the rest leave the plans; the answer
+   ``timing.partition_trimmed`` names exactly what left and what stayed, so the
+   coordinator hands the joiner only positions this rank will never train.
 2. Throttle. ``Throttle`` stops training until ``Update`` (or Shutdown).
 3. Credit. Every ``BatchTrained`` adds one local step and one step of credit
    (``steps_since_avg``). ``RequestParams{cycle}`` snapshots n = the credit and the
@@ -362,6 +367,29 @@ class RankMachine:
         else:  # no plan in training (or another epoch): the extension is a chunk of its own
             self._add_chunk(m.epoch, m.partition_offset, m.partition_size, "ExtendPartition", out)
 
+    def _trim(self, c: pb.Control, out: list[Command]) -> None:
+        m = c.trim_partition
+        epoch, budget = int(m.epoch), int(m.keep)
+        b = self.in_hand
+        if b is not None and b.epoch == epoch:
+            budget -= b.count  # on the device: kept whatever the command says
+        released: list[pb.Span] = []
+        chunks = ([self.current] if self.current is not None else []) + list(self.plans)
+        for ch in chunks:
+            if ch.epoch != epoch:
+                continue
+            for seg in ch.segments:
+                stay = max(0, min(budget, seg[1]))
+                budget -= stay
+                if seg[1] > stay:
+                    released.append(pb.Span(offset=seg[0] + stay, size=seg[1] - stay))
+                    seg[1] = stay
+        # A queued plan left with nothing is no plan: it would report an empty chunk.
+        self.plans = deque(ch for ch in self.plans if not (ch.epoch == epoch and ch.exhausted()))
+        kept = sum(p.partition_size for p in self.held_positions() if p.epoch == epoch)
+        body = pb.Timing.PartitionTrimmed(command_id=c.command_id, epoch=epoch, kept=kept, released=released)
+        out.append(SendTiming(kind="partition_trimmed", body=body))
+
     def _execute_eval(self, c: pb.Control, out: list[Command]) -> None:
         if c.execute_eval.target_rank == self.rank:
             out.append(RunEval(command=c.execute_eval))
@@ -504,6 +532,7 @@ _CONTROL: dict[str, Callable[[RankMachine, pb.Control, list], None]] = {
     "update": RankMachine._update,
     "throttle": RankMachine._throttle,
     "extend_partition": RankMachine._extend,
+    "trim_partition": RankMachine._trim,
     "execute_eval": RankMachine._execute_eval,
     "set_global_step": RankMachine._set_global_step,
     "checkpoint": RankMachine._checkpoint,

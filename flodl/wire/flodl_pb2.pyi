@@ -289,7 +289,7 @@ class EpochMetrics(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., scalars: _Optional[_Mapping[str, float]] = ..., per_rank: _Optional[_Iterable[_Union[ScalarMap, _Mapping]]] = ..., avg_loss: _Optional[float] = ..., epoch_ms: _Optional[float] = ..., per_rank_throughput: _Optional[_Iterable[float]] = ..., per_rank_batch_share: _Optional[_Iterable[float]] = ..., per_rank_loss: _Optional[_Iterable[float]] = ..., per_rank_samples: _Optional[_Iterable[int]] = ..., per_rank_batches: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Control(_message.Message):
-    __slots__ = ("command_id", "request_params", "update", "sync_now", "start_epoch", "extend_partition", "declare_dead", "rendezvous", "throttle", "set_global_step", "checkpoint", "execute_eval", "set_epoch_callback_role", "shutdown", "shutdown_with_save", "epoch_aggregated", "eval_broadcast", "save_consensus_model", "coord_heartbeat", "stage_advisory", "arm_consensus_eval")
+    __slots__ = ("command_id", "request_params", "update", "sync_now", "start_epoch", "extend_partition", "declare_dead", "rendezvous", "throttle", "set_global_step", "checkpoint", "execute_eval", "set_epoch_callback_role", "shutdown", "shutdown_with_save", "epoch_aggregated", "eval_broadcast", "save_consensus_model", "coord_heartbeat", "stage_advisory", "arm_consensus_eval", "trim_partition")
     class RequestParams(_message.Message):
         __slots__ = ("cycle",)
         CYCLE_FIELD_NUMBER: _ClassVar[int]
@@ -328,21 +328,32 @@ class Control(_message.Message):
         RANK_FIELD_NUMBER: _ClassVar[int]
         rank: int
         def __init__(self, rank: _Optional[int] = ...) -> None: ...
+    class TrimPartition(_message.Message):
+        __slots__ = ("epoch", "keep")
+        EPOCH_FIELD_NUMBER: _ClassVar[int]
+        KEEP_FIELD_NUMBER: _ClassVar[int]
+        epoch: int
+        keep: int
+        def __init__(self, epoch: _Optional[int] = ..., keep: _Optional[int] = ...) -> None: ...
     class Rendezvous(_message.Message):
-        __slots__ = ("store_addr", "generation", "new_rank", "new_world_size", "backend", "timeout_s")
+        __slots__ = ("store_addr", "generation", "new_rank", "new_world_size", "backend", "timeout_s", "seed_ranks", "seed_cycle")
         STORE_ADDR_FIELD_NUMBER: _ClassVar[int]
         GENERATION_FIELD_NUMBER: _ClassVar[int]
         NEW_RANK_FIELD_NUMBER: _ClassVar[int]
         NEW_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
         BACKEND_FIELD_NUMBER: _ClassVar[int]
         TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+        SEED_RANKS_FIELD_NUMBER: _ClassVar[int]
+        SEED_CYCLE_FIELD_NUMBER: _ClassVar[int]
         store_addr: str
         generation: int
         new_rank: int
         new_world_size: int
         backend: str
         timeout_s: float
-        def __init__(self, store_addr: _Optional[str] = ..., generation: _Optional[int] = ..., new_rank: _Optional[int] = ..., new_world_size: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+        seed_ranks: _containers.RepeatedScalarFieldContainer[int]
+        seed_cycle: int
+        def __init__(self, store_addr: _Optional[str] = ..., generation: _Optional[int] = ..., new_rank: _Optional[int] = ..., new_world_size: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., seed_ranks: _Optional[_Iterable[int]] = ..., seed_cycle: _Optional[int] = ...) -> None: ...
     class Throttle(_message.Message):
         __slots__ = ()
         def __init__(self) -> None: ...
@@ -453,6 +464,7 @@ class Control(_message.Message):
     COORD_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     STAGE_ADVISORY_FIELD_NUMBER: _ClassVar[int]
     ARM_CONSENSUS_EVAL_FIELD_NUMBER: _ClassVar[int]
+    TRIM_PARTITION_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     request_params: Control.RequestParams
     update: Control.Update
@@ -474,10 +486,22 @@ class Control(_message.Message):
     coord_heartbeat: Control.CoordHeartbeat
     stage_advisory: Control.StageAdvisory
     arm_consensus_eval: Control.ArmConsensusEval
-    def __init__(self, command_id: _Optional[int] = ..., request_params: _Optional[_Union[Control.RequestParams, _Mapping]] = ..., update: _Optional[_Union[Control.Update, _Mapping]] = ..., sync_now: _Optional[_Union[Control.SyncNow, _Mapping]] = ..., start_epoch: _Optional[_Union[Control.StartEpoch, _Mapping]] = ..., extend_partition: _Optional[_Union[Control.ExtendPartition, _Mapping]] = ..., declare_dead: _Optional[_Union[Control.DeclareDead, _Mapping]] = ..., rendezvous: _Optional[_Union[Control.Rendezvous, _Mapping]] = ..., throttle: _Optional[_Union[Control.Throttle, _Mapping]] = ..., set_global_step: _Optional[_Union[Control.SetGlobalStep, _Mapping]] = ..., checkpoint: _Optional[_Union[Control.Checkpoint, _Mapping]] = ..., execute_eval: _Optional[_Union[Control.ExecuteEval, _Mapping]] = ..., set_epoch_callback_role: _Optional[_Union[Control.SetEpochCallbackRole, _Mapping]] = ..., shutdown: _Optional[_Union[Control.Shutdown, _Mapping]] = ..., shutdown_with_save: _Optional[_Union[Control.ShutdownWithSave, _Mapping]] = ..., epoch_aggregated: _Optional[_Union[Control.EpochAggregated, _Mapping]] = ..., eval_broadcast: _Optional[_Union[Control.EvalBroadcast, _Mapping]] = ..., save_consensus_model: _Optional[_Union[Control.SaveConsensusModel, _Mapping]] = ..., coord_heartbeat: _Optional[_Union[Control.CoordHeartbeat, _Mapping]] = ..., stage_advisory: _Optional[_Union[Control.StageAdvisory, _Mapping]] = ..., arm_consensus_eval: _Optional[_Union[Control.ArmConsensusEval, _Mapping]] = ...) -> None: ...
+    trim_partition: Control.TrimPartition
+    def __init__(self, command_id: _Optional[int] = ..., request_params: _Optional[_Union[Control.RequestParams, _Mapping]] = ..., update: _Optional[_Union[Control.Update, _Mapping]] = ..., sync_now: _Optional[_Union[Control.SyncNow, _Mapping]] = ..., start_epoch: _Optional[_Union[Control.StartEpoch, _Mapping]] = ..., extend_partition: _Optional[_Union[Control.ExtendPartition, _Mapping]] = ..., declare_dead: _Optional[_Union[Control.DeclareDead, _Mapping]] = ..., rendezvous: _Optional[_Union[Control.Rendezvous, _Mapping]] = ..., throttle: _Optional[_Union[Control.Throttle, _Mapping]] = ..., set_global_step: _Optional[_Union[Control.SetGlobalStep, _Mapping]] = ..., checkpoint: _Optional[_Union[Control.Checkpoint, _Mapping]] = ..., execute_eval: _Optional[_Union[Control.ExecuteEval, _Mapping]] = ..., set_epoch_callback_role: _Optional[_Union[Control.SetEpochCallbackRole, _Mapping]] = ..., shutdown: _Optional[_Union[Control.Shutdown, _Mapping]] = ..., shutdown_with_save: _Optional[_Union[Control.ShutdownWithSave, _Mapping]] = ..., epoch_aggregated: _Optional[_Union[Control.EpochAggregated, _Mapping]] = ..., eval_broadcast: _Optional[_Union[Control.EvalBroadcast, _Mapping]] = ..., save_consensus_model: _Optional[_Union[Control.SaveConsensusModel, _Mapping]] = ..., coord_heartbeat: _Optional[_Union[Control.CoordHeartbeat, _Mapping]] = ..., stage_advisory: _Optional[_Union[Control.StageAdvisory, _Mapping]] = ..., arm_consensus_eval: _Optional[_Union[Control.ArmConsensusEval, _Mapping]] = ..., trim_partition: _Optional[_Union[Control.TrimPartition, _Mapping]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("rank", "batch", "sync_ack", "exiting", "lr_update", "intent", "heartbeat", "snapshot_ready", "eval_result", "checkpoint_result", "epoch_fn_elapsed", "resync", "store_ready", "collective_failed", "seeded", "time_account")
+    __slots__ = ("rank", "batch", "sync_ack", "exiting", "lr_update", "intent", "heartbeat", "snapshot_ready", "eval_result", "checkpoint_result", "epoch_fn_elapsed", "resync", "store_ready", "collective_failed", "seeded", "partition_trimmed", "time_account")
+    class PartitionTrimmed(_message.Message):
+        __slots__ = ("command_id", "epoch", "kept", "released")
+        COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+        EPOCH_FIELD_NUMBER: _ClassVar[int]
+        KEPT_FIELD_NUMBER: _ClassVar[int]
+        RELEASED_FIELD_NUMBER: _ClassVar[int]
+        command_id: int
+        epoch: int
+        kept: int
+        released: _containers.RepeatedCompositeFieldContainer[Span]
+        def __init__(self, command_id: _Optional[int] = ..., epoch: _Optional[int] = ..., kept: _Optional[int] = ..., released: _Optional[_Iterable[_Union[Span, _Mapping]]] = ...) -> None: ...
     class Seeded(_message.Message):
         __slots__ = ("cycle",)
         CYCLE_FIELD_NUMBER: _ClassVar[int]
@@ -621,6 +645,7 @@ class Timing(_message.Message):
     STORE_READY_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FAILED_FIELD_NUMBER: _ClassVar[int]
     SEEDED_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_TRIMMED_FIELD_NUMBER: _ClassVar[int]
     TIME_ACCOUNT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     batch: Timing.Batch
@@ -637,8 +662,9 @@ class Timing(_message.Message):
     store_ready: StoreReady
     collective_failed: CollectiveFailed
     seeded: Timing.Seeded
+    partition_trimmed: Timing.PartitionTrimmed
     time_account: TimeAccount
-    def __init__(self, rank: _Optional[int] = ..., batch: _Optional[_Union[Timing.Batch, _Mapping]] = ..., sync_ack: _Optional[_Union[Timing.SyncAck, _Mapping]] = ..., exiting: _Optional[_Union[Timing.Exiting, _Mapping]] = ..., lr_update: _Optional[_Union[Timing.LrUpdate, _Mapping]] = ..., intent: _Optional[_Union[Timing.Intent, _Mapping]] = ..., heartbeat: _Optional[_Union[Timing.Heartbeat, _Mapping]] = ..., snapshot_ready: _Optional[_Union[Timing.SnapshotReady, _Mapping]] = ..., eval_result: _Optional[_Union[Timing.EvalResult, _Mapping]] = ..., checkpoint_result: _Optional[_Union[Timing.CheckpointResult, _Mapping]] = ..., epoch_fn_elapsed: _Optional[_Union[Timing.EpochFnElapsed, _Mapping]] = ..., resync: _Optional[_Union[Timing.Resync, _Mapping]] = ..., store_ready: _Optional[_Union[StoreReady, _Mapping]] = ..., collective_failed: _Optional[_Union[CollectiveFailed, _Mapping]] = ..., seeded: _Optional[_Union[Timing.Seeded, _Mapping]] = ..., time_account: _Optional[_Union[TimeAccount, _Mapping]] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., batch: _Optional[_Union[Timing.Batch, _Mapping]] = ..., sync_ack: _Optional[_Union[Timing.SyncAck, _Mapping]] = ..., exiting: _Optional[_Union[Timing.Exiting, _Mapping]] = ..., lr_update: _Optional[_Union[Timing.LrUpdate, _Mapping]] = ..., intent: _Optional[_Union[Timing.Intent, _Mapping]] = ..., heartbeat: _Optional[_Union[Timing.Heartbeat, _Mapping]] = ..., snapshot_ready: _Optional[_Union[Timing.SnapshotReady, _Mapping]] = ..., eval_result: _Optional[_Union[Timing.EvalResult, _Mapping]] = ..., checkpoint_result: _Optional[_Union[Timing.CheckpointResult, _Mapping]] = ..., epoch_fn_elapsed: _Optional[_Union[Timing.EpochFnElapsed, _Mapping]] = ..., resync: _Optional[_Union[Timing.Resync, _Mapping]] = ..., store_ready: _Optional[_Union[StoreReady, _Mapping]] = ..., collective_failed: _Optional[_Union[CollectiveFailed, _Mapping]] = ..., seeded: _Optional[_Union[Timing.Seeded, _Mapping]] = ..., partition_trimmed: _Optional[_Union[Timing.PartitionTrimmed, _Mapping]] = ..., time_account: _Optional[_Union[TimeAccount, _Mapping]] = ...) -> None: ...
 
 class StoreReady(_message.Message):
     __slots__ = ("generation", "addr")
@@ -671,14 +697,16 @@ class TimeAccount(_message.Message):
     def __init__(self, wall_s: _Optional[float] = ..., training_s: _Optional[float] = ..., barrier_s: _Optional[float] = ..., averaging_s: _Optional[float] = ..., calibration_s: _Optional[float] = ..., recovery_s: _Optional[float] = ..., checkpoint_s: _Optional[float] = ..., eval_s: _Optional[float] = ..., startup_s: _Optional[float] = ...) -> None: ...
 
 class CollectiveFailed(_message.Message):
-    __slots__ = ("generation", "cycle", "reason")
+    __slots__ = ("generation", "cycle", "reason", "seeding")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SEEDING_FIELD_NUMBER: _ClassVar[int]
     generation: int
     cycle: int
     reason: str
-    def __init__(self, generation: _Optional[int] = ..., cycle: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    seeding: bool
+    def __init__(self, generation: _Optional[int] = ..., cycle: _Optional[int] = ..., reason: _Optional[str] = ..., seeding: _Optional[bool] = ...) -> None: ...
 
 class Metrics(_message.Message):
     __slots__ = ("rank", "epoch", "chunk_seq", "avg_loss", "batches_processed", "epoch_ms", "samples_processed", "share_complete_ms", "compute_only_ms", "data_starve_ms", "scalars")

@@ -6,6 +6,9 @@
     and the epochs after the join are faster than before it.
 (b) kill -9 a rank under an agent with ``--max-restarts 2``: its restarted process takes
     the slot again (seeded with the consensus), trains, and coverage stays exact.
+(c) the same on the collective plane (gloo): the survivors re-form without the killed
+    rank, its restart is admitted and joins a new generation that includes it, seeded by
+    a broadcast from the store host; it trains; coverage exact, digests identical.
 
 The first ranks are slowed (``--slowdown``) so the run is still training when the late
 processes are up -- on a loaded machine a rank's start (torch import) takes seconds; the
@@ -98,16 +101,19 @@ def test_two_ranks_of_a_second_agent_join_a_running_world(tmp_path):
     assert not alarming, alarming[:10]  # joins are news, not warnings
 
 
-def test_a_killed_rank_restarted_by_its_agent_rejoins_and_trains(tmp_path):
+def _killed_and_restarted(tmp_path, slowdown, *args):
+    """``flodl run --local``, 3 digits ranks, rank 1 (the fast one) killed -9 after 64
+    traced samples under ``--max-restarts 2``; returns (summary, launcher output)."""
     summary, trace = tmp_path / "summary.json", tmp_path / "trace"
     trace.mkdir()
     cmd = [
         # The victim is fast, the others slow: while it is away the run crawls (it outlasts
         # the restart), and once it is back it trains most of the rest.
-        sys.executable, "-m", "flodl", "run", "--local", "--ranks", "3", "--task", "digits", "--slowdown", "40,1,40",
-        "--base-ms", "1", "--epochs", "30", "--batch-size", str(BATCH), "--policy", "cadence", "--max-restarts", "2",
+        sys.executable, "-m", "flodl", "run", "--local", "--ranks", "3", "--task", "digits", "--slowdown", slowdown,
+        "--base-ms", "1", "--batch-size", str(BATCH), "--policy", "cadence", "--max-restarts", "2",
         "--max-failure", "2", "--summary", str(summary), "--trace-dir", str(trace),
         "--log-level", "INFO",  # the restart and the join are INFO lines (the launcher shows WARNING and up by default)
+        *args,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
@@ -135,3 +141,20 @@ def test_a_killed_rank_restarted_by_its_agent_rejoins_and_trains(tmp_path):
     assert extra <= data["discarded_samples"] + BATCH, (extra, data["discarded_samples"])
     digests = {r["param_digest"] for r in data["ranks"]}
     assert len(digests) == 1 and "" not in digests, data["ranks"]
+    return data, out
+
+
+def test_a_killed_rank_restarted_by_its_agent_rejoins_and_trains(tmp_path):
+    _killed_and_restarted(tmp_path, "40,1,40", "--epochs", "30")
+
+
+def test_a_killed_rank_restarted_by_its_agent_rejoins_the_collective_group(tmp_path):
+    # Slower peers, fewer epochs: the crawl while the victim is away outlasts a restart
+    # that takes 20 s on a loaded machine (torch import); after it, the victim trains fast.
+    data, out = _killed_and_restarted(tmp_path, "80,1,80", "--plane", "collective", "--epochs", "10")
+    col = data["collective"]
+    # 1: the world; 2: the survivors; 3: with the restarted rank, which it seeded.
+    assert (col["generation"], col["members"], col["seeds"], col["failures"]) == (3, [0, 1, 2], 1, 0), col
+    assert "collective_generation: generation=3 joiners=[1] members=[0, 1, 2]" in out
+    assert "joined the running world: parameters and buffers from the generation 3 broadcast" in out
+    assert data["ranks"][1]["samples"] > 0

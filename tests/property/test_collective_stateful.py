@@ -1,6 +1,7 @@
 """Stateful property test of the collective plane's orchestration (flodl.core._collective).
 
-Hypothesis interleaves training, deaths, group failures (current and stale), stale store
+Hypothesis interleaves training, deaths, restarts of dead ranks (they join the running
+world: issue 12), group failures (current, stale, and of a seed broadcast), stale store
 answers, silent store hosts and time passing. A model built only from the commands the
 core emits checks, after every step:
 
@@ -8,8 +9,11 @@ core emits checks, after every step:
   generation (the rank binds the request to it: all members agree on the group);
 * generations only grow; each announcement gives the members dense ranks 0..n-1, the
   store host first, and goes to exactly the ACTIVE ranks;
-* while training, the current generation's members are exactly the ACTIVE ranks and its
-  store host is a member not tried.
+* while training, the current generation's members are exactly the ACTIVE ranks and the
+  joiners it seeds, and its store host is an ACTIVE member not tried;
+* no ``RequestParams`` goes out while the newest generation still seeds a joiner (every
+  member's all-reduce would wait for a rank that is not in the round), and a joiner never
+  trains before it loaded the seed (the cluster raises).
 
 At teardown the store hosts answer again and the run is driven to its end: it completes
 with every epoch committed exactly once (or ended by rendezvous exhaustion, loudly), and
@@ -22,15 +26,16 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from flodl.core import CollectiveFailed, Send, StoreReady, replay
-from flodl.core import ACTIVE, TRAINING
+from flodl.core import CollectiveFailed, Notice, Send, StoreReady, replay
+from flodl.core import ACTIVE, DEAD, JOINING, TRAINING
 from test_core_stateful import Cluster  # the one loader of tests/unit/core/cluster.py
 
 
 
 
 class StoreCluster(Cluster):
-    """Store hosts answer an announcement with ``StoreReady`` unless muted."""
+    """Store hosts answer an announcement with ``StoreReady`` unless muted; a joiner named
+    in ``seed_ranks`` loads the seed broadcast once the address reaches it."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, plane="collective", **kw)
@@ -47,6 +52,8 @@ class StoreCluster(Cluster):
         m = ctl.rendezvous
         if not m.store_addr and m.new_rank == 0 and rank not in self.mute:
             self.feed(StoreReady(now=self.now, rank=rank, generation=m.generation, addr=f"h{rank}:{m.generation}"))
+        if m.store_addr and rank in m.seed_ranks and r.m.accepts_seed():
+            r.seed_due = True  # ``send_seed`` loads it
         return True
 
 
@@ -62,6 +69,8 @@ class CollectiveMachine(RuleBasedStateMachine):
         self.seen = 0  # commands checked so far
         self.newest = 0  # newest generation announced
         self.announced: dict[int, int] = {}  # rank -> generation of its latest Rendezvous
+        self.seeding: set[int] = set()  # joiners the newest generation seeds, not joined yet
+        self.restarts: dict[int, int] = {}
 
     # -- rules -----------------------------------------------------------------------
 
@@ -76,6 +85,22 @@ class CollectiveMachine(RuleBasedStateMachine):
     def kill(self, i):
         alive = self.c.state.alive_ranks()
         self.c.kill(alive[i % len(alive)])
+
+    @precondition(lambda self: self.c.finished is None and any(r.phase is DEAD for r in self.c.state.ranks))
+    @rule(i=st.integers(0, 3))
+    def restart(self, i):
+        """The agent starts a dead rank again: it joins the running world."""
+        dead = [r.rank for r in self.c.state.ranks if r.phase is DEAD]
+        rank = dead[i % len(dead)]
+        self.restarts[rank] = self.restarts.get(rank, 0) + 1
+        self.c.respawn(rank, restart_count=self.restarts[rank])
+
+    @precondition(lambda self: self.c.finished is None and self.c.state.collective.joiners)
+    @rule(i=st.integers(0, 3))
+    def seed_broadcast_fails(self, i):
+        cs, alive = self.c.state.collective, self.c.state.alive_ranks()
+        self.c.feed(CollectiveFailed(now=self.c.now, rank=alive[i % len(alive)], generation=cs.generation,
+                                     reason="seed", seeding=True))  # fmt: skip
 
     @precondition(lambda self: self.c.finished is None and self.c.state.collective.generation > 0)
     @rule(i=st.integers(0, 3), stale=st.booleans(), cycle=st.integers(0, 3))
@@ -111,6 +136,8 @@ class CollectiveMachine(RuleBasedStateMachine):
         cmds = self.c.commands
         batch: dict[int, object] = {}
         for cmd in cmds[self.seen :]:
+            if isinstance(cmd, Notice) and cmd.kind in ("rank_joined", "rank_lost"):
+                self.seeding.discard(cmd.data["rank"])
             if not isinstance(cmd, Send):
                 continue
             kind = cmd.kind
@@ -121,10 +148,12 @@ class CollectiveMachine(RuleBasedStateMachine):
                     self._check_batch(batch)
                     batch = {}
                     self.newest = m.generation
+                    self.seeding = set(m.seed_ranks)
                 self.announced[cmd.rank] = m.generation
                 if not m.store_addr:
                     batch[cmd.rank] = m
             elif kind == "request_params":
+                assert not self.seeding, f"RequestParams while generation {self.newest} seeds {sorted(self.seeding)}"
                 assert self.announced.get(cmd.rank) == self.newest, (
                     f"RequestParams to rank {cmd.rank} bound to generation {self.announced.get(cmd.rank)}, "
                     f"newest is {self.newest}"
@@ -144,9 +173,11 @@ class CollectiveMachine(RuleBasedStateMachine):
         s = self.c.state
         cs = s.collective
         if s.run.phase is TRAINING and cs.generation > 0:
-            assert set(cs.members) == set(s.alive_ranks())
+            assert set(cs.members) == set(s.alive_ranks()) | set(cs.joiners)
             assert cs.store_host == cs.members[0] and cs.store_host not in cs.tried
-            assert all(s.ranks[r].phase is ACTIVE for r in cs.members)
+            assert s.ranks[cs.store_host].phase is ACTIVE  # the seed's source has parameters
+            assert all(s.ranks[r].phase is JOINING and s.ranks[r].seeding for r in cs.joiners)
+            assert all(s.ranks[r].phase is ACTIVE for r in cs.members if r not in cs.joiners)
 
     def teardown(self):
         c = getattr(self, "c", None)

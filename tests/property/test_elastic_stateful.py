@@ -2,20 +2,23 @@
 ranks joining the running world (a vacant slot, or a dead rank's slot taken by its
 restarted process) and ranks dying, over the real core and the real rank machines
 (tests/unit/core/cluster.py). After every step: a rank that is joining is in no round and
-was sent no work, the core's coverage never counts a sample twice, and (the cluster
+was sent no work, the core's coverage never counts a sample twice, no position is held
+untrained by two live rank machines (Sync re-partitions a live epoch for a joiner: a
+member's trimmed tail must leave it before the joiner gets it), and (the cluster
 checks it on every batch) no joiner trains before it holds the seed consensus, and the
-core's incremental views agree with a recount (``view_drift``). At
+core's incremental views agree with a recount (``view_drift``). The coordinator may be
+killed and restarted on its journal (what it had not delivered is lost). At
 teardown the run is driven to its end: every epoch trained exactly once, and replaying
 the journal rebuilds the same state."""
 
 from __future__ import annotations
 
 from core_cluster import Cluster
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from flodl.core import ACTIVE, DEAD, JOINING, TRAINING, VACANT, Send, replay, view_drift
+from flodl.core import ACTIVE, DEAD, JOINING, TRAINING, VACANT, CoordinatorRestarted, Send, replay, view_drift
 
 
 WORK = ("start_epoch", "extend_partition", "request_params", "update", "throttle")
@@ -30,6 +33,7 @@ class ElasticWorld(RuleBasedStateMachine):
         self.c.hello(1)
         self.c.advance(0.01)
         self.seen = 0  # commands already checked
+        self.restarts = 0
 
     def _training(self) -> bool:
         return self.c.finished is None and self.c.state.run.phase is TRAINING
@@ -55,6 +59,38 @@ class ElasticWorld(RuleBasedStateMachine):
     def kill(self, data):
         victim = data.draw(st.sampled_from(self.c.state.alive_ranks()))
         self.c.kill(victim)
+
+    @rule()
+    def restart_coordinator(self):
+        """kill -9 and restart on the journal: undelivered commands and seeds, and the open
+        round, die with the process; the rank machines resync on the next frame they hear.
+        (Always drawable, a no-op once the run ends or after two restarts: a precondition
+        would make hypothesis give up on draws once the run has finished.)"""
+        if not self._training() or self.restarts >= 2:
+            return
+        c = self.c
+        rebuilt = replay(c.config, c.journal)
+        assert rebuilt == c.state
+        c.state = rebuilt
+        for r in c.ranks:
+            r.inbox.clear()
+            r.ack_due = None
+            r.seed_due = False
+        self.restarts += 1
+        c.feed(CoordinatorRestarted(now=c.now, incarnation=self.restarts + 1))
+
+    @invariant()
+    def no_position_is_held_by_two_live_ranks(self):
+        if not hasattr(self, "c"):
+            return
+        owner: dict = {}
+        for r in self.c.ranks:
+            if not r.active:
+                continue
+            for p in r.m.held_positions():
+                for pos in range(p.partition_offset, p.partition_offset + p.partition_size):
+                    other = owner.setdefault((p.epoch, pos), r.rank)
+                    assert other == r.rank, f"position {pos} of epoch {p.epoch} held by ranks {other} and {r.rank}"
 
     @invariant()
     def joiners_get_no_work_and_no_round(self):
@@ -82,6 +118,9 @@ class ElasticWorld(RuleBasedStateMachine):
             return
         fin = self.c.run()
         assert fin is not None
+        trims = self.c.state.dispatch.trim_counts
+        if trims:  # --hypothesis-show-statistics: how often Sync shared a live epoch
+            event(f"{self.c.config.policy}: joiners got a share of the live epoch")
         if fin.ok:
             for cov in fin.summary["coverage"]:
                 assert (cov["trained"], cov["duplicates"], cov["missing"]) == (cov["expected"], 0, 0), cov

@@ -176,14 +176,19 @@ class BusAverager:
         if split is None:
             return
         params, bufs = split
+        # The consensus's f32 buffers, as a round overwrites them (when it carries them).
+        self.load_seed(params, bufs if header.buffer_weight > 0 else [])
+        log.info("joined the running world: parameters set from the consensus of cycle %d", header.cycle)
+        r.feed(SeedApplied(cycle=int(header.cycle)))
+
+    def load_seed(self, params: list, bufs: list) -> None:
+        """Overwrite the parameters (and the f32 buffers given) with a seed's arrays."""
+        r = self.rank
         with torch.no_grad():
             for p, a in zip(r.params, params):
                 p.copy_(as_tensor(a).to(device=p.device, dtype=p.dtype))
-            if header.buffer_weight > 0:  # the consensus's f32 buffers, as a round overwrites them
-                for b, a in zip(r.buffers, bufs):
-                    b.copy_(as_tensor(a).to(device=b.device, dtype=b.dtype))
-        log.info("joined the running world: parameters set from the consensus of cycle %d", header.cycle)
-        r.feed(SeedApplied(cycle=int(header.cycle)))
+            for b, a in zip(r.buffers, bufs):
+                b.copy_(as_tensor(a).to(device=b.device, dtype=b.dtype))
 
     def _unpacked(self, header: pb.RoundHeader, blobs: list) -> list | None:
         """The frame's arrays, or None after dropping a malformed frame by its reason."""

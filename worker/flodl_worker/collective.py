@@ -71,6 +71,20 @@ an ack (its round is gone, like a
 bus snapshot; the credit stays) and its group's work is parked. The generation the
 coordinator announces next then retires the old group as usual.
 
+Joining a running world (issue 12). A ``Rendezvous`` may name ranks joining in its
+generation (``seed_ranks``): once that group forms, its *first* collective, before any
+all-reduce, is a broadcast from ``new_rank`` 0 (an ACTIVE member: the coordinator never
+makes a joiner the store host) of one flat f32 buffer ``[theta..., buffers...]`` copied
+from its live tensors at that moment (``FlatStaging.gather``; every other member
+receives into a buffer of the same size). Gloo matches collectives by order, so every
+member issues it first, and no ``RequestParams`` comes before the joiner is a member (the
+coordinator holds the rounds). A joiner named there that has not trained yet
+(``accepts_seed``) loads it -- parameters and f32 buffers; its optimizer state stays the
+fresh one, as on the bus -- and the machine answers ``Timing.seeded``; every other member
+drops it. A failed broadcast is ``collective_failed{seeding=true}`` (the coordinator
+re-forms; a joiner that keeps failing it is dropped); a broadcast pending when a newer
+generation is announced is parked like an all-reduce. ``stats`` keeps its bytes and time.
+
 A formation that fails is reported the same way (``cycle`` 0); the coordinator then
 tries another store host, and ends the run once none works (``flodl.core._collective``)
 rather than letting it train on without ever averaging.
@@ -99,7 +113,7 @@ import zmq
 
 from flodl.wire import pb
 
-from flodl.rank import TakeSnapshot
+from flodl.rank import SeedApplied, TakeSnapshot
 
 from .averaging import BusAverager
 from .buffers import mover_mass
@@ -165,6 +179,8 @@ class _Generation:
     forming: _Forming | None = None
     group: Any = None  # formed backend
     broken: str = ""  # why the group failed ("" = usable)
+    seed_ranks: tuple = ()  # global ranks joining in this generation: the group's first op seeds them
+    seed_cycle: int = 0
 
 
 @dataclass
@@ -182,6 +198,23 @@ class _Op:
 
 
 @dataclass
+class _Seed:
+    """The broadcast that seeds a generation's joiners (``load``: this rank is one)."""
+
+    generation: int
+    cycle: int
+    load: bool
+    work: Any
+    future: Any
+    buf: torch.Tensor
+    group: Any
+    launched: float
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+@dataclass
 class _Stats:
     reduced: int = 0  # all-reduces completed and applied
     failed: int = 0  # raised (peer gone, timeout)
@@ -190,6 +223,10 @@ class _Stats:
     formed: int = 0
     reduce_s: float = 0.0  # launch -> completion seen, summed over applied reduces
     form_s: list = field(default_factory=list)
+    seed_broadcasts: int = 0  # seed broadcasts completed (sent, relayed or loaded)
+    seed_bytes: int = 0  # their f32 payload, summed
+    seed_s: list = field(default_factory=list)  # launch -> completion seen, each
+    seeded: bool = False  # this rank loaded a seed broadcast
 
 
 class CollectiveAverager(BusAverager):
@@ -205,7 +242,8 @@ class CollectiveAverager(BusAverager):
         self.gen: _Generation | None = None
         self.requests: deque[tuple[int, int]] = deque()  # (cycle, generation) not launched yet
         self.ops: deque[_Op] = deque()  # launched, in launch order
-        self.parked: list[_Op] = []  # abandoned with work still pending
+        self.parked: list[Any] = []  # abandoned ops (_Op, _Seed) with work still pending
+        self.seed: _Seed | None = None  # the current generation's seed broadcast, pending
         self.store = None  # the TCPStore this rank hosts (once it was a store host)
         self.store_addr = ""
         self.stats = _Stats()
@@ -251,7 +289,8 @@ class CollectiveAverager(BusAverager):
             self.progress()  # what already finished in the old generation counts
             self._retire(f"generation {m.generation} announced")
             timeout = timedelta(seconds=m.timeout_s if m.timeout_s > 0 else DEFAULT_TIMEOUT_S)
-            self.gen = _Generation(m.generation, m.new_rank, m.new_world_size, backend, timeout)
+            self.gen = _Generation(m.generation, m.new_rank, m.new_world_size, backend, timeout,
+                                   seed_ranks=tuple(m.seed_ranks), seed_cycle=m.seed_cycle)  # fmt: skip
             log.info("collective generation %d: rank %d of %d (%s)", m.generation, m.new_rank, m.new_world_size, backend)
             self.progress()  # requests of older generations are answered now
         gen = self.gen
@@ -280,6 +319,9 @@ class CollectiveAverager(BusAverager):
         gen = self.gen
         if gen is not None and gen.forming is not None and gen.forming.done:
             self._formed(gen)
+        if self.seed is not None and self.seed.done():
+            seed, self.seed = self.seed, None
+            self._seeded(seed)
         while self.requests:
             cycle, g = self.requests[0]
             if gen is None or g < gen.number or gen.broken:
@@ -338,7 +380,55 @@ class CollectiveAverager(BusAverager):
         arrays = _unflatten(out, self.staging, len(snap.pre)) if total > 0 else None
         self.rank.consensus_ready(op.cycle, arrays)
 
-    def _broken(self, generation: int, cycle: int, reason: str) -> None:
+    def _launch_seed(self, gen: _Generation) -> None:
+        """The formed group's first collective: the seed broadcast from ``new_rank`` 0."""
+        import torch.distributed as dist
+
+        if gen.rank == 0:
+            buf = torch.from_numpy(self.staging.gather())  # the live parameters and buffers, now
+        else:
+            buf = torch.empty(self.staging.total, dtype=torch.float32)
+        live = self.staging.tensors
+        if gen.backend == "nccl" and live and live[0].is_cuda:
+            buf = buf.to(live[0].device)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        work = gen.group.broadcast([buf], opts)
+        future = work.get_future()
+        load = self.rank.cfg.rank in gen.seed_ranks
+        self.seed = _Seed(gen.number, gen.seed_cycle, load, work, future, buf, gen.group, time.perf_counter())
+        future.add_done_callback(_waker(self._wake_w))
+        log.info("generation %d: seed broadcast for joiner(s) %s launched (%d bytes, %s)", gen.number,
+                 list(gen.seed_ranks), buf.numel() * 4, "loading it" if load else "from here" if gen.rank == 0 else "relaying")  # fmt: skip
+
+    def _seeded(self, seed: _Seed) -> None:
+        try:
+            seed.future.value()
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError & co.
+            reason = _one_line(e)
+            log.warning("generation %d: the seed broadcast failed: %s", seed.generation, reason)
+            self._broken(seed.generation, 0, reason, seeding=True)
+            return
+        took = time.perf_counter() - seed.launched
+        s = self.stats
+        s.seed_broadcasts += 1
+        s.seed_bytes += seed.buf.numel() * 4
+        s.seed_s.append(round(took, 4))
+        r = self.rank
+        if not seed.load:
+            return
+        if not r.m.accepts_seed():  # seeded by an earlier generation and training since
+            log.info("generation %d: seed broadcast dropped: this rank already trains", seed.generation)
+            return
+        views = self.staging.views(seed.buf.detach().to("cpu").numpy())
+        n = len(r.params)
+        self.load_seed(views[:n], views[n:])
+        s.seeded = True
+        log.info("joined the running world: parameters and buffers from the generation %d broadcast in %.3fs (%d bytes)",
+                 seed.generation, took, seed.buf.numel() * 4)  # fmt: skip
+        r.feed(SeedApplied(cycle=seed.cycle))
+
+    def _broken(self, generation: int, cycle: int, reason: str, seeding: bool = False) -> None:
         """The group of ``generation`` failed here: stop using it; the coordinator re-forms."""
         gen = self.gen
         if gen is None or gen.number != generation or gen.broken:
@@ -348,7 +438,12 @@ class CollectiveAverager(BusAverager):
             if op.generation == generation:
                 self.ops.remove(op)
                 self._park(op)
-        self.rank._timing(collective_failed=pb.CollectiveFailed(generation=generation, cycle=cycle, reason=reason))
+        if self.seed is not None and self.seed.generation == generation:
+            seed, self.seed = self.seed, None
+            if not seed.done():
+                self.parked.append(seed)
+        failed = pb.CollectiveFailed(generation=generation, cycle=cycle, reason=reason, seeding=seeding)
+        self.rank._timing(collective_failed=failed)
         self.progress()  # queued requests of this generation: acked without a reduce
 
     def _park(self, op: _Op) -> None:
@@ -366,6 +461,11 @@ class CollectiveAverager(BusAverager):
             self.ops.remove(op)
             log.info("cycle %d: all-reduce abandoned (%s); keeping local parameters", op.cycle, why)
             self._park(op)
+        if self.seed is not None:  # its generation is gone: the next one seeds again
+            seed, self.seed = self.seed, None
+            log.info("generation %d: seed broadcast abandoned (%s)", seed.generation, why)
+            if not seed.done():
+                self.parked.append(seed)
         # A formation still running finishes (or fails) in its thread; its result is dropped.
 
     def settle(self) -> None:
@@ -432,6 +532,8 @@ class CollectiveAverager(BusAverager):
         self.stats.formed += 1
         self.stats.form_s.append(round(took, 4))
         log.info("collective generation %d formed (rank %d of %d) in %.3fs", gen.number, gen.rank, gen.size, took)
+        if gen.seed_ranks:  # before any all-reduce: gloo pairs collectives by order
+            self._launch_seed(gen)
 
     # -- end ------------------------------------------------------------------------------
 
@@ -439,16 +541,19 @@ class CollectiveAverager(BusAverager):
         """Release what can be released; leak groups whose work is still pending."""
         s = self.stats
         log.info(
-            "collective: %d reduce(s) in %.3fs, %d failed, %d abandoned, %d skipped, %d group(s) formed %s",
+            "collective: %d reduce(s) in %.3fs, %d failed, %d abandoned, %d skipped, %d group(s) formed %s, "
+            "%d seed broadcast(s) %s (%d bytes)",
             s.reduced, s.reduce_s, s.failed, s.abandoned, s.skipped, s.formed, s.form_s,
+            s.seed_broadcasts, s.seed_s, s.seed_bytes,
         )
-        pending = [op for op in list(self.ops) + self.parked if not op.done()]
+        pending = [op for op in list(self.ops) + self.parked + [self.seed] if op is not None and not op.done()]
         for op in pending:
             _leak(op.group, op.work, op.future, op.buf)
         if pending and self.gen is not None:
             _leak(self.gen.group)
         self.ops.clear()
         self.parked.clear()
+        self.seed = None
         self.poller.unregister(self._wake_r.fileno())
         self._wake_r.close()
         self._wake_w.close()

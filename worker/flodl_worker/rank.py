@@ -523,7 +523,9 @@ class _Rank(MachineShell):
             self._drop("before_admission", f"{kind} before hello_ack")
         elif kind == "control":
             which = env.control.WhichOneof("cmd")
-            regrouped = which == "rendezvous" and env.control.rendezvous.generation > 1
+            rdv = env.control.rendezvous
+            # A re-formation after a death (not one that adds a joiner: growth, not recovery).
+            regrouped = which == "rendezvous" and rdv.generation > 1 and not rdv.seed_ranks
             if self._trained and (which == "declare_dead" or regrouped):
                 self._recovering = True  # a rank died: what the survivors wait from now is its cost
             self.feed(ControlReceived(control=env.control))

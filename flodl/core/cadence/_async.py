@@ -68,10 +68,9 @@ the anchor while the fast rank alone waits, and lost in the simulator.)
 What is not done here (on purpose): callback slack is not staged for an epoch opened by
 streaming (the callbacks of ``EpochAggregated`` land mid-window; Cadence's staging
 assumes an epoch barrier). Checkpoints work as they are: the one taken when epoch ``e``
-aggregates records the committed ranges of the epoch already streamed into (``e + 1``),
-which a resume dispatches only the holes of; but should ``e + 2`` be open too (``e + 1``
-drained before ``e`` aggregated: epochs shorter than two windows), a resume rebuilds
-only ``e + 1`` (``_checkpointing.apply_resume``) and retrains what ``e + 2`` committed.
+aggregates records the committed ranges of every epoch already streamed into (``e + 1``,
+and ``e + 2`` when ``e + 1`` drained before ``e`` aggregated: epochs shorter than two
+windows), which a resume dispatches only the holes of (``_checkpointing.apply_resume``).
 """
 
 from __future__ import annotations

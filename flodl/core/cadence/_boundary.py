@@ -37,9 +37,9 @@ batches) that wait is a large part of every epoch -- 6.5-10 % of the run on a
   epochs also aggregate mid-window). A rank that already ran past the shortened count
   just reaches the gate; its chunk in flight is the start of its next window.
 
-* **No wait at the reduce barrier either** (``run_ahead``, off by default: a round then
-  folds up to two windows, so epochs shorter than that can aggregate in one step and
-  share one checkpoint). Integer windows
+* **No wait at the reduce barrier either** (``run_ahead``, on by default; a round then
+  folds up to two windows, so epochs shorter than that can aggregate at one consensus,
+  each still with its own checkpoint of that one save, ``_checkpointing``). Integer windows
   never end together -- the probe window not at all -- so a rank that ran its window
   used to idle until the slowest ended its own. Now, while the gate still waits for a
   rank that is training (or for an open round), an idle rank at its barrier is handed
@@ -53,7 +53,8 @@ batches) that wait is a large part of every epoch -- 6.5-10 % of the run on a
 * **The last window's fragments go to whoever is still training** (``leaves_the_tail``).
 
 Checkpoints and resume are Async's: the save taken when ``e`` aggregates records the
-committed ranges of ``e + 1``, which a resume dispatches only the holes of.
+committed ranges of every later epoch streamed into (all of one that aggregated at the
+same consensus), which a resume dispatches only the holes of.
 """
 
 from __future__ import annotations

@@ -411,7 +411,11 @@ def _check_throttle(st: CoordinatorState, rank: int, out: list[Command]) -> bool
 
 def new_pool(st: CoordinatorState, epoch: int, total: int) -> ChunkPool:
     """A fresh pool for ``epoch`` with reservation spans from the current counts (equal
-    spans among the alive until ElChe calibrated or has a speed hint)."""
+    spans among the alive until ElChe calibrated or has a speed hint); on a resumed
+    run, an epoch the checkpoint has samples of holds only what it left (its holes)."""
+    holes = st.checkpoints.resume_holes.get(epoch)
+    if holes is not None:
+        return ChunkPool.from_coverage(epoch, total, st.config.world_size, holes)
     bs, el = st.config.batch_size, st.cadence.elche
     counts = _alive_counts(st)
     if not (el.calibrated or el.has_speed_hint()):
@@ -521,11 +525,7 @@ class CadenceDispatcher:
         cad.elche.set_max_total_batches(total // st.config.batch_size)  # a window <= an epoch
         for old in [e for e in cad.pools if e < epoch]:
             del cad.pools[old]
-        if st.checkpoints.resume_epoch == epoch:  # resumed: only what the checkpoint left
-            holes = st.checkpoints.resume_holes
-            cad.pools[epoch] = ChunkPool.from_coverage(epoch, total, st.config.world_size, holes)
-        else:
-            cad.pools[epoch] = new_pool(st, epoch, total)
+        cad.pools[epoch] = new_pool(st, epoch, total)
         alive = st.alive_ranks()
         for r in alive:
             d.rank_epoch[r] = epoch

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 import pytest
 
@@ -267,3 +268,73 @@ def test_coordinator_cli_refuses_a_bad_resume_with_exit_2(committed, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert err[0].startswith("flodl-coordinator: resume refused: cannot resume from") and "seed 7" in err[0]
+
+
+# -- several epochs at one consensus (issue 11) -----------------------------------------------
+
+
+def meta_of(version: int, epoch: int) -> dict:
+    """A meta of checkpoint ``version`` as of aggregated ``epoch``."""
+    m = meta_at(version)
+    m.update(last_aggregated_epoch=epoch, epoch=epoch + 1, coverage={"epochs": []})
+    return m
+
+
+def test_a_second_epoch_of_one_consensus_commits_its_own_checkpoint_sharing_the_bytes(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    path = store.model_path(3, 0)
+    sha = rank_writes(path, b"weights of v3")
+    assert store.stage_meta(3, meta_of(3, 0)) == []
+    (first,) = store.on_result(3, 0, error=None, sha256=sha)
+    (second,) = store.stage_meta(3, meta_of(3, 1))  # epoch 1 aggregated later at the same consensus
+    assert (first.epoch, second.epoch) == (0, 1) and second.path.endswith("ckpt-00000003-e1")
+    a, b = (os.stat(os.path.join(c.path, MODEL_FILE)) for c in (first, second))
+    assert (a.st_ino, a.st_nlink) == (b.st_ino, 2)  # one file, two names: no byte written twice
+    assert (tmp_path / LATEST_FILE).read_text() == "ckpt-00000003-e1\n"
+    shutil.rmtree(first.path)  # pruned or deleted: the second stands on its own
+    ck = load_checkpoint(second.path)
+    assert ck.meta["last_aggregated_epoch"] == 1 and ck.meta["model"]["sha256"] == sha.hex()
+
+
+def test_metas_staged_together_commit_oldest_epoch_first_and_copy_where_links_are_refused(tmp_path, monkeypatch):
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    store = CheckpointStore(str(tmp_path))
+    path = store.model_path(4, 1)
+    sha = rank_writes(path, b"weights of v4")
+    store.stage_meta(4, meta_of(4, 3))
+    store.stage_meta(4, meta_of(4, 2))
+    got = store.on_result(4, 1, error=None, sha256=sha)
+    assert [(c.epoch, os.path.basename(c.path)) for c in got] == [(2, "ckpt-00000004"), (3, "ckpt-00000004-e3")]
+    for c in got:
+        assert load_checkpoint(c.path).meta["last_aggregated_epoch"] == c.epoch  # whole and verified
+
+
+def test_a_restarted_coordinator_finds_the_committed_save_a_late_epoch_shares(tmp_path):
+    save(CheckpointStore(str(tmp_path)), 5, payload=b"weights of v5")
+    (c,) = CheckpointStore(str(tmp_path)).stage_meta(5, meta_of(5, 4))  # a new process: nothing in memory
+    assert isinstance(c, Committed) and c.path.endswith("ckpt-00000005-e4")
+    assert load_checkpoint(c.path).meta["model"]["sha256"] == hashlib.sha256(b"weights of v5").hexdigest()
+
+
+def test_the_summary_and_status_list_every_epoch_checkpointed(tmp_path):
+    ck = Checkpointing(Settings(checkpoint_dir=str(tmp_path)))
+    path = ck.stamp(0, pb.Control(checkpoint=pb.Control.Checkpoint(version=3, target_rank=0, cycle=3))).checkpoint.path
+    sha = rank_writes(path)
+    for e in (0, 1):
+        ck.on_notice(Notice(META_NOTICE, {"version": 3, "meta": meta_of(3, e)}))
+    ck.on_result(0, pb.Timing.CheckpointResult(version=3, sha256=sha))
+    s = ck.summary()
+    assert s["asked"] == [{"version": 3, "epoch": 0}, {"version": 3, "epoch": 1}] and s["missing"] == []
+    assert [(c["version"], c["epoch"]) for c in s["committed"]] == [(3, 0), (3, 1)] and s["epochs"] == [0, 1]
+    assert ck.status()["epochs"] == [0, 1] and ck.status()["committed"] == 2
+
+
+def test_a_meta_of_other_weights_never_shares_a_save(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    save(store, 6)
+    other = dict(meta_of(6, 2), cycle=99)  # names another consensus than the one saved
+    (f,) = store.stage_meta(6, other)
+    assert isinstance(f, Failed) and "cycle 99" in f.reason and visible(tmp_path) == ["ckpt-00000006", LATEST_FILE]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pathlib
 import sys
+import time
 
 import pytest
 
@@ -31,6 +32,11 @@ def test_fake_ranks_train_a_cadence_run_to_the_end(serve):
     assert out["finished"] == n and out["exit_reasons"] == ["shutdown"], out["exit_reasons"]
     assert out["batches"] == 2 * total  # batch size 1: every sample of both epochs, once
     assert out["drops"] == {}
+    # The service thread records RunFinished after it sent the Shutdowns the ranks just
+    # acted on: wait for it (bounded) rather than race it.
+    deadline = time.monotonic() + 15
+    while svc.finished is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert svc.finished is not None and svc.finished.ok, svc.finished
     assert dict(svc.dropped) == {}
     assert out["requests"] and all(arrival >= sent > 0 for _c, arrival, sent in out["requests"])

@@ -137,34 +137,51 @@ def _acks_out_of_step(seed: int, policy: str) -> Cluster:
     speeds = [rng.choice([5.0, 10.0, 40.0]) for _ in range(ws)]
     # probe_batches None (the anchor): the seeds were picked with an anchor-sized first window.
     c = Cluster(world_size=ws, total=rng.choice([64, 150]) * ws, batch_size=8, epochs=3, policy=policy,
-                checkpoint_every=1, speeds=speeds, defer_acks=True, probe_batches=None)  # fmt: skip
+                checkpoint_every=1, speeds=speeds, defer_acks=True, probe_batches=None, run_ahead=True)  # fmt: skip
     _straggle_to_the_end(c, rng)
     return c
 
 
-@pytest.mark.parametrize("seed,policy", [(0, "async"), (26, "async"), (3, "cadence"), (7, "cadence")])
+# Seeds 5 and 24 aggregate two epochs while a round is open (both saved at its finish).
+@pytest.mark.parametrize(
+    "seed,policy", [(0, "async"), (26, "async"), (24, "async"), (3, "cadence"), (7, "cadence"), (5, "cadence")]
+)
 def test_a_checkpoint_covers_exactly_what_the_consensus_it_names_folded(seed, policy):
     """Issue 9: an epoch that completed on the first acks of a round was checkpointed at
     the *previous* cycle while the meta already counted the open round's acked batches
     as covered: a resume from it would never train them (lost quietly). The save is now
     deferred to that round's finish, at its cycle."""
     c = _acks_out_of_step(seed, policy)
+    epochs, saves = _audit_metas(c)
+    # One checkpoint per epoch, of that epoch; epochs shorter than a window (the ranks
+    # stream across them) can aggregate at one consensus, and share its one save.
+    assert epochs == list(range(c.config.num_epochs)) and 1 <= saves <= len(epochs)
+
+
+def _audit_metas(c: Cluster) -> tuple[list[int], int]:
+    """Check that every meta -- a save's, or another epoch's of the same consensus --
+    covers exactly what the weights of its cycle hold (positions of epochs past the one
+    it is of); return the epochs the metas are of, in order, and how many saves."""
     acks: list[SyncAcked] = []
-    checked = 0
+    saves, epochs = 0, []
     for ev, cmds in c.trace:
         if isinstance(ev, SyncAcked):
             acks.append(ev)
         for i, x in enumerate(cmds):
-            if not (isinstance(x, Send) and x.kind == "checkpoint"):
+            if isinstance(x, Send) and x.kind == "checkpoint":
+                saves += 1
+                meta = next(n.data["meta"] for n in cmds[i:] if isinstance(n, Notice) and n.kind == "checkpoint_meta")
+                assert meta["cycle"] == x.control.checkpoint.cycle
+            if not (isinstance(x, Notice) and x.kind == "checkpoint_meta"):
                 continue
-            cycle = x.control.checkpoint.cycle
-            meta = next(n.data["meta"] for n in cmds[i:] if isinstance(n, Notice) and n.kind == "checkpoint_meta")
-            assert meta["cycle"] == cycle
+            meta = x.data["meta"]
+            cycle, last = meta["cycle"], meta["last_aggregated_epoch"]
+            epochs.append(last)
+            assert meta["epoch"] == last + 1
             folded: dict[int, int] = {}  # rank -> the last step consensus `cycle` holds
             for a in acks:
                 if a.cycle <= cycle:
                     folded[a.rank] = max(folded.get(a.rank, 0), a.step_count)
-            last = meta["last_aggregated_epoch"]
             in_weights = {
                 (e, p)
                 for r in c.ranks
@@ -178,11 +195,56 @@ def test_a_checkpoint_covers_exactly_what_the_consensus_it_names_folded(seed, po
                 for off, size in row["covered"]
                 for p in range(off, off + size)
             }
-            assert covered == in_weights, f"v{x.control.checkpoint.version} (cycle {cycle})"
-            checked += 1
-    # One save per version: epochs shorter than a window (the ranks stream across them)
-    # can aggregate in the same step, and one save then covers both.
-    assert checked >= 2
+            assert covered == in_weights, f"v{meta['version']} (cycle {cycle})"
+    return epochs, saves
+
+
+def _streaming_short_epochs(policy: str = "cadence") -> Cluster:
+    """Epochs shorter than two windows at 1,2,4 with run_ahead: several epochs
+    aggregate at one consensus."""
+    c = Cluster(world_size=3, total=144, batch_size=8, epochs=8, policy=policy, checkpoint_every=1,
+                speeds=[10.0, 20.0, 40.0], run_ahead=True)  # fmt: skip
+    c.join_all()
+    assert c.run().ok
+    return c
+
+
+def test_epochs_aggregated_at_one_consensus_each_get_their_own_checkpoint_of_one_save():
+    """Issue 11: two epochs aggregated at the same consensus used to share one
+    checkpoint (13 of 15 committed). Each now has its own meta, of that epoch, and the
+    consensus is saved once."""
+    c = _streaming_short_epochs()
+    epochs, saves = _audit_metas(c)
+    assert epochs == list(range(8)) and saves < 8
+    versions = [m["version"] for m in metas(c)]
+    assert len(set(versions)) == saves  # one save per consensus, one meta per epoch
+
+
+@pytest.mark.parametrize("policy", ["cadence", "async"])
+def test_a_resume_from_the_first_of_two_epochs_at_one_consensus_skips_what_the_weights_hold(policy):
+    """The earlier epoch's checkpoint holds all of the next epoch (recorded as covered):
+    the resume trains none of it again, and the run still aggregates it and goes on."""
+    first = _streaming_short_epochs(policy)
+    ms = [m["meta"] for m in metas(first)]
+    i = next(i for i in range(len(ms) - 1) if ms[i]["version"] == ms[i + 1]["version"])
+    point = resume_plan(json.loads(json.dumps(ms[i])))
+    assert point.remaining(point.epoch) == 0  # the weights hold all of the resume epoch
+    c = Cluster(world_size=3, total=144, batch_size=8, epochs=8, policy=policy, speeds=[10.0, 20.0, 40.0],
+                run_ahead=True)  # fmt: skip
+    c.state = initial_state(c.config, point)
+    c.join_all()
+    fin = c.run()
+    assert fin.ok, fin.reason
+    got: dict[int, Counter] = {}
+    for r in c.ranks:
+        for e, off, n, _ in r.trained:
+            got.setdefault(e, Counter()).update(range(off, off + n))
+    want = {e: Counter(p for off, n in point.uncovered(e) for p in range(off, off + n)) for e in range(point.epoch, 8)}
+    assert got == {e: w for e, w in want.items() if w}  # each uncovered position once, nothing the weights hold
+    assert [row["epoch"] for row in fin.summary["epochs"]] == list(range(8))
+    held = [row["epoch"] for row in fin.summary["epochs"] if row["avg_loss"] is None]
+    assert held == [point.epoch]  # trained before the save: no loss reported in this run (not 0)
+    assert all((row["duplicates"], row["missing"]) == (0, 0) for row in fin.summary["coverage"])
 
 
 # -- answers and failover -----------------------------------------------------------------
@@ -345,7 +407,7 @@ def test_resume_restores_counters_and_history():
     assert st.cadence.elche.anchor == first.state.cadence.elche.anchor
     ec = st.coverage.epochs[1]
     assert ec.unique == point.total_samples - point.remaining(1) and not ec.frozen
-    assert st.checkpoints.resume_holes == point.uncovered(1)
+    assert st.checkpoints.resume_holes[1] == point.uncovered(1)
 
 
 def test_resume_at_an_epoch_boundary_trains_the_next_epochs_whole():

@@ -29,7 +29,9 @@ from .cluster import Cluster, controls
 class CollectiveCluster(Cluster):
     """The cluster, plus the store host's answer: a ``Rendezvous`` announcing a
     generation to ``new_rank`` 0 is answered ``StoreReady`` (unless the rank is ``mute``).
-    The all-reduce itself is simulated by the base cluster (the ack comes straight back)."""
+    The all-reduce itself is simulated by the base cluster (the ack comes straight back),
+    and so is a generation's seed broadcast: a joiner named in ``seed_ranks`` loads it
+    once the address reaches it (``send_seed``)."""
 
     def __init__(self, *a, mute=(), **kw):
         kw.setdefault("plane", "collective")
@@ -46,6 +48,8 @@ class CollectiveCluster(Cluster):
             m = ctl.rendezvous
             if not m.store_addr and m.new_rank == 0 and rank not in self.mute:
                 self.feed(StoreReady(now=self.now, rank=rank, generation=m.generation, addr=f"10.0.0.{rank}:{29500 + m.generation}"))
+            if m.store_addr and rank in m.seed_ranks and rank not in self.mute and r.m.accepts_seed():
+                r.seed_due = True  # the group formed and broadcast the seed: ``send_seed`` loads it
             return True
         return super().deliver_one(rank)
 

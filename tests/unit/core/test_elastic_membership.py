@@ -178,13 +178,14 @@ def test_a_live_rank_id_is_still_refused_while_training():
     assert not ack.accepted and ack.reason.startswith("rank 1 already admitted from another route or incarnation")
 
 
-def test_the_collective_plane_refuses_a_join_mid_run_by_name():
+def test_the_collective_plane_admits_a_join_mid_run_and_seeds_it_by_broadcast_not_by_the_shell():
     c = _elastic(policy="sync", plane="collective", join_timeout_s=0.0)
     c.hello(0)
     c.hello(1)
     c.advance(0.01)
     ack = _ack(c.hello(2))
-    assert not ack.accepted and "joining a running world needs plane = bus" in ack.reason
+    assert ack.accepted and ack.run.join_running
+    assert not [x for x in c.commands if type(x).__name__ == "SeedJoiner"]  # tests/unit/core/test_collective_join.py
 
 
 def test_a_joiner_lost_before_its_seed_reopens_the_slot_and_the_run_goes_on():

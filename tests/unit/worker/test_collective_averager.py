@@ -110,13 +110,15 @@ def _until(avs, done, what):
             av.wait(5)
 
 
-def _form(ranks, avs, generation, members, *, timeout_s=30.0):
+def _form(ranks, avs, generation, members, *, timeout_s=30.0, seed_ranks=(), seed_cycle=0):
     """Announce ``generation`` to ``members`` (global indices, store host first), answer
     the store host's StoreReady with the address: the test is the coordinator."""
     size = len(members)
+    seed = dict(seed_ranks=seed_ranks, seed_cycle=seed_cycle)
     for i, m in enumerate(members):
         avs[m].on_rendezvous(
-            pb.Control.Rendezvous(generation=generation, new_rank=i, new_world_size=size, backend="gloo", timeout_s=timeout_s)
+            pb.Control.Rendezvous(generation=generation, new_rank=i, new_world_size=size, backend="gloo",
+                                  timeout_s=timeout_s, **seed)  # fmt: skip
         )
     host = ranks[members[0]]
     ready = [s for s in host.got("store_ready") if s.generation == generation]
@@ -125,7 +127,7 @@ def _form(ranks, avs, generation, members, *, timeout_s=30.0):
         avs[m].on_rendezvous(
             pb.Control.Rendezvous(
                 generation=generation, store_addr=ready[0].addr, new_rank=i, new_world_size=size,
-                backend="gloo", timeout_s=timeout_s,
+                backend="gloo", timeout_s=timeout_s, **seed,
             )
         )  # fmt: skip
 
@@ -367,3 +369,72 @@ def test_a_finished_reduce_wakes_a_blocked_wait(ctx):
         assert len(_acks(ranks[0], 1)) == 1 and len(_acks(ranks[1], 1)) == 1
     finally:
         _close(avs)
+
+
+def test_a_joiner_is_seeded_by_the_new_generations_broadcast_then_all_reduces_with_the_members(ctx):
+    """Generation 2 adds rank 2, joining the running world (``seed_ranks``): the group's
+    first collective broadcasts rank 0's live parameters and f32 buffers; the joiner loads
+    them and says so (``seeded``); rank 1 relays and keeps its own; then a round reduces
+    all three (the broadcast came first on every member: gloo pairs ops by order)."""
+    bufs = lambda r: [np.full(3, float(r + 1), np.float32)]  # noqa: E731
+    ranks, avs = _cluster(ctx, steps=[2, 2, 0], buffers=bufs)
+    joiner = ranks[2]
+    joiner.spec = pb.RunSpec(gamma=1.0, policy=pb.POLICY_CADENCE, plane=pb.PLANE_COLLECTIVE, total_samples=1,
+                             join_running=True)  # fmt: skip
+    joiner.m = RankMachine(2)
+    joiner.m.handle(Admitted(spec=joiner.spec))
+    try:
+        _form(ranks, avs, 1, [0, 1])
+        _until(avs[:2], lambda: all(av.gen.group is not None for av in avs[:2]), "generation 1 formed")
+        ranks[0].step(0.25)  # the source trained since: the joiner gets its parameters now, not a consensus
+        source = [p.detach().numpy().copy() for p in ranks[0].params]
+        own = [p.detach().numpy().copy() for p in ranks[1].params]
+        _form(ranks, avs, 2, [0, 1, 2], seed_ranks=[2], seed_cycle=7)
+        _until(avs, lambda: bool(joiner.got("seeded")), "the joiner seeded")
+        (seeded,) = joiner.got("seeded")
+        assert seeded.cycle == 7 and not joiner.m.awaiting_seed and avs[2].stats.seeded
+        for p, x in zip(joiner.params, source):
+            assert np.array_equal(p.detach().numpy(), x)
+        assert np.array_equal(joiner.buffers[0].numpy(), np.full(3, 1.0, np.float32))  # rank 0's
+        for p, x in zip(ranks[1].params, own):
+            assert np.array_equal(p.detach().numpy(), x)  # a member relays the seed, keeps its own
+        assert not ranks[0].got("seeded") and not ranks[1].got("seeded")
+        total = sum(a.size for a in _params(0)) + 3
+        _until(avs, lambda: all(av.stats.seed_broadcasts == 1 for av in avs), "every member saw the broadcast end")
+        assert all(av.stats.seed_bytes == 4 * total for av in avs)
+        joiner.step(1.0)
+        for av in avs:
+            _request(av, 1)
+        _until(avs, lambda: all(_acks(r, 1) for r in ranks), "cycle 1 reduced by the three")
+        a, c = (np.concatenate([p.detach().numpy().ravel() for p in r.params]) for r in (ranks[0], ranks[2]))
+        assert a.tobytes() == c.tobytes() and all(av.stats.reduced == 1 for av in avs)
+    finally:
+        _close(avs)
+
+
+def test_a_failed_seed_broadcast_is_reported_as_seeding(ctx):
+    ranks, avs = _cluster(ctx, steps=[1, 0])
+    try:
+        # A group of one seeding rank 1 (not a member here): the broadcast completes alone;
+        # then its gloo work is made to have raised, as when a peer's connection closed.
+        _form(ranks, avs, 1, [0], seed_ranks=[1])
+        _until(avs[:1], lambda: avs[0].stats.seed_broadcasts == 1, "the lone broadcast")
+        assert not ranks[0].got("collective_failed") and not ranks[0].got("seeded")  # rank 0 is no joiner
+        avs[0]._seeded(_FailedSeed(avs[0].gen.number))
+        (failed,) = ranks[0].got("collective_failed")
+        assert failed.seeding and failed.cycle == 0 and "Connection closed by peer" in failed.reason
+        assert avs[0].gen.broken  # the group is not used again: the coordinator re-forms
+    finally:
+        _close(avs)
+
+
+class _FailedSeed:
+    """A seed broadcast whose gloo work raised (a peer's connection closed)."""
+
+    def __init__(self, generation):
+        self.generation, self.cycle, self.load = generation, 0, False
+        self.future = SimpleNamespace(value=self._raise, done=lambda: True)
+
+    @staticmethod
+    def _raise():
+        raise RuntimeError("Connection closed by peer")

@@ -186,10 +186,17 @@ def test_rank_throttle_extend_and_zero_mass_round(coordinator, procs, py, tmp_pa
     # Extend the plan in training with a non-adjacent range: no batch straddles the gap.
     extend = pb.Control.ExtendPartition(epoch=0, partition_offset=40, partition_size=8)
     coordinator.control(route, extend_partition=extend)
+    # Sync, a rank joined: still throttled, the rank gives back its tail beyond 24 samples
+    # and names exactly what left its plan.
+    coordinator.control(route, trim_partition=pb.Control.TrimPartition(epoch=0, keep=24))
+    _, d = coordinator.expect("timing", "partition_trimmed")
+    trimmed = d.envelope.timing.partition_trimmed
+    assert (trimmed.epoch, trimmed.kept, [(s.offset, s.size) for s in trimmed.released]) == (0, 24, [(44, 4)])
+    assert trimmed.command_id == coordinator.command_id  # the trim it answers
     coordinator.control(route, update=pb.Control.Update(version=1))
-    expect_batches(coordinator, [(0, 16), (16, 4), (40, 8)])
+    expect_batches(coordinator, [(0, 16), (16, 4), (40, 4)])
     _, d = coordinator.expect("metrics")
-    assert (d.envelope.metrics.batches_processed, d.envelope.metrics.samples_processed) == (3, 28)
+    assert (d.envelope.metrics.batches_processed, d.envelope.metrics.samples_processed) == (3, 24)
 
     coordinator.control(route, shutdown_with_save=pb.Control.ShutdownWithSave(detail="bye"))
     _, d = coordinator.expect("timing", "exiting")
@@ -198,7 +205,7 @@ def test_rank_throttle_extend_and_zero_mass_round(coordinator, procs, py, tmp_pa
     assert code == 0, err
     perm = epoch_permutation(SEED, 0, 64)
     ids = [int(line.split()[1]) for line in (tmp_path / "rank0.trace").read_text().splitlines()]
-    assert ids == [int(i) for i in perm[0:20]] + [int(i) for i in perm[40:48]]
+    assert ids == [int(i) for i in perm[0:20]] + [int(i) for i in perm[40:44]]
 
 
 @pytest.mark.integration
