@@ -1,6 +1,6 @@
-"""Elastic membership: what a join costs and what it buys, and a churn campaign.
+"""Elastic membership: what a join costs and what it buys, and churn campaigns.
 
-Two modes, one JSON object on stdout:
+Three modes, one JSON object on stdout:
 
 ``--sim`` (virtual time, fast): ``flodl.sim._churn.churn_case`` over ``--seeds`` seeds
 per policy -- late joins, a host that never comes, killed ranks restarted by their agent,
@@ -34,6 +34,32 @@ same buffer in the same group (what every round costs): medians of ``--reps``.
 
 Medians over ``--runs`` runs. The machine may be shared: ratios from the same run stay
 meaningful; absolute seconds include process start-up under that load.
+
+``--churn`` (real processes, several minutes): ``--ranks`` ranks (6) over two agents with
+``--max-restarts``, the synthetic task sized by ``--samples`` / ``--epochs``, and a fault
+every ``--every`` s (10, +- 20 %) from a seeded schedule (``churn_plan``; a kill or a stop
+strikes only while at least half the ranks train besides its victim): kill -9 of a
+training rank (its agent restarts it, it rejoins), SIGSTOP of one past the liveness
+timeout then SIGCONT or SIGKILL, a third agent joining with ``--join-ranks`` more ranks,
+and that host leaving (SIGTERM to its agent, once its ranks trained). The same run
+without faults, measured first in the same invocation, is the baseline. Reported:
+
+* ``goodput_ratio``: committed samples per second (world's first batch -> last commit)
+  of the churn run over the baseline's;
+* ``samples_lost`` / ``samples_doubled`` (goal 0 / 0): the summary's coverage, and the
+  ranks' own traces (``never_trained``; ``trained_again``, which a dead rank's discarded
+  windows explain up to ``discarded_samples`` + one batch per death);
+* per fault: ``detection_s`` (the fault -> the core's decision that the rank is gone, from
+  a replay of the journal), ``recovery_s`` (the fault -> the survivors training at full
+  rate again, defined in ``churn_plan``; goal for a kill the agent reports: <= 2 x the
+  heartbeat interval), ``stall_s`` (the survivors' longest batch gap meanwhile), and for a
+  kill or a join the join times of the rank(s) that (re)joined;
+* ``by_kind``: medians per kind; ``join_times``: every seeded joiner.
+
+``--quick`` is a short one to see it work: 4 ranks, kills and stops only (a joining host
+would not have started yet), a fault every ~2.5 s, ~10 s of training per run; process
+start-up (twice: the baseline, then the churn run) is most of its wall time, about 30 s on
+an idle 2-core machine and more under load.
 """
 
 from __future__ import annotations
@@ -49,6 +75,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from churn_report import churn, churn_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -278,26 +306,37 @@ def _real(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sim", action="store_true", help="the simulated churn campaign instead of real processes")
+    ap.add_argument("--churn", action="store_true", help="the real-process churn campaign (goodput, recovery)")
+    churn_args(ap)
     ap.add_argument("--seeds", type=int, default=500, help="--sim: seeds per policy")
     ap.add_argument("--policies", default="sync,cadence,async", help="--sim: policies")
     ap.add_argument("--policy", default="cadence", help="processes: the averaging policy (sync or cadence on collective)")
     ap.add_argument("--planes", default="bus", help="processes: data planes to run, interleaved (bus,collective)")
     ap.add_argument("--runs", type=int, default=3, help="processes: runs (medians)")
-    ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--epochs", type=int, default=None, help="default 20 (joins); --churn 50, quick 12")
     ap.add_argument("--slow", type=float, default=60.0, help="processes: the first agent's slowdown factor")
-    ap.add_argument("--base-ms", type=float, default=1.0)
-    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--base-ms", type=float, default=None, help="emulated ms per batch: default 1 (joins), 20 (--churn)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take (--churn: each; quick 120)")
     ap.add_argument("--broadcast", action="store_true", help="gloo's seed broadcast vs an all-reduce, by payload size")
     ap.add_argument("--sizes", default="5e3,1e6,1e7", help="--broadcast: f32 elements per payload")
-    ap.add_argument("--ranks", type=int, default=3, help="--broadcast: group size")
+    ap.add_argument("--ranks", type=int, default=None,
+                    help="--broadcast: group size (3); --churn: ranks over the two agents (6; quick 4)")
     ap.add_argument("--reps", type=int, default=5, help="--broadcast: timed repetitions per size (medians)")
     args = ap.parse_args()
+    if not args.churn:
+        args.epochs = 20 if args.epochs is None else args.epochs
+        args.base_ms = 1.0 if args.base_ms is None else args.base_ms
+        args.ranks = 3 if args.ranks is None else args.ranks
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    if args.broadcast:
+    if args.churn:
+        out = churn(args)
+    elif args.broadcast:
         out = _broadcast(args)
     else:
         out = _sim(args.seeds, args.policies.split(",")) if args.sim else _real(args)
     print(json.dumps(out, indent=2))
+    if args.churn and not out["ok"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

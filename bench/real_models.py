@@ -1,7 +1,7 @@
 """The real-work examples under flodl against torch DDP at equal epochs.
 
     python bench/real_models.py [--models cnn,tinylm] [--modes cadence,async] [--epochs 5]
-        [--slowdown 1,2,4] [--base-ms 2] [--repeats 3]
+        [--slowdown 1,2,4] [--base-ms 2] [--repeats 5] [--seed 42] [--example-args "--lr-scale none"]
 
 For each example (``flodl_worker.examples.cnn``: conv + BatchNorm + dropout on the
 digits; ``flodl_worker.examples.tinylm``: a causal transformer LM), in one invocation:
@@ -16,8 +16,19 @@ digits; ``flodl_worker.examples.tinylm``: a causal transformer LM), in one invoc
   emulated speeds, each rank on an equal shard of a per-epoch shuffle (DDP all-reduces
   gradients every step, so every step waits for the slowest rank).
 
+The learning rate: DDP runs at the example's ``--lr``. flodl runs the example with its
+defaults, and ``--lr-scale auto`` multiplies an *Adam* LR by sqrt(ranks): averaging K
+ranks' Adam steps, each normalised by its own batch's gradient noise, moves about
+1/sqrt(K) as far as DDP's one Adam step on the K-fold batch (SGD's average is DDP's step
+already, so the CNN's LR is not scaled). ``--example-args "--lr-scale none"`` runs flodl
+at DDP's LR instead, to show that gap.
+
+Repeat ``i`` runs every contender with seed ``--seed + i`` (initial weights and shuffle):
+the medians are over seeds, not over timing noise of one seed.
+
 Prints one JSON object: per model and mode the medians over ``--repeats`` of the held-out
-metrics and the wall time, and each mode's gap to DDP (accuracy points; loss in nats).
+metrics and the wall time, each mode's gap to DDP (accuracy points; loss in nats), and
+the per-seed values.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -76,14 +88,14 @@ class Model:
         return {"heldout_loss": m["loss"], "perplexity": m["perplexity"], "accuracy": m["accuracy"]}
 
 
-def flodl_run(model: Model, policy: str, args) -> dict:
+def flodl_run(model: Model, policy: str, args, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         summary = os.path.join(d, "s.json")
         cmd = [
             sys.executable, "-m", "flodl", "run", "--local", "--quiet", "--ranks", str(len(args.slow)),
             "--slowdown", args.slowdown, "--base-ms", str(args.base_ms), "--epochs", str(args.epochs),
-            "--batch-size", str(args.batch_size), "--policy", policy, "--summary", summary,
-            "--", sys.executable, "-m", f"flodl_worker.examples.{model.name}",
+            "--batch-size", str(args.batch_size), "--policy", policy, "--summary", summary, "--seed", str(seed),
+            "--", sys.executable, "-m", f"flodl_worker.examples.{model.name}", *shlex.split(args.example_args),
         ]  # fmt: skip
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if p.returncode != 0 or not os.path.exists(summary):
@@ -99,12 +111,12 @@ def flodl_run(model: Model, policy: str, args) -> dict:
     return out
 
 
-def _ddp_worker(rank: int, name: str, args, port: int, out_q) -> None:
+def _ddp_worker(rank: int, name: str, args, seed: int, port: int, out_q) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=len(args.slow))
     m = Model(name)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)  # the same initial weights as flodl's ranks of this seed
     net = DDP(m.build())
     opt = m.optimizer(net)
     x_all, y_all = m.train.tensors
@@ -112,7 +124,7 @@ def _ddp_worker(rank: int, name: str, args, port: int, out_q) -> None:
     dist.barrier()
     t0 = time.perf_counter()
     for epoch in range(args.epochs):
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
         shard = perm[rank::world]
         for i in range(0, len(shard), args.batch_size):
             idx = shard[i : i + args.batch_size]
@@ -124,13 +136,13 @@ def _ddp_worker(rank: int, name: str, args, port: int, out_q) -> None:
     dist.destroy_process_group()
 
 
-def ddp_run(name: str, args) -> dict:
+def ddp_run(name: str, args, seed: int) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, name, args, port, q)) for r in range(len(args.slow))]
+    procs = [ctx.Process(target=_ddp_worker, args=(r, name, args, seed, port, q)) for r in range(len(args.slow))]
     for p in procs:
         p.start()
     res = q.get(timeout=1800)
@@ -139,9 +151,10 @@ def ddp_run(name: str, args) -> dict:
     return res
 
 
-def medians(runs: list[dict]) -> dict:
+def medians(runs: list[dict], key: str) -> dict:
     ok = [r for r in runs if "error" not in r]
-    out: dict = {"runs": len(runs), "failed": len(runs) - len(ok)}
+    per_seed = [round(r[key], 4) if key in r else None for r in runs]
+    out: dict = {"runs": len(runs), "failed": len(runs) - len(ok), f"{key}_per_seed": per_seed}
     if not ok:
         out["error"] = runs[-1].get("error")
         return out
@@ -161,18 +174,20 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--slowdown", default="1,2,4")
     ap.add_argument("--base-ms", type=float, default=2.0)
-    ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=42, help="repeat i uses seed + i (every contender)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--example-args", default="", help='arguments for the flodl example, e.g. "--lr-scale none"')
     args = ap.parse_args()
     args.slow = [float(s) for s in args.slowdown.split(",")]
     res: dict = {"bench": "real_models", "rig": {k: getattr(args, k) for k in
-                 ("epochs", "batch_size", "slowdown", "base_ms", "repeats")}}  # fmt: skip
+                 ("epochs", "batch_size", "slowdown", "base_ms", "repeats", "seed", "example_args")}}  # fmt: skip
+    seeds = [args.seed + i for i in range(args.repeats)]
     for name in args.models.split(","):
         model = Model(name)
-        row: dict = {"ddp": medians([ddp_run(name, args) for _ in range(args.repeats)])}
-        for policy in args.modes.split(","):
-            row[f"flodl_{policy}"] = medians([flodl_run(model, policy, args) for _ in range(args.repeats)])
         key = "accuracy" if name == "cnn" else "heldout_loss"
+        row: dict = {"ddp": medians([ddp_run(name, args, s) for s in seeds], key)}
+        for policy in args.modes.split(","):
+            row[f"flodl_{policy}"] = medians([flodl_run(model, policy, args, s) for s in seeds], key)
         base = row["ddp"].get(key)
         for mode, r in row.items():
             if mode != "ddp" and base is not None and key in r:

@@ -23,10 +23,14 @@ itself vouches for its supervisor:
    world forms it is what says the slot will never come (so a peer holding the session,
    and with CURVE an allowed key, that claims a slot first can end a forming run early --
    as it could by refusing to train once admitted).
-4. An agent hello claiming a rank that has already vouched for *another* agent is refused
-   for that rank (logged); claims nobody vouched for yet may coexist (first-come claims
-   would let an early forger lock the real agent out). A hello naming a rank out of
-   range, a rank twice, or a host name over 255 characters is refused whole.
+4. An agent hello claiming a rank that has already vouched for *another* agent, while
+   the run still holds that rank, is refused for that rank (logged); claims nobody vouched
+   for yet may coexist (first-come claims would let an early forger lock the real agent
+   out). A rank that is gone (dead, left) is claimable again: a new host takes the slots
+   of one that left. And once a rank's own hello vouches for an agent that asked for it,
+   it is that agent's (an agent restarted before its old ranks were declared dead gets
+   them back as they say hello). A hello naming a rank out of range, a rank twice, or a
+   host name over 255 characters is refused whole.
 
 Only digests (sha256) of tokens are kept and journaled (``_agent`` and ``_rank_agent``
 records, mode 0600 journal), so a restarted coordinator still believes the same agent
@@ -57,6 +61,7 @@ class AgentClaim:
     digest: str = ""  # token_digest of the agent's token
     key: str = ""  # CURVE client key (User-Id) its hello came with; "" without CURVE
     host: str = ""
+    asked: set[int] = field(default_factory=set)  # the ranks its hello named (``ranks`` less those taken)
 
 
 class AgentBook:
@@ -71,11 +76,12 @@ class AgentBook:
         """Apply a journaled ``_agent`` / ``_rank_agent`` record (``recovery``)."""
         if record.get("type") == "_agent":
             route = tuple(bytes.fromhex(h) for h in record["route"])
-            self.claims[route] = AgentClaim(
-                set(record["ranks"]), record.get("token", ""), record.get("key", ""), record.get("host", "")
-            )
+            ranks = set(record["ranks"])
+            asked = set(record.get("asked", ranks))
+            self.claims[route] = AgentClaim(ranks, record.get("token", ""), record.get("key", ""),
+                                            record.get("host", ""), asked)  # fmt: skip
         elif record.get("type") == "_rank_agent":
-            self.vouched[int(record["rank"])] = record["token"]
+            self._vouch(int(record["rank"]), record["token"])
 
     @property
     def agent_ranks(self) -> dict[tuple, set[int]]:
@@ -83,8 +89,9 @@ class AgentBook:
 
     # -- events -----------------------------------------------------------------------
 
-    def hello(self, route: tuple, hello, key: str) -> tuple[dict | None, str]:
-        """An agent's hello: (its journal record, or None if refused whole; a note to log)."""
+    def hello(self, route: tuple, hello, key: str, held=None) -> tuple[dict | None, str]:
+        """An agent's hello: (its journal record, or None if refused whole; a note to log).
+        ``held``: the ranks the run holds now (None: every rank that vouched)."""
         ranks = list(hello.ranks)
         if len(hello.host) > MAX_AGENT_HOST_CHARS:
             return None, f"agent hello refused: host name of {len(hello.host)} characters exceeds {MAX_AGENT_HOST_CHARS}"
@@ -93,23 +100,34 @@ class AgentBook:
         if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.world_size for r in ranks):
             return None, f"agent hello refused: ranks {ranks[:16]} are not distinct ranks in [0, {self.world_size})"
         digest = token_digest(bytes(hello.token))
-        taken = sorted(r for r in ranks if self.vouched.get(r) and self.vouched[r] != digest)
+        taken = sorted(r for r in ranks if self.vouched.get(r) and self.vouched[r] != digest
+                       and (held is None or r in held))  # fmt: skip
         note = ""
         if taken:
             note = f"agent on {hello.host!r} claims rank(s) {taken} that vouched for another agent: not theirs"
         if not digest:
             note = (note + "; " if note else "") + f"agent on {hello.host!r} sent no token: its exit reports are not believed"
-        claim = AgentClaim({r for r in ranks if r not in taken}, digest, key, hello.host)
+        claim = AgentClaim({r for r in ranks if r not in taken}, digest, key, hello.host, set(ranks))
         self.claims[route] = claim
-        return agent_record(route, hello, ranks=claim.ranks, token=digest, key=key), note
+        record = agent_record(route, hello, ranks=claim.ranks, token=digest, key=key)
+        if taken:
+            record["asked"] = sorted(ranks)
+        return record, note
 
     def rank_admitted(self, rank: int, token: bytes) -> dict | None:
         """A rank's admitted hello: remember which agent it vouches for (its journal record)."""
         digest = token_digest(bytes(token[:MAX_TOKEN_BYTES]))
         if not digest or self.vouched.get(rank) == digest:
             return None
-        self.vouched[rank] = digest
+        self._vouch(rank, digest)
         return {"type": "_rank_agent", "rank": rank, "token": digest}
+
+    def _vouch(self, rank: int, digest: str) -> None:
+        """The rank's own hello names the agent of ``digest``: an agent that asked for it has it."""
+        self.vouched[rank] = digest
+        for claim in self.claims.values():
+            if claim.digest == digest and rank in claim.asked:
+                claim.ranks.add(rank)
 
     def agent_refusal(self, route: tuple, token: bytes, key: str, what: str) -> str:
         """Why a report (``what``) on ``route`` is not this agent's, or '' (its hello, key, token)."""
@@ -145,3 +163,10 @@ class AgentBook:
         if any(rank in c.ranks for r, c in self.claims.items() if r != route):
             return f"{named}, and another agent claims it too"
         return ""
+
+    def before_hello(self, route: tuple, rank: int, token: bytes, key: str) -> bool:
+        """Whether a refused report is the agent's own about a rank that never said hello
+        (it died starting, or its host left first): nothing to forget, and no forgery."""
+        claim = self.claims.get(route)
+        return (claim is not None and rank in claim.ranks and claim.key == key and bool(claim.digest)
+                and token_digest(bytes(token)) == claim.digest and rank not in self.vouched)  # fmt: skip

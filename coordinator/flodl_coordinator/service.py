@@ -313,6 +313,7 @@ class CoordinatorService:
                     for dl in (self._drop_log, *self._hello_logs.values()):
                         dl.flush(self.clock())
                     next_tick = self.clock() + self.settings.tick_interval_s
+            self._tell_agents_run_ended()
         finally:
             for dl in (self._drop_log, *self._hello_logs.values()):
                 dl.close(self.clock())
@@ -578,7 +579,8 @@ class CoordinatorService:
         msg = env.agent
         which = msg.WhichOneof("msg")
         if which == "hello":
-            record, note = self.agents.hello(route, msg.hello, self._peer_key)
+            # A rank the run no longer holds (dead, left) may be claimed by a new host.
+            record, note = self.agents.hello(route, msg.hello, self._peer_key, set(self.state.addressable_ranks()))
             if record is None:
                 self._answer_agent(route, False, note)
                 raise RouteMismatch(note)
@@ -588,7 +590,9 @@ class CoordinatorService:
                 log.warning("%s", note)
             log.info("agent on %s supervises ranks %s", msg.hello.host, record["ranks"])
         elif which == "rank_exited":
-            self._feed(self._exit_report(now, route, msg.rank_exited))
+            event = self._exit_report(now, route, msg.rank_exited)
+            if event is not None:
+                self._feed(event)
         elif which == "relay_restarting":
             self._on_relay_restarting(now, route, msg.relay_restarting)
         elif which == "abort":  # the agent gives its host up (its relay died), before its ranks' exits
@@ -599,9 +603,11 @@ class CoordinatorService:
                 self.agent_errors.append(reason)
             log.error("%s", reason)
 
-    def _exit_report(self, now: float, route: tuple, r) -> RankExitReported:
+    def _exit_report(self, now: float, route: tuple, r) -> RankExitReported | None:
         """The core event for an agent's believed ``rank_exited`` (RouteMismatch if not
-        believed: a forged or misrouted report; the rank lives on, its own frames decide)."""
+        believed: a forged or misrouted report; the rank lives on, its own frames decide).
+        None: the agent's own report of a rank that never said hello, not believed (another
+        agent claims it too): logged, nothing to forget."""
         lines = tuple(line[:MAX_EXIT_LINE_CHARS] for line in r.last_lines[-MAX_EXIT_LINES:])
         kw = dict(now=now, code=r.code, restart_count=r.restart_count, restarting=r.restarting, last_lines=lines)
         if r.HasField("unpinned_slot"):  # the agent names its process; the core knows its slot
@@ -615,9 +621,22 @@ class CoordinatorService:
                 return RankExitReported(rank=UNPLACED, agent=digest, local_rank=r.unpinned_slot, **kw)
             return RankExitReported(rank=rank, **kw)
         why = self.agents.report_refusal(route, r.rank, r.token, self._peer_key, self.state.route_of(r.rank) is not None)
+        if why and self.agents.before_hello(route, r.rank, r.token, self._peer_key):
+            log.info("agent on %s: rank %d ended (code %d) before it said hello (%s)",
+                     self.agents.claims[route].host, r.rank, r.code, why)
+            return None
         if why:
             raise RouteMismatch(why)
         return RankExitReported(rank=r.rank, **kw)
+
+    def _tell_agents_run_ended(self) -> None:
+        """Every agent hears that the run is over (the socket's linger carries it out): one
+        with a rank in restart backoff must not start it again for a run that is gone, where
+        it would wait for a hello nobody answers (and fail, and be restarted, ...)."""
+        f = self.finished
+        msg = pb.AgentMsg(run_ended=pb.AgentMsg.RunEnded(ok=bool(f and f.ok), reason=f.reason if f else ""))
+        for route in self.agents.claims:
+            self._send_now(self.endpoint.frames("agent", msg, route=route), quiet=True)
 
     def _answer_agent(self, route: tuple, accepted: bool, reason: str) -> None:
         """The agent learns in one round trip that it reached the right coordinator."""

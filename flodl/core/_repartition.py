@@ -167,7 +167,8 @@ def check_trimmed(st: CoordinatorState, ev: PartitionTrimmed) -> None:
 
 
 def _outside(ranges: list[tuple[int, int]], off: int, n: int) -> bool:
-    return not any(o <= off and off + n <= o + size for o, size in ranges)
+    """Some position of ``[off, off + n)`` is in none of ``ranges``."""
+    return bool(subtract_ranges([(off, n)], ranges))
 
 
 def _overlaps(ranges: list[tuple[int, int]], off: int, n: int) -> bool:

@@ -214,6 +214,11 @@ class SimRank:
             self.w.at(self.w.now + HELLO_RESEND_S, self.hello)
 
     def heartbeat(self) -> None:
+        """Once admitted, as ``flodl_worker.rank`` does: a process not admitted yet (a
+        restart whose hello waits while its dead predecessor still holds the slot) must not
+        keep that predecessor alive -- the coordinator's shell would drop its frame (its
+        route does not own the rank), the simulated core would credit it to the rank."""
         if self.alive:
-            self.w.to_core(HeartbeatSeen, dict(rank=self.rank, step_count=self.m.local_step))
+            if self.m.admitted:
+                self.w.to_core(HeartbeatSeen, dict(rank=self.rank, step_count=self.m.local_step))
             self.w.at(self.w.now + self.w.cfg.heartbeat_s, self.heartbeat)

@@ -845,7 +845,14 @@ class RelayMsg(_message.Message):
     def __init__(self, hello: _Optional[_Union[RelayMsg.RelayHello, _Mapping]] = ..., rank_exit: _Optional[_Union[RelayMsg.RankExit, _Mapping]] = ..., declare_dead: _Optional[_Union[RelayMsg.DeclareDead, _Mapping]] = ..., fold_open: _Optional[_Union[RelayMsg.FoldOpen, _Mapping]] = ..., fold_drop: _Optional[_Union[RelayMsg.FoldDrop, _Mapping]] = ...) -> None: ...
 
 class AgentMsg(_message.Message):
-    __slots__ = ("hello", "rank_exited", "abort", "relay_restarting", "hello_ack")
+    __slots__ = ("hello", "rank_exited", "abort", "relay_restarting", "hello_ack", "run_ended")
+    class RunEnded(_message.Message):
+        __slots__ = ("ok", "reason")
+        OK_FIELD_NUMBER: _ClassVar[int]
+        REASON_FIELD_NUMBER: _ClassVar[int]
+        ok: bool
+        reason: str
+        def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
     class HelloAck(_message.Message):
         __slots__ = ("accepted", "reason")
         ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -900,9 +907,11 @@ class AgentMsg(_message.Message):
     ABORT_FIELD_NUMBER: _ClassVar[int]
     RELAY_RESTARTING_FIELD_NUMBER: _ClassVar[int]
     HELLO_ACK_FIELD_NUMBER: _ClassVar[int]
+    RUN_ENDED_FIELD_NUMBER: _ClassVar[int]
     hello: AgentMsg.AgentHello
     rank_exited: AgentMsg.RankExited
     abort: AgentMsg.Abort
     relay_restarting: AgentMsg.RelayRestarting
     hello_ack: AgentMsg.HelloAck
-    def __init__(self, hello: _Optional[_Union[AgentMsg.AgentHello, _Mapping]] = ..., rank_exited: _Optional[_Union[AgentMsg.RankExited, _Mapping]] = ..., abort: _Optional[_Union[AgentMsg.Abort, _Mapping]] = ..., relay_restarting: _Optional[_Union[AgentMsg.RelayRestarting, _Mapping]] = ..., hello_ack: _Optional[_Union[AgentMsg.HelloAck, _Mapping]] = ...) -> None: ...
+    run_ended: AgentMsg.RunEnded
+    def __init__(self, hello: _Optional[_Union[AgentMsg.AgentHello, _Mapping]] = ..., rank_exited: _Optional[_Union[AgentMsg.RankExited, _Mapping]] = ..., abort: _Optional[_Union[AgentMsg.Abort, _Mapping]] = ..., relay_restarting: _Optional[_Union[AgentMsg.RelayRestarting, _Mapping]] = ..., hello_ack: _Optional[_Union[AgentMsg.HelloAck, _Mapping]] = ..., run_ended: _Optional[_Union[AgentMsg.RunEnded, _Mapping]] = ...) -> None: ...

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from flodl.core import CollectiveFailed, Notice, Send, StoreReady, replay
+from flodl.core import CollectiveFailed, Notice, RankExitReported, Send, StoreReady, replay
 from flodl.core import ACTIVE, DEAD, JOINING, TRAINING
 from test_core_stateful import Cluster  # the one loader of tests/unit/core/cluster.py
 
@@ -84,7 +84,9 @@ class CollectiveMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 3))
     def kill(self, i):
         alive = self.c.state.alive_ranks()
-        self.c.kill(alive[i % len(alive)])
+        rank = alive[i % len(alive)]
+        self.c.kill(rank, report=False)  # the agent's report names the process it saw die:
+        self.c.feed(RankExitReported(now=self.c.now, rank=rank, code=-9, restart_count=self.restarts.get(rank, 0)))
 
     @precondition(lambda self: self.c.finished is None and any(r.phase is DEAD for r in self.c.state.ranks))
     @rule(i=st.integers(0, 3))

@@ -99,6 +99,11 @@ HELLO_RESEND_S = 2.0
 HELLO_WARN_S = 5.0
 HELLO_REWARN_S = 30.0
 RESTART_BACKOFF_S = 1.0  # a failed rank's first restart; doubles per restart, at most 30 s
+# Once the coordinator says the run ended (``run_ended``, as it exits), no rank is started
+# again, and ranks still running this much later are stopped: the ones the run held had
+# their Shutdown and leave on their own; what is left is a restarted rank waiting for a
+# hello nobody will answer (it would time out, fail, and be restarted again).
+RUN_ENDED_GRACE_S = 5.0
 TAIL_LINES = 12  # a failed rank's last stderr lines, repeated with its exit (a traceback's end)
 EXIT_LINE_CHARS = 300  # ... each cut to this in the exit report (what the coordinator keeps)
 
@@ -271,6 +276,7 @@ class Agent:
         self.started_at = time.monotonic()
         self.warned_at: float | None = None
         self.restart_at: dict[int, tuple[float, _Child]] = {}  # rank -> (when, the child that failed)
+        self.run_ended_at: float | None = None  # the coordinator said the run is over
         self.connect = ""  # what the ranks dial (the relay's frontend, or the coordinator)
         self.refused = ""
 
@@ -448,6 +454,26 @@ class Agent:
                     self.stop_reason = "abort"
             elif which == "hello_ack":
                 self._on_hello_ack(env.agent.hello_ack)
+            elif which == "run_ended":
+                self._on_run_ended(env.agent.run_ended, time.monotonic())
+
+    def _on_run_ended(self, m: pb.AgentMsg.RunEnded, now: float) -> None:
+        if self.run_ended_at is not None:
+            return
+        self.run_ended_at = now
+        pending = sorted(self.restart_at)
+        self.restart_at.clear()
+        log.info("the coordinator ended the run (ok=%s: %s)%s", m.ok, m.reason or "no reason given",
+                 f"; rank(s) {pending} not restarted" if pending else "")
+
+    def _run_over(self, now: float) -> None:
+        """After the grace, stop the ranks a finished run no longer holds (RUN_ENDED_GRACE_S)."""
+        if self.run_ended_at is None or self.stop_reason is not None or now < self.run_ended_at + RUN_ENDED_GRACE_S:
+            return
+        alive = [c.rank for c in self._alive()]
+        if alive:
+            log.warning("rank(s) %s still running %gs after the run ended: stopping them", alive, RUN_ENDED_GRACE_S)
+            self.stop_reason = "run_ended"
 
     def _on_hello_ack(self, ack: pb.AgentMsg.HelloAck) -> None:
         if ack.accepted:
@@ -537,7 +563,8 @@ class Agent:
     def _maybe_restart(self, child: _Child, code: int) -> bool:
         """A failed rank process is started again (bounded, with backoff): see max_restarts.
         True when it will be (the exit report says so)."""
-        if code == 0 or code == 2 or self.stop_reason is not None or child.restarts >= self.cfg.max_restarts:
+        if code == 0 or code == 2 or self.stop_reason is not None or self.run_ended_at is not None \
+                or child.restarts >= self.cfg.max_restarts:
             if code not in (0, 2) and self.cfg.max_restarts and child.restarts >= self.cfg.max_restarts:
                 log.error("%s failed %d time(s): no restarts left (--max-restarts %d)",
                           child.name, child.restarts + 1, self.cfg.max_restarts)
@@ -650,6 +677,7 @@ class Agent:
                 now = time.monotonic()
                 self._reap()
                 self._hello_due(now)
+                self._run_over(now)
                 self._handle_stop(now)
                 if not self._alive() and not self.restart_at:
                     break
@@ -704,7 +732,7 @@ class Agent:
         if self.acked is False:
             return 2  # refused by the coordinator: a configuration error (session, ranks)
         codes = [c.proc.returncode for c in self.ranks]
-        clean = {0, -signal.SIGTERM} if self.stop_reason in ("SIGTERM", "SIGINT") else {0}
+        clean = {0, -signal.SIGTERM} if self.stop_reason in ("SIGTERM", "SIGINT", "run_ended") else {0}
         return 0 if all(code in clean for code in codes) and not self.relay_failed else 1
 
     def _stop_relay(self) -> None:

@@ -163,8 +163,10 @@ class BusAverager:
         """Joining a running world: overwrite the parameters (and the f32 buffers, when the
         consensus carries them) with the seed consensus and tell the machine (``SeedApplied``). The optimizer's state stays the fresh one the
         rank just built (momentum starts from zero): copying a peer's would cost another
-        transfer as large as the model, from a peer the bus plane does not reach. Its
-        effect on accuracy is not measured yet."""
+        transfer as large as the model, from a peer the bus plane does not reach, and
+        measured it does not pay (``bench/joiner_optimizer_state.py``, docs/accuracy.md:
+        with SGD momentum fresh ends best; with Adam copied moments end 0.004 nats better,
+        within the seeds' spread)."""
         r = self.rank
         if not r.m.accepts_seed():
             r._drop("unexpected_seed", f"seed of cycle {header.cycle} for a rank that is not joining (or trained)")

@@ -134,7 +134,7 @@ def _parser() -> _Parser:
                    help="start a rank process that failed (a signal, or an exit code other than 0 and 2) "
                    "again, up to N times, after 1 s doubling (FLODL_RESTART_COUNT in its environment); "
                    "the restarted rank rejoins the run (mid-run on the bus plane: seeded with the latest consensus; a "
-                   "collective run refuses it) (default 0)")
+                   "collective run refuses it); none once the coordinator said the run ended (default 0)")
     a.add_argument("--exit-log", metavar="PATH", default=None,
                    help="append one JSON line per rank exit here ({rank, code, restarts, last_lines}: "
                    "its last stderr lines), for a launcher to report why ranks ended")

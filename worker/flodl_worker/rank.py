@@ -123,6 +123,7 @@ from .loader import BatchLoader
 from .output import save_output_model
 from .params import gamma_mass, model_signature, param_digest
 from .run_progress import Progress, ProgressClock
+from .run_world import set_world_size
 from .shell import MachineShell
 
 __all__ = [
@@ -400,6 +401,7 @@ class _Rank(MachineShell):
     # -- admission ----------------------------------------------------------------------
 
     def hello(self) -> None:
+        set_world_size(self.cfg.world_size)  # FLODL_WORLD_SIZE: the probe's optimizer_fn may ask (run_world)
         torch.manual_seed(0)
         probe = self.model_fn()
         sig = model_signature(probe)
@@ -477,6 +479,7 @@ class _Rank(MachineShell):
         self.heartbeat_s = spec.heartbeat_interval_s if spec.heartbeat_interval_s > 0 else DEFAULT_HEARTBEAT_S
         self.liveness_s = spec.liveness_timeout_s if spec.liveness_timeout_s > 0 else DEFAULT_LIVENESS_S
         self.sock.setsockopt(zmq.SNDTIMEO, int(self.liveness_s * 1000))
+        set_world_size(max(int(spec.world_size), 1))  # the coordinator's, for the real optimizer_fn
         global_step = self.build()  # now, so that frames queued behind the ack see a built model
         self.loader = BatchLoader(
             self.dataset, self._samples, self.m.upcoming,
@@ -756,7 +759,9 @@ def run_rank(
 
     - ``model_fn()`` builds the model; it is called under ``torch.manual_seed`` (twice:
       a signature probe, then the real one seeded from the RunSpec).
-    - ``optimizer_fn(model)`` builds its optimizer.
+    - ``optimizer_fn(model)`` builds its optimizer; ``flodl_worker.world_size()`` is
+      known there, for an LR that depends on it (Adam under averaging: ``lr * sqrt(K)``,
+      ``flodl_worker.run_world``).
     - ``step_fn(model, optimizer, batch)`` does one full optimizer step (zero_grad,
       forward, backward, step) and returns the loss (tensor or float). ``batch`` is
       ``[t[idx] for t in train_dataset.tensors]`` for a TensorDataset-like dataset,

@@ -27,6 +27,9 @@ def test_a_report_is_believed_only_from_the_agent_the_rank_vouched_for():
     assert book.report_refusal(real, 0, REAL, "") == ""
     assert "did not name" in book.report_refusal(rogue, 0, FORGED, "")  # rank 0 vouched for the real one
     assert "did not name" in book.report_refusal(real, 1, REAL, "")  # rank 1 has not vouched yet
+    # ... which, from its own agent, is a rank that ended before its hello (not a forgery)
+    assert book.before_hello(real, 1, REAL, "") and not book.before_hello(real, 0, REAL, "")
+    assert not book.before_hello(real, 1, FORGED, "") and not book.before_hello((b"stranger",), 1, REAL, "")
     assert "without the agent's token" in book.report_refusal(real, 0, FORGED, "")  # a route taken over
     assert "did not announce" in book.report_refusal(real, 2, REAL, "")
     assert "no agent hello" in book.report_refusal((b"stranger",), 0, REAL, "")
@@ -251,3 +254,48 @@ def test_unpinned_ranks_get_their_slot_in_the_ack_and_their_agents_reports_find_
     assert _until(lambda: svc.state.route_of(1) is None), "the report did not find slot 1"
     assert svc.finished is not None and "rank 1: killed by signal 9 before the world formed" in svc.finished.reason
     assert svc.state.ranks[1].agent == token_digest(REAL) and svc.state.ranks[1].local_rank == 1
+
+
+def test_an_agents_report_of_a_rank_that_never_said_hello_is_no_dropped_frame(serve):
+    # (a host that leaves, or whose ranks die importing, before they said hello: the churn
+    # campaign's leaves logged each as a forged report, "route_mismatch")
+    svc, ep, ctx = serve(load_settings(env={}, flags={
+        "world_size": 2, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 1, "batch_size": 4,
+    }))  # fmt: skip
+    agent = _Peer(ctx, ep, pb.Sender.KIND_AGENT, host="gpu1", incarnation=1)
+    agent.send("agent", pb.AgentMsg(hello=_hello([0, 1])))
+    agent.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(rank=1, code=-15, token=FORGED)))
+    agent.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(rank=1, code=-15, token=REAL)))
+    assert _until(lambda: svc.dropped.get("route_mismatch", 0) == 1), dict(svc.dropped)  # only the forged one
+    # The real one is believed (its only claimant): before the world forms it says the slot
+    # will never come, and the run fails at once, naming it (flodl.core._formation).
+    assert _until(lambda: svc.finished is not None)
+    assert "rank 1: killed by signal 15 before the world formed" in svc.finished.reason
+
+
+def test_a_new_host_takes_over_the_slots_of_one_that_left_and_may_report_them():
+    # (the churn campaign: the second host to join slots 6, 7 was refused them, so its
+    # ranks' exits were never believed and its leave was seen only as a lost relay link)
+    A, B = b"a" * 16, b"b" * 16
+    book = AgentBook(world_size=8)
+    book.hello((b"agent-a",), _hello([6, 7], A, "a"), "", held=set())
+    book.rank_admitted(6, A)
+    book.rank_admitted(7, A)
+    # Host a left: the run holds neither rank now. Host b claims them, and its ranks vouch.
+    record, note = book.hello((b"agent-b",), _hello([6, 7], B, "b"), "", held={0, 1})
+    assert record["ranks"] == [6, 7] and note == ""
+    records = [record, book.rank_admitted(6, B)]
+    assert book.report_refusal((b"agent-b",), 6, B, "") == ""
+    assert "did not name" in book.report_refusal((b"agent-a",), 6, A, "")  # not a's any more
+    # Still held (an agent restarted before its old ranks were declared dead): refused for
+    # now, and its own once the new process's hello vouches for it.
+    C = b"c" * 16
+    record, note = book.hello((b"agent-c",), _hello([7], C, "c"), "", held={7})
+    assert record["ranks"] == [] and record["asked"] == [7] and "vouched for another agent" in note
+    records += [record, book.rank_admitted(7, C)]
+    assert book.report_refusal((b"agent-c",), 7, C, "") == ""
+    # A restarted coordinator's book, from the journal records, agrees.
+    again = AgentBook(world_size=8)
+    for r in records:
+        again.restore(r)
+    assert again.report_refusal((b"agent-b",), 6, B, "") == "" and again.report_refusal((b"agent-c",), 7, C, "") == ""

@@ -198,3 +198,26 @@ def test_a_hello_of_another_session_is_refused_by_name_in_its_own_session(servic
     assert SESSION not in ack.reason and d.envelope.session == "typo"  # ours is not told
     assert svc.dropped["wrong_session"] == 1
     sock.close(0)
+
+
+def test_every_agent_hears_that_the_run_ended(service):
+    # (so that none restarts a rank for a run that is gone: tests/unit/worker/test_agent_run_ended.py)
+    svc, ep, ctx = service
+    agent = ctx.socket(zmq.DEALER)
+    agent.setsockopt(zmq.LINGER, 0)
+    agent.connect(ep)
+    me = Endpoint(SESSION, pb.Sender.KIND_AGENT, host="gpu1")
+    agent.send_multipart(me.frames("agent", pb.AgentMsg(hello=pb.AgentMsg.AgentHello(host="gpu1", ranks=[0, 1]))))
+    got = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "run_ended" not in got:
+        if agent.poll(100):
+            m = decode(split_routing(agent.recv_multipart())[1], session=SESSION).envelope.agent
+            got.append(m.WhichOneof("msg"))
+            if got[-1] == "run_ended":
+                ended = m.run_ended
+        elif got == ["hello_ack"]:
+            svc.request_stop()  # the run ends (by signal, before the world formed: not ok)
+    assert got == ["hello_ack", "run_ended"], got
+    assert not ended.ok and ended.reason
+    agent.close(0)

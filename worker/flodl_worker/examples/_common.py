@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
 from torch import nn
 
-__all__ = ["mlp", "classification_step", "accuracy_fn", "epoch_report_fn", "make_optimizer", "add_optim_args"]
+from flodl_worker.run_world import world_size  # known inside run_rank, before optimizer_fn is called
+
+__all__ = [
+    "mlp", "classification_step", "accuracy_fn", "epoch_report_fn", "make_optimizer", "add_optim_args", "scaled_lr",
+]  # fmt: skip
+
+LR_SCALES = ("auto", "none", "sqrt", "linear")
 
 
 def mlp(inputs: int, hidden: int, outputs: int) -> nn.Module:
@@ -53,21 +60,42 @@ def positive_int(s: str) -> int:
     return n
 
 
-def add_optim_args(p: argparse.ArgumentParser, *, lr: float, hidden: int | None = 64, optimizer: str = "sgd") -> None:
-    """--epoch-report, --optimizer, --lr, --momentum and (``hidden`` not None) --hidden."""
+def scaled_lr(lr: float, rule: str, world: int, optimizer: str = "sgd") -> float:
+    """``lr`` for a run of ``world`` ranks: x1 (none), x sqrt(world) (sqrt) or x world (linear);
+    ``auto`` is sqrt for Adam and none for SGD.
+
+    Under parameter averaging SGD at ``lr`` already takes the step DDP takes at ``lr``;
+    Adam needs ``lr * sqrt(world)`` for it (``flodl_worker.run_world``)."""
+    if rule not in LR_SCALES:
+        raise ValueError(f"lr scale {rule!r} is not one of {', '.join(LR_SCALES)}")
+    if rule == "auto":
+        rule = "sqrt" if optimizer == "adam" else "none"
+    return lr * {"none": 1.0, "sqrt": math.sqrt(world), "linear": float(world)}[rule]
+
+
+def add_optim_args(
+    p: argparse.ArgumentParser, *, lr: float, hidden: int | None = 64, optimizer: str = "sgd"
+) -> None:
+    """--epoch-report, --optimizer, --lr, --lr-scale, --momentum and (``hidden`` not None) --hidden."""
     p.add_argument("--epoch-report", action="store_true",
                    help="the elected epoch-callback rank prints held-out metrics after every epoch")
     if hidden is not None:
         p.add_argument("--hidden", type=int, default=hidden, help=f"hidden units (default {hidden})")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default=optimizer, help=f"default {optimizer}")
     p.add_argument("--lr", type=float, default=lr, help=f"learning rate (default {lr})")
+    p.add_argument("--lr-scale", choices=LR_SCALES, default="auto",
+                   help="scale --lr by the run's world size K: none, sqrt (x sqrt(K)), linear (x K); auto (default) "
+                        "= sqrt for adam (the step DDP takes at --lr), none for sgd (already DDP's step)")  # fmt: skip
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
 
 
 def make_optimizer(args: argparse.Namespace):
+    """An ``optimizer_fn``: --optimizer at --lr scaled by --lr-scale for the run's world size."""
+
     def build(model: nn.Module) -> torch.optim.Optimizer:
+        lr = scaled_lr(args.lr, args.lr_scale, world_size(), args.optimizer)
         if args.optimizer == "adam":
-            return torch.optim.Adam(model.parameters(), lr=args.lr)
-        return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+            return torch.optim.Adam(model.parameters(), lr=lr)
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum)
 
     return build

@@ -2,6 +2,7 @@
 
     flodl run --local --ranks 3 -- python -m flodl_worker.examples.tinylm [--samples 2048]
         [--seq-len 32] [--vocab 16] [--d-model 32] [--layers 2] [--heads 2] [--lr 0.01]
+        [--lr-scale auto|none|sqrt|linear]
 
 The text is drawn from a fixed random *source*: an order-2 Markov chain over ``--vocab``
 tokens (the next token depends on the two before it, so a model must look past the last
@@ -10,6 +11,11 @@ Every rank generates the same sequences; the held-out ones are drawn separately 
 same source. The model is a decoder-only transformer: token + learned position
 embeddings, ``--layers`` pre-norm blocks of causal self-attention and an MLP, a final
 LayerNorm, a linear head. Each step is next-token cross-entropy.
+
+The optimizer is Adam at ``--lr`` times sqrt(world size) (``--lr-scale auto``): each
+rank's Adam step is normalised by its own batch's gradient noise, so the average of K
+ranks' steps goes about 1/sqrt(K) as far as DDP's one step at ``--lr``
+(``flodl_worker.run_world``); ``--lr-scale none`` keeps ``--lr`` as given.
 
 ``eval_fn`` is the held-out next-token accuracy (the summary's ``accuracy``); it also
 prints the held-out loss and perplexity, with the source's own entropy (the best loss any
