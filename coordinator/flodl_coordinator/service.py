@@ -877,12 +877,13 @@ class CoordinatorService:
         elif isinstance(cmd, RunFinished):
             self.finished = cmd
             self._finished_at = time.monotonic()
-            if not cmd.ok and self.state.run.formed_at is None:
-                self._abort_agents(f"the world did not form: {cmd.reason}")
+            if not cmd.ok and self.state.run.formed_at is None and not self.state.run.stop_reason:
+                self._abort_agents(f"the world did not form: {cmd.reason}")  # (a stop: run_ended says it)
 
     def _abort_agents(self, reason: str) -> None:
-        """A world that never formed: ranks still starting (torch imports) have not said
-        hello and get no Shutdown; their agents stop them now, not after their hello timeout."""
+        """A world that failed to form: ranks still starting (torch imports) have not said
+        hello and get no Shutdown; their agents stop them now (``run_ended``, as the service
+        exits, would leave them a grace of seconds first)."""
         msg = pb.AgentMsg(abort=pb.AgentMsg.Abort(reason=reason[:2000]))
         for route in self.agents.claims:
             self._send_frames(self.endpoint.frames("agent", msg, route=route))
