@@ -103,7 +103,7 @@ class Cluster:
         self.start_coordinator()
         cmd = [
             PY, "-m", "flodl_worker", "agent", "--coordinator", self.endpoint, "--ranks", str(a.ranks),
-            "--world-size", str(a.ranks), "--session", self.session, "--slowdown", a.slowdown,
+            "--rank-offset", "0", "--world-size", str(a.ranks), "--session", self.session, "--slowdown", a.slowdown,
             "--base-ms", str(a.base_ms), "--trace-dir", str(self.trace), *a.agent_args, "--", PY, "-m", TASK,
         ]  # fmt: skip
         self.agent = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)

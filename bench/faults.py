@@ -173,7 +173,7 @@ class Run:
         a = self.args
         cmd = [
             PY, "-m", "flodl_worker", "agent", "--coordinator", endpoint, "--ranks", str(a.ranks),
-            "--world-size", str(a.ranks), "--session", self.session, "--slowdown", a.slowdown,
+            "--rank-offset", "0", "--world-size", str(a.ranks), "--session", self.session, "--slowdown", a.slowdown,
             "--base-ms", str(a.base_ms), "--trace-dir", str(self.trace), "--", PY, "-m", TASK,
         ]  # fmt: skip
         self.agent = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)

@@ -380,6 +380,7 @@ def _run_local(args) -> int:
             py, "-m", "flodl_worker", "--log-level", args.log_level, "agent",
             "--coordinator", endpoint,
             "--ranks", str(local),
+            "--rank-offset", "0",  # pinned: this machine's ranks are 0..MIN-1, named so in its output
             "--world-size", str(args.ranks.hi),
             "--session", session,
             "--slowdown", ",".join(f"{s:g}" for s in slow),
@@ -408,8 +409,9 @@ def _run_local(args) -> int:
         pumps[-1].start()
         if ready is not None and args.ranks.elastic:
             print(f"flodl: elastic world {args.ranks!r}: slots {local}..{args.ranks.hi - 1} are open to "
-                  f"flodl-worker agent --coordinator {ready} --session {session} --rank-offset {local} "
-                  f"--world-size {args.ranks.hi} --ranks K -- ...", flush=True)  # fmt: skip
+                  f"flodl-worker agent --coordinator {ready} --session {session} "
+                  f"--world-size {args.ranks.hi} --ranks K -- ... (its ranks take the lowest free slots)",
+                  flush=True)  # fmt: skip
         if ready is not None:
             rc, ranks_first = _wait_all(procs, t0 + args.timeout, stop, _ExitWatch(exit_log))
     finally:
@@ -577,7 +579,7 @@ class _RanksEnded:
     def reason(self) -> str:
         failed = [e for e in self.exits if e.get("code") != 0]
         if failed:
-            parts = [f"rank {e['rank']} exited with code {e['code']}" + (f" ({e['last_lines'][-1].strip()})"
+            parts = [f"{_who(e)} exited with code {e['code']}" + (f" ({e['last_lines'][-1].strip()})"
                      if e.get("last_lines") else "") for e in failed]  # fmt: skip
             return "the ranks ended before the run did: " + "; ".join(parts)
         if self.exits:
@@ -590,7 +592,7 @@ class _RanksEnded:
         lines = [f"flodl: {self.reason()}"]
         for e in self.exits:
             if e.get("code") != 0 and e.get("last_lines"):
-                lines.append(f"  rank {e['rank']} (exit code {e['code']}), its last lines:")
+                lines.append(f"  {_who(e)} (exit code {e['code']}), its last lines:")
                 lines += [f"    {t}" for t in e["last_lines"]]
         if not self.exits and self.agent_tail:
             lines.append("  the agent's last lines:")
@@ -621,8 +623,13 @@ class _ExitWatch:
                 continue  # (the report at the end names a bad line)
             if e.get("code") != 0:
                 last = f": {e['last_lines'][-1].strip()}" if e.get("last_lines") else ""
-                print(f"flodl: rank {e.get('rank')} exited with code {e.get('code')}{last}", file=sys.stderr, flush=True)
+                print(f"flodl: {_who(e)} exited with code {e.get('code')}{last}", file=sys.stderr, flush=True)
         self.seen = len(complete)
+
+
+def _who(e: dict) -> str:
+    """An exit log record's rank: 'rank 3', or an unpinned agent's 'local rank 1'."""
+    return f"rank {e['rank']}" if e.get("rank") is not None else f"local rank {e.get('local_rank')}"
 
 
 def _read_exits(path: str) -> list[dict]:

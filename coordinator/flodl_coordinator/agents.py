@@ -17,7 +17,12 @@ itself vouches for its supervisor:
    - it carries that agent's token;
    - ``r``'s own admitted hello carried the same token (the rank vouched for it).
    Otherwise it is refused by name (``route_mismatch``) and ``r`` lives on until its own
-   frames stop (liveness) or its own ``RankExiting`` arrives.
+   frames stop (liveness) or its own ``RankExiting`` arrives. One exception: a rank that
+   holds no slot and never vouched for anyone (a script that failed at import) is
+   believed from the only agent that claims it: it ends no live rank, and before the
+   world forms it is what says the slot will never come (so a peer holding the session,
+   and with CURVE an allowed key, that claims a slot first can end a forming run early --
+   as it could by refusing to train once admitted).
 4. An agent hello claiming a rank that has already vouched for *another* agent, while
    the run still holds that rank, is refused for that rank (logged); claims nobody vouched
    for yet may coexist (first-come claims would let an early forger lock the real agent
@@ -124,19 +129,39 @@ class AgentBook:
             if claim.digest == digest and rank in claim.asked:
                 claim.ranks.add(rank)
 
-    def report_refusal(self, route: tuple, rank: int, token: bytes, key: str) -> str:
-        """Why an exit report about ``rank`` on ``route`` is not believed, or ''."""
+    def agent_refusal(self, route: tuple, token: bytes, key: str, what: str) -> str:
+        """Why a report (``what``) on ``route`` is not this agent's, or '' (its hello, key, token)."""
         claim = self.claims.get(route)
         if claim is None:
-            return f"exit report for rank {rank} from a route that sent no agent hello"
+            return f"{what} from a route that sent no agent hello"
+        if claim.key != key:
+            return f"{what} from another CURVE key than the agent's hello"
+        if not claim.digest or token_digest(bytes(token)) != claim.digest:
+            return f"{what} without the agent's token"
+        return ""
+
+    def report_refusal(self, route: tuple, rank: int, token: bytes, key: str, admitted: bool = True) -> str:
+        """Why an exit report about ``rank`` on ``route`` is not believed, or ''.
+
+        ``admitted`` False: the rank holds no slot now. A rank nobody vouched for yet (a
+        script that failed at import never says hello) is then believed from the one
+        agent that claims it -- before the world forms that report is what tells the
+        coordinator the slot will never come (``flodl.core._formation``); a second claim
+        of it (a forger's or the real agent's) makes neither believed."""
+        claim = self.claims.get(route)
+        why = self.agent_refusal(route, token, key, f"exit report for rank {rank}")
+        if why or claim is None:
+            return why or f"exit report for rank {rank} from a route that sent no agent hello"
         if rank not in claim.ranks:
             return f"agent on {claim.host!r} reports rank {rank} it did not announce"
-        if claim.key != key:
-            return f"exit report for rank {rank} from another CURVE key than the agent's hello"
-        if not claim.digest or token_digest(bytes(token)) != claim.digest:
-            return f"exit report for rank {rank} without the agent's token"
-        if self.vouched.get(rank) != claim.digest:
-            return f"rank {rank} did not name the agent on {claim.host!r} as its launcher in its own hello"
+        vouched = self.vouched.get(rank)
+        if vouched == claim.digest:
+            return ""
+        named = f"rank {rank} did not name the agent on {claim.host!r} as its launcher in its own hello"
+        if vouched or admitted:
+            return named
+        if any(rank in c.ranks for r, c in self.claims.items() if r != route):
+            return f"{named}, and another agent claims it too"
         return ""
 
     def before_hello(self, route: tuple, rank: int, token: bytes, key: str) -> bool:

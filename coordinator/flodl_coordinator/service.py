@@ -46,6 +46,9 @@ import zmq
 
 from flodl.core import (
     LEFT,
+    MAX_EXIT_LINE_CHARS,
+    MAX_EXIT_LINES,
+    UNPLACED,
     hello_event,
     hello_oversized,
     metrics_event,
@@ -89,7 +92,7 @@ from flodl.wire import (
 from flodl import sdnotify, strictjson
 
 from . import dashboard, recovery
-from .agents import AgentBook
+from .agents import MAX_TOKEN_BYTES, AgentBook, token_digest
 from .checkpointing import Checkpointing
 from .curve import CurveServer, load_server_keys
 from .droplog import DropLog
@@ -518,9 +521,12 @@ class CoordinatorService:
                 ack = pb.HelloAck(accepted=False, reason=why)
                 self._send_frames(self.endpoint.frames("hello_ack", ack, route=route))
                 raise Oversized(why)
-            self._feed(hello_event(now, route, env))
-            if tuple(self.state.route_of(env.hello.rank) or ()) == route:  # admitted: whom it vouches for
-                record = self.agents.rank_admitted(env.hello.rank, env.hello.agent_token)
+            unpinned = env.hello.HasField("unpinned_slot")  # the core picks its slot
+            agent = token_digest(bytes(env.hello.agent_token[:MAX_TOKEN_BYTES])) if unpinned else ""
+            self._feed(hello_event(now, route, env, agent=agent))
+            rank = self.state.admitted_on(route, env.sender.incarnation) if unpinned else env.hello.rank
+            if rank is not None and tuple(self.state.route_of(rank) or ()) == route:  # admitted: whom it vouches for
+                record = self.agents.rank_admitted(rank, env.hello.agent_token)
                 if record is not None:
                     self._journal_write(record)  # a restart still knows (recovery)
             return
@@ -584,15 +590,9 @@ class CoordinatorService:
                 log.warning("%s", note)
             log.info("agent on %s supervises ranks %s", msg.hello.host, record["ranks"])
         elif which == "rank_exited":
-            r = msg.rank_exited
-            why = self.agents.report_refusal(route, r.rank, r.token, self._peer_key)
-            if why and self.agents.before_hello(route, r.rank, r.token, self._peer_key):
-                log.info("agent on %s: rank %d ended (code %d) before it said hello",
-                         self.agents.claims[route].host, r.rank, r.code)
-                return
-            if why:  # a forged (or misrouted) report: the rank lives on, its own frames decide
-                raise RouteMismatch(why)
-            self._feed(RankExitReported(now=now, rank=r.rank, code=r.code, restart_count=r.restart_count))
+            event = self._exit_report(now, route, msg.rank_exited)
+            if event is not None:
+                self._feed(event)
         elif which == "relay_restarting":
             self._on_relay_restarting(now, route, msg.relay_restarting)
         elif which == "abort":  # the agent gives its host up (its relay died), before its ranks' exits
@@ -602,6 +602,32 @@ class CoordinatorService:
             if len(self.agent_errors) < 64:
                 self.agent_errors.append(reason)
             log.error("%s", reason)
+
+    def _exit_report(self, now: float, route: tuple, r) -> RankExitReported | None:
+        """The core event for an agent's believed ``rank_exited`` (RouteMismatch if not
+        believed: a forged or misrouted report; the rank lives on, its own frames decide).
+        None: the agent's own report of a rank that never said hello, not believed (another
+        agent claims it too): logged, nothing to forget."""
+        lines = tuple(line[:MAX_EXIT_LINE_CHARS] for line in r.last_lines[-MAX_EXIT_LINES:])
+        kw = dict(now=now, code=r.code, restart_count=r.restart_count, restarting=r.restarting, last_lines=lines)
+        if r.HasField("unpinned_slot"):  # the agent names its process; the core knows its slot
+            why = self.agents.agent_refusal(route, r.token, self._peer_key, "exit report of an unpinned process")
+            if why:
+                raise RouteMismatch(why)
+            # The slot whose hello carried this agent's token and local rank: the rank vouched.
+            digest = self.agents.claims[route].digest
+            rank = self.state.unpinned_slot_of(digest, r.unpinned_slot)
+            if rank is None:  # it never held a slot
+                return RankExitReported(rank=UNPLACED, agent=digest, local_rank=r.unpinned_slot, **kw)
+            return RankExitReported(rank=rank, **kw)
+        why = self.agents.report_refusal(route, r.rank, r.token, self._peer_key, self.state.route_of(r.rank) is not None)
+        if why and self.agents.before_hello(route, r.rank, r.token, self._peer_key):
+            log.info("agent on %s: rank %d ended (code %d) before it said hello (%s)",
+                     self.agents.claims[route].host, r.rank, r.code, why)
+            return None
+        if why:
+            raise RouteMismatch(why)
+        return RankExitReported(rank=r.rank, **kw)
 
     def _tell_agents_run_ended(self) -> None:
         """Every agent hears that the run is over (the socket's linger carries it out): one
@@ -851,6 +877,16 @@ class CoordinatorService:
         elif isinstance(cmd, RunFinished):
             self.finished = cmd
             self._finished_at = time.monotonic()
+            if not cmd.ok and self.state.run.formed_at is None and not self.state.run.stop_reason:
+                self._abort_agents(f"the world did not form: {cmd.reason}")  # (a stop: run_ended says it)
+
+    def _abort_agents(self, reason: str) -> None:
+        """A world that failed to form: ranks still starting (torch imports) have not said
+        hello and get no Shutdown; their agents stop them now (``run_ended``, as the service
+        exits, would leave them a grace of seconds first)."""
+        msg = pb.AgentMsg(abort=pb.AgentMsg.Abort(reason=reason[:2000]))
+        for route in self.agents.claims:
+            self._send_frames(self.endpoint.frames("agent", msg, route=route))
 
     def _seed_joiner(self, rank: int) -> None:
         """A rank admitted into the running world gets the latest consensus (the seed); a

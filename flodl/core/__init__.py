@@ -50,9 +50,12 @@ from ._events import (
     PartitionTrimmed,
     SyncAcked,
     Tick,
+    UNPINNED,
+    UNPLACED,
     from_record,
     to_record,
 )
+from ._formation import MAX_EXIT_LINE_CHARS, MAX_EXIT_LINES
 from ._averaging import should_average
 from ._checkpoint import ResumePoint, checkpoint_meta, resume_plan, validate_meta
 from ._state import CoordinatorState
@@ -115,6 +118,10 @@ __all__ = [
     "EpochFnElapsed",
     "IntentRaised",
     "RankExitReported",
+    "UNPINNED",
+    "UNPLACED",
+    "MAX_EXIT_LINES",
+    "MAX_EXIT_LINE_CHARS",
     "SendFailed",
     "StopRequested",
     "StoreReady",

@@ -157,7 +157,10 @@ class CoreConfig:
         "admitted) within this long of the service's first event, or "
         "the run fails (exit 1) naming each missing slot and why: its last refusal (`refused: world_size 4 "
         "differs ...`), how it was lost before the start, or `never said hello`; 0 = wait forever. Every "
-        "refused hello is also logged with its reason when it happens",
+        "refused hello is also logged with its reason when it happens. It fails sooner -- at once -- when a "
+        "slot's process ended before the world formed, its agent does not start it again, and the world "
+        "can no longer form without it (`the world can no longer form ...`, naming the rank, its exit and "
+        "last line)",
     )  # fmt: skip
     model_signature: bytes = setting(
         b"",

@@ -44,9 +44,17 @@ __all__ = [
     "JoinerSeeded",
     "PartitionTrimmed",
     "EVENT_TYPES",
+    "UNPINNED",
+    "UNPLACED",
     "to_record",
     "from_record",
 ]
+
+
+# ``RankHello.rank`` of a hello whose agent did not pin it: the core picks the slot.
+UNPINNED = -1
+# ``RankExitReported.rank`` of an unpinned process that ended before it held a slot.
+UNPLACED = -1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,6 +80,12 @@ class RankHello(Event):
     pid: int = 0
     incarnation: int = 0
     restart_count: int = 0  # FLODL_RESTART_COUNT: the agent started this rank again this many times
+    # Unpinned (issue 12): ``rank`` is ``UNPINNED`` (-1) and the core gives the lowest free
+    # slot; ``agent`` (its agent's token digest) and ``local_rank`` (FLODL_LOCAL_RANK) name
+    # the process slot of its agent, so a restarted process gets its old slot back and
+    # the agent's exit report finds it.
+    local_rank: int = -1
+    agent: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -172,11 +186,22 @@ class IntentRaised(Event):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankExitReported(Event):
     """The host agent saw the rank's process end (``code`` < 0: killed by that signal).
-    ``restart_count``: which process of the rank (its ``FLODL_RESTART_COUNT``)."""
+    ``restart_count``: which process of the rank (its ``FLODL_RESTART_COUNT``);
+    ``restarting``: the agent starts it again (``--max-restarts`` left); ``last_lines``: its
+    last stderr lines (a traceback's end). ``rank`` is ``UNPLACED`` (-1) for a process its
+    agent did not pin that ended before any slot was its own: ``agent`` (the agent's
+    token digest) and ``local_rank`` name it instead (``_formation``)."""
 
     rank: int
     code: int
     restart_count: int = 0
+    restarting: bool = False
+    last_lines: tuple[str, ...] = ()
+    local_rank: int = -1
+    agent: str = ""
+
+    def __post_init__(self) -> None:  # a journal record holds a list
+        object.__setattr__(self, "last_lines", tuple(self.last_lines))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

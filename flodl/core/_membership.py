@@ -26,6 +26,17 @@ joiner is seeded by a broadcast from a member of a new generation that includes 
 (``flodl.core._collective``), asked for at the same boundary. A live rank id (JOINING or ACTIVE under another route or
 incarnation) is still refused, and so is the very process that left.
 
+Unpinned hellos (issue 12). An agent started without ``--rank-offset`` pins no rank: its
+processes say hello with ``rank`` UNPINNED, naming their agent (its token digest) and
+their index among its processes (``local_rank``). ``unpinned_slot`` gives such a hello a
+slot -- its own again on a retransmit, else the lowest free one (VACANT before the world
+forms; VACANT, DEAD or LEFT while training, a refill as above), preferring the slot its
+agent's same process held before (a restart keeps its slot) -- and the hello then goes
+through admission as if it had named that rank: a live rank is never taken, the very
+process that left is refused, a cohort conflict is deferred (its vote under the slot it
+would take). The ack names the slot (``HelloAck.rank``). The choice is a function of the
+journaled hellos, so a replay gives every process the same slot.
+
 Admission (``refusal``) checks, in this order, each refusal naming its cause:
 rank range, world size, rank already admitted (another route or incarnation while the
 rank is alive) or already gone, model signature (the first admitted rank's), dataset
@@ -51,13 +62,14 @@ consequences everywhere (coverage, dispatch, averaging).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 from flodl.wire import pb
 
-from . import _coverage
+from . import _coverage, _formation
 from ._commands import Command, ForgetRank, Notice, Reply, SeedJoiner
-from ._events import RankHello
+from ._events import UNPINNED, RankHello
 from ._phases import (
     ACTIVE,
     DEAD,
@@ -92,6 +104,7 @@ __all__ = [
     "on_seeded",
     "reseed_after_restart",
     "stale_exit_report",
+    "unpinned_slot",
 ]
 
 _POLICY = {"sync": pb.POLICY_SYNC, "cadence": pb.POLICY_CADENCE, "async": pb.POLICY_ASYNC}
@@ -180,8 +193,47 @@ def run_spec(st: CoordinatorState, dataset_len: int) -> pb.RunSpec:
     )
 
 
+def _free(st: CoordinatorState, rec: RankRecord) -> bool:
+    """A slot a new process may take: VACANT, or (while training) DEAD or LEFT: a refill."""
+    return rec.phase is VACANT or (st.run.phase is TRAINING and (rec.phase is DEAD or rec.phase is LEFT))
+
+
+def unpinned_slot(st: CoordinatorState, ev: RankHello) -> Optional[int]:
+    """The slot an unpinned hello takes (None: every slot is alive), first hit wins:
+
+    1. the slot admitted on its route and incarnation (a retransmit gets the same slot),
+       or the one this very process left (``refusal`` then refuses it by name);
+    2. the slot its own deferred hello voted for, while it is still free;
+    3. the slot its agent's same process slot (``agent``, ``local_rank``) took last, if
+       free: a process restarted under ``--max-restarts`` keeps its slot;
+    4. the lowest free slot; before the world forms, one no other route's deferred hello
+       votes for, if there is one (two deferred unpinned hellos are two voters)."""
+    for rec in st.ranks:
+        if rec.route and rec.route == ev.route and rec.incarnation == ev.incarnation:
+            return rec.rank
+    for rank, (_, route) in st.run.cohort_votes.items():
+        if route == ev.route and _free(st, st.ranks[rank]):
+            return rank
+    own = st.unpinned_slot_of(ev.agent, ev.local_rank)
+    if own is not None and _free(st, st.ranks[own]):
+        return own
+    voted = {r for r, (_, route) in st.run.cohort_votes.items() if route != ev.route}
+    free = [rec.rank for rec in st.ranks if _free(st, rec)]
+    return next((r for r in free if r not in voted), free[0] if free else None)
+
+
 def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
-    """Admit, re-ack, defer or refuse. World formation is ``_run``'s move, not ours."""
+    """Admit, re-ack, defer or refuse. World formation is ``_run``'s move, not ours.
+    An unpinned hello (``rank`` UNPINNED) is placed first (``unpinned_slot``)."""
+    if ev.rank == UNPINNED:
+        slot = unpinned_slot(st, ev)
+        if slot is None:  # every slot is alive, or the run admits nobody
+            admitting = st.run.phase is FORMING or st.run.phase is TRAINING
+            why = f"no free slot: all {len(st.ranks)} ranks of the world are alive" if admitting else (
+                f"run is not admitting ranks ({st.run.phase!r})")  # fmt: skip
+            out.append(Reply(ev.route, pb.HelloAck(accepted=False, reason=why)))
+            return
+        ev = replace(ev, rank=slot)
     reason = refusal(st, ev)
     if reason is not None and _deferred(st, ev, reason, out):
         return
@@ -198,10 +250,16 @@ def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
         rec.host, rec.pid, rec.reason = ev.host, ev.pid, ""
         rec.restart_count = ev.restart_count
         rec.last_seen = ev.now
+        if ev.agent:  # an unpinned process: it leaves any slot it held before for this one
+            for other in st.ranks:
+                if other.agent == ev.agent and other.local_rank == ev.local_rank:
+                    other.agent, other.local_rank = "", -1
+        rec.agent, rec.local_rank = ev.agent, ev.local_rank
         if st.cohort_sig is None:
             st.cohort_sig, st.cohort_len = ev.model_sig, ev.dataset_len
         st.run.not_admitted.pop(ev.rank, None)
         st.run.cohort_votes.pop(ev.rank, None)
+        _formation.on_admitted(st, ev.rank)
         if st.run.phase is TRAINING:
             rec.joined_at, rec.seeding, rec.refill = ev.now, False, refill
             out.append(Notice("rank_admitted_running", {"rank": ev.rank, "host": ev.host, "refill": refill}))
@@ -210,7 +268,7 @@ def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
         touch(st, ev.rank, ev.now)
     spec = run_spec(st, ev.dataset_len)
     spec.join_running = rec.joined_at is not None and rec.phase is JOINING
-    out.append(Reply(ev.route, pb.HelloAck(accepted=True, run=spec)))
+    out.append(Reply(ev.route, pb.HelloAck(accepted=True, run=spec, rank=ev.rank)))
 
 
 # -- joining a running world ---------------------------------------------------------------
@@ -323,6 +381,7 @@ def _deferred(st: CoordinatorState, ev: RankHello, reason: str, out: list[Comman
         h.route, h.incarnation = (), 0
         out.append(ForgetRank(r, why))
         st.run.not_admitted[r] = why
+        st.run.evicted.add(r)  # its process's exit report is no loss (``_formation``)
     out.append(Notice("cohort_evicted", {"ranks": holders, "voters": voters, "reason": conflict}))
     st.cohort_sig = st.cohort_len = None
     on_hello(st, ev, out)  # the cohort (and maybe this slot) is free now: admit this one

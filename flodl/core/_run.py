@@ -9,7 +9,8 @@ The run's phase moves by this table (``_phases.RUN``)::
     SHUTTING_DOWN --finish--> FINISHED        (ok: every rank left or died)
     FORMING/TRAINING/FINAL_EVAL --stop--> STOPPING --finish--> FINISHED (not ok)
     TRAINING/FINAL_EVAL --fail--> FINISHED    (all ranks lost, reduce stall)
-    FORMING --fail--> FINISHED                (form_timeout_s passed, quorum unmet)
+    FORMING --fail--> FINISHED                (form_timeout_s passed, quorum unmet; or
+                                              it can no longer be met: ``_formation``)
 
 ``next_move`` is the ``due`` of the step's ``advance`` rule: it names the run's next
 move, if one is due (the step makes it: ``advance`` for the run's own moves; forming,
@@ -21,7 +22,9 @@ a failed formation and a dispatch it composes with ``_membership`` and the dispa
   run's first event; the slots still VACANT stay open capacity. When ``form_timeout_s``
   (> 0; ``max_join_timeout_s``) has passed without the quorum, the run fails instead,
   naming each missing slot and why (``formation_report``: its last refusal, how it was
-  lost, or "never said hello"); the admitted ranks get ``Shutdown``.
+  lost, or "never said hello"); the admitted ranks get ``Shutdown``. It fails at once,
+  before that, when processes that ended for good leave fewer possible slots than the
+  quorum (``_formation.hopeless``: a script that fails at import is not a 300 s wait).
 * TRAINING, no round pending: dispatch the next epoch once the previous one has
   aggregated (epoch 0 right after forming). After the last epoch: while an ACTIVE rank
   still has unfolded steps (``tail_due``), nothing: the step's ``open_round`` rule opens a
@@ -60,7 +63,7 @@ from typing import Optional
 
 from flodl.wire import pb
 
-from . import _roles
+from . import _formation, _roles
 from ._commands import FINAL_SCHEDULE_ID, Command, Notice
 from ._max_failure import max_failure_limit
 from ._events import EvalDone, IntentRaised, StopRequested
@@ -132,6 +135,9 @@ def formation_failure(st: CoordinatorState) -> str:
     """Why the run fails when ``form_timeout_s`` passed with slots still empty (an
     elastic world: with its quorum unmet)."""
     cfg = st.config
+    lost = _formation.hopeless(st)
+    if lost is not None:
+        return f"{lost} (admitted: {[rec.rank for rec in st.ranks if rec.phase is JOINING] or 'none'})"
     if cfg.elastic:
         admitted = sum(1 for rec in st.ranks if rec.phase is JOINING)
         return (
@@ -221,6 +227,9 @@ def _forming_move(st: CoordinatorState) -> tuple[Optional[str], str]:
     waited = st.now - st.run.forming_since
     if admitted >= cfg.quorum and waited >= cfg.join_timeout_s:
         return "form", f"quorum {cfg.quorum} met ({admitted} of {len(st.ranks)}), join window closed"
+    lost = _formation.hopeless(st)
+    if lost is not None:
+        return "fail_formation", lost
     limit = cfg.form_timeout_s
     if limit > 0 and waited > limit:
         return "fail_formation", "form_timeout_s passed"

@@ -113,6 +113,11 @@ class RankRecord:
     joined_at: Optional[float] = None  # admitted mid-run (JOINING while TRAINING): when
     refill: bool = False  # ... into a slot a DEAD or LEFT rank held (a restart)
     restart_count: int = 0  # the admitted process's FLODL_RESTART_COUNT (its hello)
+    # The unpinned process slot that took this slot last (its agent's token digest, its
+    # FLODL_LOCAL_RANK; "" / -1: pinned): its restart gets the slot back, its agent's exit
+    # report finds it (``_membership.unpinned_slot``).
+    agent: str = ""
+    local_rank: int = -1
     # Training counters (monotone; last_step and folded_step restart at 0 with a process that
     # takes the slot again mid-run, ``_membership.on_seeded``; the totals never reset).
     last_step: int = 0  # highest step_count reported by a BatchDone
@@ -230,6 +235,12 @@ class RunState:
     cohort_votes: dict[int, tuple] = field(default_factory=dict)  # rank -> ((sig, len), route) of its deferred hello
     joins: list[dict[str, Any]] = field(default_factory=list)  # mid-run joins: {rank, host, admitted_at, joined_at, cycle, refill, restart_count}
     formed_with: tuple[int, ...] = ()  # the ranks the world formed with (elastic: maybe fewer than the slots)
+    # FORMING, what can never come (``_formation``): slot -> why its process ended for good;
+    # an unpinned process that ended for good before taking a slot ("agent/local" -> why);
+    # slots whose holder the cohort vote evicted (their process's exit is no loss).
+    gone: dict[int, str] = field(default_factory=dict)
+    unplaced_gone: dict[str, str] = field(default_factory=dict)
+    evicted: set[int] = field(default_factory=set)
 
 
 def _plain(x: Any) -> Any:
@@ -428,6 +439,18 @@ class CoordinatorState:
         if 0 <= rank < len(self.ranks) and self.addressable(rank):
             return self.ranks[rank].route
         return None
+
+    def unpinned_slot_of(self, agent: str, local_rank: int) -> Optional[int]:
+        """The slot an unpinned process of ``agent`` (its ``local_rank``) took last, or None."""
+        if not agent:
+            return None
+        return next((r.rank for r in self.ranks if r.agent == agent and r.local_rank == local_rank), None)
+
+    def admitted_on(self, route: tuple[bytes, ...], incarnation: int) -> Optional[int]:
+        """The addressable rank admitted on ``route`` with ``incarnation`` (an unpinned
+        hello's slot, for the shell), or None."""
+        return next((r.rank for r in self.ranks if r.route == route and r.incarnation == incarnation
+                     and self.addressable(r.rank)), None)  # fmt: skip
 
     def addressable(self, rank: int) -> bool:
         return self.ranks[rank].phase is JOINING or self.ranks[rank].phase is ACTIVE

@@ -91,7 +91,7 @@ from typing import Any, Callable, Iterable, Optional
 from flodl.wire import pb
 
 from . import _averaging, _checkpointing, _coverage, _dispatch, _membership, _metrics, _roles, _run
-from . import _repartition, _resync
+from . import _formation, _repartition, _resync
 from . import _collective
 from .cadence import _feedback
 from . import _summary
@@ -123,8 +123,9 @@ from ._events import (
     RankResynced,
     JoinerSeeded,
     PartitionTrimmed,
+    UNPLACED,
 )
-from ._phases import ACTIVE, FINAL_EVAL, FINISHED, JOINING, TRAINING
+from ._phases import ACTIVE, FINAL_EVAL, FINISHED, FORMING, JOINING, TRAINING
 from ._state import CoordinatorState, RankRecord
 
 __all__ = ["initial_state", "step", "replay", "forget_rank", "RULES", "HANDLERS", "FAILURES"]
@@ -150,7 +151,7 @@ def initial_state(config: CoreConfig, resume: Optional[ResumePoint] = None) -> C
 
 def _validate(st: CoordinatorState, ev: Event, h: "Handler") -> None:
     rank = getattr(ev, "rank", None)
-    if not h.checks_rank or rank is None:
+    if not h.checks_rank or rank is None or (h.unplaced_ok and rank == UNPLACED):
         return
     if not 0 <= rank < st.config.world_size:
         raise RankViolation(f"rank {rank} out of range [0, {st.config.world_size})")
@@ -411,8 +412,8 @@ class Handler:
     changes (only for an addressable rank's frame); ``touches_liveness``: a frame from the
     rank (refreshes its liveness; from a rank not in the run: ignored, counted);
     ``not_in_run``: for a rank event that is not its frame, the count when the rank is not
-    in the run; ``checks_rank``: the rank is range-checked; ``after_finish``: still handled
-    once the run finished."""
+    in the run; ``checks_rank``: the rank is range-checked (``unplaced_ok``: but for
+    ``UNPLACED``); ``after_finish``: still handled once the run finished."""
 
     apply: Callable[[CoordinatorState, Any, list[Command]], None]
     validate: Optional[Callable[[CoordinatorState, Any], None]] = None
@@ -420,6 +421,7 @@ class Handler:
     not_in_run: str = ""
     checks_rank: bool = True
     after_finish: bool = False
+    unplaced_ok: bool = False  # rank UNPLACED (a process that holds no slot) is not range-checked
 
 
 def _check_batch(st: CoordinatorState, ev: BatchDone) -> None:
@@ -461,10 +463,21 @@ def _on_exiting(st: CoordinatorState, ev: RankExiting, out: list[Command]) -> No
 
 
 def _on_exit_report(st: CoordinatorState, ev: RankExitReported, out: list[Command]) -> None:
+    """An agent saw a process end: a loss of an admitted rank; before the world forms,
+    also whether its slot can still be filled (``_formation``)."""
+    if ev.rank == UNPLACED:
+        _formation.on_unplaced_exit(st, ev, _membership.exit_reason(st, -1, ev.code)[1], out)
+        return
+    addressable = st.addressable(ev.rank)
+    if not addressable and st.run.phase is not FORMING:
+        st.count_ignored("exit report for a rank that is not in the run")
+        return
     if _membership.stale_exit_report(st, ev.rank, ev.restart_count):
         return
     trigger, reason = _membership.exit_reason(st, ev.rank, ev.code)
-    forget_rank(st, ev.rank, trigger, reason, out)
+    if addressable:
+        forget_rank(st, ev.rank, trigger, reason, out)
+    _formation.on_exit(st, ev, reason, out)  # (FORMING only: the slot is VACANT now)
 
 
 def _on_send_failed(st: CoordinatorState, ev: SendFailed, out: list[Command]) -> None:
@@ -565,7 +578,9 @@ HANDLERS: dict[type, Handler] = {
     EvalDone: Handler(_run.on_eval_done, touches_liveness=True),
     CheckpointDone: Handler(_checkpointing.on_done, touches_liveness=True),
     IntentRaised: Handler(_run.on_intent, touches_liveness=True),
-    RankExitReported: Handler(_on_exit_report, not_in_run="exit report for a rank that is not in the run"),
+    # Admitted by its handler: before the world forms a report for a VACANT slot says
+    # whether it can still come, and an unpinned process may hold no slot (UNPLACED).
+    RankExitReported: Handler(_on_exit_report, unplaced_ok=True),
     SendFailed: Handler(_on_send_failed, not_in_run="send failure for a rank that is not in the run"),
     StopRequested: Handler(_on_stop),
     EpochFnElapsed: Handler(lambda st, ev, out: _roles.on_epoch_fn_elapsed(st, ev), touches_liveness=True),

@@ -21,6 +21,7 @@ from ._events import (
     RankResynced,
     StoreReady,
     SyncAcked,
+    UNPINNED,
 )
 from flodl.wire import pb
 
@@ -50,12 +51,17 @@ def hello_oversized(h: pb.RankHello) -> str:
     return ""
 
 
-def hello_event(now: float, route: tuple[bytes, ...], env: pb.Envelope) -> RankHello:
+def hello_event(now: float, route: tuple[bytes, ...], env: pb.Envelope, agent: str = "") -> RankHello:
+    """``agent``: the digest of the hello's agent token (the shell's), kept for an unpinned
+    hello (``RankHello.unpinned_slot`` set): the core places it by agent and local rank."""
     h = env.hello
+    unpinned = h.HasField("unpinned_slot")
     return RankHello(
         now=now,
         route=route,
-        rank=h.rank,
+        rank=UNPINNED if unpinned else h.rank,
+        local_rank=h.unpinned_slot if unpinned else -1,
+        agent=agent if unpinned else "",
         world_size=h.world_size,
         model_sig=bytes(h.model_sig),
         dataset_len=h.dataset_len,

@@ -133,7 +133,7 @@ class Envelope(_message.Message):
     def __init__(self, protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., session: _Optional[str] = ..., sender: _Optional[_Union[Sender, _Mapping]] = ..., seq: _Optional[int] = ..., blob_count: _Optional[int] = ..., control: _Optional[_Union[Control, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., metrics: _Optional[_Union[Metrics, _Mapping]] = ..., hello: _Optional[_Union[RankHello, _Mapping]] = ..., hello_ack: _Optional[_Union[HelloAck, _Mapping]] = ..., round: _Optional[_Union[RoundHeader, _Mapping]] = ..., relay: _Optional[_Union[RelayMsg, _Mapping]] = ..., agent: _Optional[_Union[AgentMsg, _Mapping]] = ...) -> None: ...
 
 class RankHello(_message.Message):
-    __slots__ = ("rank", "world_size", "model_sig", "dataset_len", "host", "pid", "bf16_wire", "task", "agent_token", "restart_count")
+    __slots__ = ("rank", "world_size", "model_sig", "dataset_len", "host", "pid", "bf16_wire", "task", "agent_token", "restart_count", "unpinned_slot")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_SIG_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class RankHello(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     AGENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    UNPINNED_SLOT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     model_sig: bytes
@@ -154,7 +155,8 @@ class RankHello(_message.Message):
     task: str
     agent_token: bytes
     restart_count: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_sig: _Optional[bytes] = ..., dataset_len: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., bf16_wire: _Optional[bool] = ..., task: _Optional[str] = ..., agent_token: _Optional[bytes] = ..., restart_count: _Optional[int] = ...) -> None: ...
+    unpinned_slot: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_sig: _Optional[bytes] = ..., dataset_len: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., bf16_wire: _Optional[bool] = ..., task: _Optional[str] = ..., agent_token: _Optional[bytes] = ..., restart_count: _Optional[int] = ..., unpinned_slot: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
     __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from", "join_running", "global_step", "samples_committed")
@@ -195,16 +197,18 @@ class RunSpec(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ..., join_running: _Optional[bool] = ..., global_step: _Optional[int] = ..., samples_committed: _Optional[int] = ...) -> None: ...
 
 class HelloAck(_message.Message):
-    __slots__ = ("accepted", "reason", "run", "deferred")
+    __slots__ = ("accepted", "reason", "run", "deferred", "rank")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     run: RunSpec
     deferred: bool
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., deferred: _Optional[bool] = ...) -> None: ...
+    rank: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., deferred: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class EpochPlan(_message.Message):
     __slots__ = ("epoch", "partition_offset", "partition_size")
@@ -879,16 +883,22 @@ class AgentMsg(_message.Message):
         token: bytes
         def __init__(self, host: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., token: _Optional[bytes] = ...) -> None: ...
     class RankExited(_message.Message):
-        __slots__ = ("rank", "code", "token", "restart_count")
+        __slots__ = ("rank", "code", "token", "restart_count", "restarting", "last_lines", "unpinned_slot")
         RANK_FIELD_NUMBER: _ClassVar[int]
         CODE_FIELD_NUMBER: _ClassVar[int]
         TOKEN_FIELD_NUMBER: _ClassVar[int]
         RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+        RESTARTING_FIELD_NUMBER: _ClassVar[int]
+        LAST_LINES_FIELD_NUMBER: _ClassVar[int]
+        UNPINNED_SLOT_FIELD_NUMBER: _ClassVar[int]
         rank: int
         code: int
         token: bytes
         restart_count: int
-        def __init__(self, rank: _Optional[int] = ..., code: _Optional[int] = ..., token: _Optional[bytes] = ..., restart_count: _Optional[int] = ...) -> None: ...
+        restarting: bool
+        last_lines: _containers.RepeatedScalarFieldContainer[str]
+        unpinned_slot: int
+        def __init__(self, rank: _Optional[int] = ..., code: _Optional[int] = ..., token: _Optional[bytes] = ..., restart_count: _Optional[int] = ..., restarting: _Optional[bool] = ..., last_lines: _Optional[_Iterable[str]] = ..., unpinned_slot: _Optional[int] = ...) -> None: ...
     class Abort(_message.Message):
         __slots__ = ("reason",)
         REASON_FIELD_NUMBER: _ClassVar[int]

@@ -53,7 +53,7 @@ class RestartRun:
         ]  # fmt: skip
         self.agent_cmd = [
             sys.executable, "-m", "flodl_worker", "agent",
-            "--coordinator", f"tcp://127.0.0.1:{self.port}", "--ranks", "3", "--world-size", "3",
+            "--coordinator", f"tcp://127.0.0.1:{self.port}", "--ranks", "3", "--rank-offset", "0", "--world-size", "3",
             "--session", self.session, "--trace-dir", str(self.trace), *agent_args,
         ]  # fmt: skip
         self.logs: list[str] = []

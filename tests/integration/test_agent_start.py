@@ -26,7 +26,7 @@ TASK = [sys.executable, "-m", "flodl_worker.examples.digits"]
 
 def _agent(port: int, session: str, *extra: str, command=TASK) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "flodl_worker", "agent", "--coordinator", f"tcp://127.0.0.1:{port}",
-           "--ranks", "2", "--session", session, "--base-ms", "0", *extra, "--", *command]  # fmt: skip
+           "--ranks", "2", "--rank-offset", "0", "--session", session, "--base-ms", "0", *extra, "--", *command]  # fmt: skip
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 

@@ -1,6 +1,7 @@
 """Elastic membership with real processes (issue 12): ranks join a running world.
 
-(a) A 2-rank world that a second agent's two ranks join mid-run: every epoch committed
+(a) A 2-rank world that a second agent's two ranks join mid-run -- that agent pins no
+    rank: the coordinator numbers them, the free slots 2 and 3: every epoch committed
     exactly once (summary and the ranks' own traces), all four final digests identical,
     and the epochs after the join are faster than before it.
 (b) kill -9 a rank under an agent with ``--max-restarts 2``: its restarted process takes
@@ -66,9 +67,10 @@ def test_two_ranks_of_a_second_agent_join_a_running_world(tmp_path):
     )
     procs = [coord]
     try:
-        procs.append(_agent(endpoint, tmp_path, "first", "--ranks", "2", "--slowdown", "60"))
+        procs.append(_agent(endpoint, tmp_path, "first", "--ranks", "2", "--rank-offset", "0", "--slowdown", "60"))
         _wait_for(coord_log, "world_formed", coord)  # the quorum formed the world: it trains
-        procs.append(_agent(endpoint, tmp_path, "second", "--ranks", "2", "--rank-offset", "2", "--slowdown", "1"))
+        # No --rank-offset: its ranks are numbered by the coordinator, the lowest free slots.
+        procs.append(_agent(endpoint, tmp_path, "second", "--ranks", "2", "--slowdown", "1"))
         assert coord.wait(timeout=300) == 0, coord_log.read_text()[-4000:]
         for p in procs[1:]:
             assert p.wait(timeout=60) == 0
@@ -83,6 +85,8 @@ def test_two_ranks_of_a_second_agent_join_a_running_world(tmp_path):
     assert el["formed_with"] == [0, 1] and el["vacant"] == []
     assert sorted(j["rank"] for j in el["joins"]) == [2, 3] and not any(j["refill"] for j in el["joins"])
     assert "rank 2 seeded with the consensus of cycle" in log and "rank 3 seeded with the consensus of cycle" in log
+    second = (tmp_path / "second.log").read_text()
+    assert "admitted as rank 2" in second and "admitted as rank 3" in second, second[-3000:]
     assert data["bus"]["seeds_sent"] == 2 and data["bus"]["seed_bytes"] > 0
     assert_exact_coverage(data, tmp_path / "trace", 20, DIGITS_TRAIN)
     digests = {r["param_digest"] for r in data["ranks"]}

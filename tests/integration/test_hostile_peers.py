@@ -57,7 +57,7 @@ class Rig:
         env = dict(os.environ, HOSTILE_ATTACKS=attacks)
         cmd = [
             sys.executable, "-m", "flodl_worker", "agent", "--coordinator", self.endpoint,
-            "--ranks", str(RANKS), "--world-size", str(RANKS), "--session", self.session,
+            "--ranks", str(RANKS), "--rank-offset", "0", "--world-size", str(RANKS), "--session", self.session,
             "--slowdown", "1,1,2", "--base-ms", "3", *([] if fold else ["--no-fold"]), "--",
             sys.executable, str(ROOT / "tests" / "integration" / "hostile_rank.py"),
         ]  # fmt: skip

@@ -7,14 +7,18 @@ what it holds and what was wrong — the rank prints it and exits 2.
 =====================  ==========  =====================================================
 Variable               Required    Meaning
 =====================  ==========  =====================================================
-FLODL_RANK             yes         global rank, 0 <= rank < world size
+FLODL_RANK             no          global rank, 0 <= rank < world size. Unset: the
+                                   coordinator gives this process the lowest free slot
+                                   (an agent without --rank-offset leaves it unset)
 FLODL_WORLD_SIZE       yes         number of ranks in the run (>= 1)
 FLODL_CONNECT          yes         endpoint to dial: the host's relay frontend or the
                                    coordinator itself (tcp://HOST:PORT or ipc://PATH)
 FLODL_SESSION          no          run id every frame names (default ``flodl``, the
                                    coordinator's default)
 FLODL_HOST             no          logical host name (default: socket.gethostname())
-FLODL_LOCAL_RANK       no          index of this rank on its host (default 0): device="auto" picks cuda:LOCAL_RANK
+FLODL_LOCAL_RANK       no          index of this rank on its host (default 0): device="auto" picks cuda:LOCAL_RANK;
+                                   without FLODL_RANK the hello names it (its agent's
+                                   exit reports name the process by it)
 FLODL_SLOWDOWN         no          emulated device speed: every batch additionally sleeps
                                    FLODL_BASE_MS x factor. Unset = no emulation.
 FLODL_BASE_MS          no          base of the emulated sleep in ms (default 10)
@@ -60,7 +64,9 @@ from typing import Mapping
 from flodl.curve import ENV_SECRET_KEY, ENV_SERVER_KEY, ClientKeys, CurveError, client_keys
 from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, ENV_MAX_MESSAGE_BYTES, parse_max_message_bytes
 
-__all__ = ["EnvError", "RankEnv", "DEFAULT_SESSION"]
+__all__ = ["EnvError", "RankEnv", "DEFAULT_SESSION", "UNPINNED"]
+
+UNPINNED = -1  # RankEnv.rank without FLODL_RANK: the coordinator gives the slot
 
 DEFAULT_SESSION = "flodl"  # the coordinator's default session (flodl_coordinator.settings)
 DEFAULT_BASE_MS = 10.0
@@ -102,7 +108,7 @@ def _float(name: str, value: str, *, lo: float, above: bool = False) -> float:
 
 @dataclass(frozen=True, slots=True)
 class RankEnv:
-    rank: int
+    rank: int  # UNPINNED (-1): FLODL_RANK unset, the coordinator picks (HelloAck.rank)
     world_size: int
     connect: str
     session: str
@@ -121,6 +127,10 @@ class RankEnv:
     restart_count: int = 0  # FLODL_RESTART_COUNT: the agent started this rank again this many times
 
     @property
+    def pinned(self) -> bool:
+        return self.rank != UNPINNED
+
+    @property
     def coordinator_name(self) -> str:
         """The coordinator as the user knows it: its address, and how we reach it."""
         if self.coordinator and self.coordinator != self.connect:
@@ -134,7 +144,8 @@ class RankEnv:
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> "RankEnv":
-        rank = _int(env, "FLODL_RANK", _required(env, "FLODL_RANK", "this process's global rank"), lo=0)
+        pinned = env.get("FLODL_RANK", "").strip()
+        rank = _int(env, "FLODL_RANK", pinned, lo=0) if pinned else UNPINNED
         world = _int(
             env, "FLODL_WORLD_SIZE", _required(env, "FLODL_WORLD_SIZE", "number of ranks in the run"), lo=1
         )

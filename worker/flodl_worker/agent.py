@@ -13,12 +13,16 @@ prefix. Every pass then reaps children (``Popen.poll``) and runs the termination
 1. Start the relay (``python -m flodl_worker relay``, frontend on ipc:// in a private
    temporary directory by default) and read its ``RELAY_READY <endpoint>`` line.
    ``--no-relay``: ranks dial the coordinator directly.
-2. Start N ranks with the torchrun-style environment (FLODL_RANK = offset + i,
+2. Start N ranks with the torchrun-style environment (FLODL_RANK = offset + i with
+   ``--rank-offset``; without it no rank is pinned: FLODL_RANK is unset and the
+   coordinator numbers the processes in admission order, the lowest free slots,
    FLODL_LOCAL_RANK = i, FLODL_WORLD_SIZE, FLODL_CONNECT, FLODL_SESSION, FLODL_HOST,
    FLODL_SLOWDOWN, FLODL_BASE_MS, FLODL_TRACE_DIR, and FLODL_AGENT_TOKEN: this agent's
    random token). Send ``agent.hello{host, ranks, token}``.
-3. The moment a rank ends, send ``agent.rank_exited{rank, code, token}`` (Popen semantics:
-   negative = killed by that signal). Restart nothing. The coordinator believes the
+3. The moment a rank ends, send ``agent.rank_exited{rank, code, token, restarting,
+   last_lines}`` (Popen semantics: negative = killed by that signal; ``restarting``: it is
+   started again, ``--max-restarts``; its last stderr lines; an unpinned rank is named by
+   ``unpinned_slot``, its local rank). Restart nothing else. The coordinator believes the
    report only because the rank's own hello named the same token
    (``flodl_coordinator.agents``): nobody else can report this agent's ranks dead.
    A failed rank's exit is logged with its last stderr lines (``TAIL_LINES``: a
@@ -101,6 +105,7 @@ RESTART_BACKOFF_S = 1.0  # a failed rank's first restart; doubles per restart, a
 # hello nobody will answer (it would time out, fail, and be restarted again).
 RUN_ENDED_GRACE_S = 5.0
 TAIL_LINES = 12  # a failed rank's last stderr lines, repeated with its exit (a traceback's end)
+EXIT_LINE_CHARS = 300  # ... each cut to this in the exit report (what the coordinator keeps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +113,11 @@ class AgentConfig:
     coordinator: str
     ranks: int
     command: tuple[str, ...]
-    rank_offset: int = 0
-    world_size: int = 0  # 0: rank_offset + ranks
+    # The global rank of the first rank (the next get offset+1, ...); None: no rank is
+    # pinned -- FLODL_RANK is unset and the coordinator gives each process the lowest free
+    # slot in admission order (HelloAck.rank); exit reports name the process by its local rank.
+    rank_offset: int | None = None
+    world_size: int = 0  # 0: rank_offset + ranks (unpinned: ranks)
     session: str = "flodl"
     host: str = ""
     slowdown: tuple[float, ...] = ()
@@ -138,24 +146,32 @@ class AgentConfig:
 
     @property
     def world(self) -> int:
-        return self.world_size or self.rank_offset + self.ranks
+        return self.world_size or (self.rank_offset or 0) + self.ranks
+
+    def rank_of(self, local: int) -> int | None:
+        """The global rank local rank ``local`` is pinned to; None when unpinned."""
+        return None if self.rank_offset is None else self.rank_offset + local
 
     @property
     def host_name(self) -> str:
         return self.host or socket.gethostname()
 
 
-def slowdown_for(factors: tuple[float, ...], local: int, rank: int, ranks: int, world: int) -> float | None:
+def slowdown_for(factors: tuple[float, ...], local: int, rank: int | None, ranks: int, world: int) -> float | None:
     """The slowdown factor of one rank: a single factor applies to all; N factors are
-    indexed by local rank; world-size factors by global rank (one list for many agents)."""
+    indexed by local rank; world-size factors by global rank (one list for many agents:
+    pinned ranks only -- ``rank`` None is an unpinned one)."""
     if not factors:
         return None
     if len(factors) == 1:
         return factors[0]
     if len(factors) == ranks:
         return factors[local]
-    if len(factors) == world:
+    if len(factors) == world and rank is not None:
         return factors[rank]
+    if len(factors) == world:
+        raise ValueError(f"--slowdown has {len(factors)} factors, one per global rank: that needs --rank-offset "
+                         f"(unpinned ranks get their global rank from the coordinator); give 1 or {ranks}")
     counts = sorted({1, ranks, world})
     raise ValueError(
         f"--slowdown has {len(factors)} factors; give {', '.join(map(str, counts))} "
@@ -169,9 +185,11 @@ def rank_env(cfg: AgentConfig, local: int, connect: str, base: dict[str, str], t
     ``token``: the agent's own (FLODL_AGENT_TOKEN); the rank's hello names it, which is
     what makes the coordinator believe this agent's exit reports about the rank."""
     env = dict(base)
-    rank = cfg.rank_offset + local
+    rank = cfg.rank_of(local)
+    env.pop("FLODL_RANK", None)  # never an inherited one: unpinned, the coordinator numbers it
+    if rank is not None:
+        env["FLODL_RANK"] = str(rank)
     env.update(
-        FLODL_RANK=str(rank),
         FLODL_LOCAL_RANK=str(local),
         FLODL_LOCAL_WORLD_SIZE=str(cfg.ranks),
         FLODL_WORLD_SIZE=str(cfg.world),
@@ -208,7 +226,8 @@ def rank_env(cfg: AgentConfig, local: int, connect: str, base: dict[str, str], t
 class _Child:
     name: str  # log prefix: "rank 3" / "relay"
     proc: subprocess.Popen
-    rank: int | None = None  # None for the relay
+    rank: int | None = None  # None for the relay, and for an unpinned rank (the coordinator knows it)
+    local: int | None = None  # its index among this agent's ranks (FLODL_LOCAL_RANK); None: the relay
     buffers: dict = field(default_factory=dict)  # fd -> partial line
     reported: bool = False
     restarts: int = 0  # how many times this rank's process was started again
@@ -263,7 +282,8 @@ class Agent:
 
     # -- children -----------------------------------------------------------------------
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str], rank: int | None) -> _Child:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str], rank: int | None = None,
+               local: int | None = None) -> _Child:  # fmt: skip
         proc = subprocess.Popen(
             argv,
             env=env,
@@ -273,7 +293,7 @@ class Agent:
             start_new_session=True,
             preexec_fn=self._preexec,
         )
-        child = _Child(name, proc, rank)
+        child = _Child(name, proc, rank, local)
         for f in (proc.stdout, proc.stderr):
             os.set_blocking(f.fileno(), False)
             child.buffers[f.fileno()] = b""
@@ -462,7 +482,7 @@ class Agent:
                 (log.warning if self.warned_at is not None else log.info)(
                     "coordinator at %s answered (after %.1fs)", self.cfg.coordinator, took)
                 # Type=notify units: the agent is up once its coordinator took it (no-op elsewhere).
-                sdnotify.notify("READY=1", f"STATUS=ranks {[c.rank for c in self.ranks]} in the run of "
+                sdnotify.notify("READY=1", f"STATUS={self._names(self.ranks)} in the run of "
                                 f"{self.cfg.coordinator}")
             self.acked = True
             return
@@ -498,11 +518,10 @@ class Agent:
             code = child.proc.poll()
             if code is not None and not child.reported:
                 child.reported = True
-                self._send_agent(rank_exited=pb.AgentMsg.RankExited(rank=child.rank, code=code, token=self.token,
-                                                                    restart_count=child.restarts))  # fmt: skip
-                self._drain_child(child)
+                self._drain_child(child)  # its last lines travel with the report
                 self._said_exit(child, code)
-                self._maybe_restart(child, code)
+                restarting = self._maybe_restart(child, code)
+                self._send_agent(rank_exited=self._exit_report(child, code, restarting))
         now = time.monotonic()
         for rank, (at, old) in list(self.restart_at.items()):
             if now >= at and self.stop_reason is None:
@@ -524,31 +543,42 @@ class Agent:
             last = "".join(f"\n    {line}" for line in child.tail)
             log.warning("%s exited with code %d%s", child.name, code, f"; its last lines:{last}" if last else "")
         if self.cfg.exit_log:
-            record = {"rank": child.rank, "code": code, "restarts": child.restarts, "last_lines": list(child.tail)}
+            record = {"rank": child.rank, "local_rank": child.local, "code": code, "restarts": child.restarts,
+                      "last_lines": list(child.tail)}  # fmt: skip
             try:
                 with open(self.cfg.exit_log, "a", encoding="utf-8") as fh:
                     fh.write(json.dumps(record) + "\n")
             except OSError as e:
                 log.error("cannot append to the exit log %s: %s", self.cfg.exit_log, e)
 
-    def _maybe_restart(self, child: _Child, code: int) -> None:
-        """A failed rank process is started again (bounded, with backoff): see max_restarts."""
+    def _exit_report(self, child: _Child, code: int, restarting: bool) -> pb.AgentMsg.RankExited:
+        """``rank_exited``: the exit, whether it comes again, and its last stderr lines (the
+        coordinator names them when the world can no longer form without the rank)."""
+        lines = [line[:EXIT_LINE_CHARS] for line in list(child.tail)[-TAIL_LINES:]]
+        # Unpinned: the coordinator knows which slot (if any) the process took by its local rank.
+        who = {"rank": child.rank} if child.rank is not None else {"unpinned_slot": child.local}
+        return pb.AgentMsg.RankExited(code=code, token=self.token, restart_count=child.restarts,
+                                      restarting=restarting, last_lines=lines, **who)  # fmt: skip
+
+    def _maybe_restart(self, child: _Child, code: int) -> bool:
+        """A failed rank process is started again (bounded, with backoff): see max_restarts.
+        True when it will be (the exit report says so)."""
         if code == 0 or code == 2 or self.stop_reason is not None or self.run_ended_at is not None \
                 or child.restarts >= self.cfg.max_restarts:
             if code not in (0, 2) and self.cfg.max_restarts and child.restarts >= self.cfg.max_restarts:
                 log.error("%s failed %d time(s): no restarts left (--max-restarts %d)",
                           child.name, child.restarts + 1, self.cfg.max_restarts)
-            return
+            return False
         delay = min(30.0, RESTART_BACKOFF_S * 2**child.restarts)
         log.warning("%s failed (%s): restarting it in %gs (restart %d of %d)",
                     child.name, _exit_str(code), delay, child.restarts + 1, self.cfg.max_restarts)
-        self.restart_at[child.rank] = (time.monotonic() + delay, child)
+        self.restart_at[child.local] = (time.monotonic() + delay, child)
+        return True
 
     def _restart_rank(self, old: _Child) -> None:
-        local = old.rank - self.cfg.rank_offset
-        env = rank_env(self.cfg, local, self.connect, dict(os.environ), self.token)
+        env = rank_env(self.cfg, old.local, self.connect, dict(os.environ), self.token)
         env["FLODL_RESTART_COUNT"] = str(old.restarts + 1)
-        child = self._spawn(old.name, list(self.cfg.command), env, old.rank)
+        child = self._spawn(old.name, list(self.cfg.command), env, old.rank, old.local)
         child.restarts = old.restarts + 1
         self.ranks[self.ranks.index(old)] = child
 
@@ -585,13 +615,17 @@ class Agent:
             identity=self.relay_identity.encode(), reason="restarted", token=self.token, ready=True))  # fmt: skip
 
     def _give_up_relay(self, why: str) -> None:
-        reason = f"agent on {self.cfg.host_name}: {why}; giving up: stopping ranks {[c.rank for c in self._alive()]}"
+        reason = f"agent on {self.cfg.host_name}: {why}; giving up: stopping {self._names(self._alive())}"
         log.error("%s", reason)
         # Agent -> coordinator ``abort``: the host is lost, and why (the coordinator logs it
         # before the ranks' exits arrive, which alone would only say "killed by signal 15").
         self._send_agent(abort=pb.AgentMsg.Abort(reason=reason))
         self.stop_reason = "relay_died"
         self.relay_failed = True
+
+    def _names(self, children: list[_Child]) -> str:
+        pinned = [c.rank for c in children if c.rank is not None]
+        return f"ranks {pinned}" if len(pinned) == len(children) else f"{len(children)} unpinned rank(s)"
 
     def _alive(self) -> list[_Child]:
         return [c for c in self.ranks if not c.reported]
@@ -634,12 +668,11 @@ class Agent:
                 return 0
             if early is None:
                 self._spawn_ranks(connect)
-            ranks = [c.rank for c in self.ranks]
+            ranks = [c.rank for c in self.ranks if c.rank is not None]  # unpinned: claims none
             self.hello_msg = pb.AgentMsg.AgentHello(host=cfg.host_name, ranks=ranks, token=self.token)
             self._send_agent(hello=self.hello_msg)
             self.hello_sent_at = time.monotonic()
-            log.info("agent on %s: %d rank(s) %s via %s", cfg.host_name, cfg.ranks,
-                     [c.rank for c in self.ranks], connect)
+            log.info("agent on %s: %d rank(s) %s via %s", cfg.host_name, cfg.ranks, self._names(self.ranks), connect)
             while self._alive() or self.restart_at:
                 now = time.monotonic()
                 self._reap()
@@ -655,7 +688,7 @@ class Agent:
                     timeout = max(1, min(timeout, int((self.relay_restart_at - now) * 1000) + 1))
                 self._pass(timeout)
             end = time.monotonic() + PIPE_DRAIN_S  # let the ranks' last lines through
-            while any(c.rank is not None for c in self.pipes.values()) and time.monotonic() < end:
+            while any(c.local is not None for c in self.pipes.values()) and time.monotonic() < end:
                 self._pass(50)
             return self._exit_code()
         except (RuntimeError, OSError) as e:  # relay never ready, command not startable
@@ -690,9 +723,10 @@ class Agent:
         base = dict(os.environ)
         self.connect = connect
         for i in range(self.cfg.ranks):
-            rank = self.cfg.rank_offset + i
+            rank = self.cfg.rank_of(i)
             env = rank_env(self.cfg, i, connect, base, self.token)
-            self.ranks.append(self._spawn(f"rank {rank}", list(self.cfg.command), env, rank))
+            name = f"rank {rank}" if rank is not None else f"local {i}"  # unpinned: its rank says which it got
+            self.ranks.append(self._spawn(name, list(self.cfg.command), env, rank, i))
 
     def _exit_code(self) -> int:
         if self.acked is False:

@@ -106,10 +106,11 @@ def _parser() -> _Parser:
     a.add_argument("--coordinator", metavar="URL", type=_endpoint, default=env.get("FLODL_COORDINATOR") or None,
                    help="coordinator endpoint, e.g. tcp://head:5555 (env FLODL_COORDINATOR)")
     a.add_argument("--ranks", metavar="N", type=_count(1), required=True, help="rank processes to start on this host")
-    a.add_argument("--rank-offset", metavar="K", type=_count(0), default=0,
-                   help="global rank of the first one (default 0)")
+    a.add_argument("--rank-offset", metavar="K", type=_count(0), default=None,
+                   help="pin the ranks: global rank of the first one is K, the next K+1, ... (default: none "
+                   "pinned, the coordinator numbers them in admission order: the lowest free slots)")
     a.add_argument("--world-size", metavar="W", type=_count(1), default=None,
-                   help="ranks in the whole run (default rank-offset + ranks)")
+                   help="ranks in the whole run (default rank-offset + ranks; unpinned: ranks)")
     a.add_argument("--session", metavar="S", default=env.get("FLODL_SESSION") or "flodl",
                    help="run id every frame names (env FLODL_SESSION, default 'flodl')")
     a.add_argument("--host", metavar="NAME", default=env.get("FLODL_HOST") or None,
@@ -224,9 +225,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if not command:
         p.error("agent: give the rank command after --, e.g. -- python train.py")
-    world = args.world_size or args.rank_offset + args.ranks
-    if args.rank_offset + args.ranks > world:
-        p.error(f"agent: ranks {args.rank_offset}..{args.rank_offset + args.ranks - 1} exceed --world-size {world}")
+    offset = args.rank_offset or 0
+    world = args.world_size or offset + args.ranks
+    if offset + args.ranks > world:
+        what = f"ranks {offset}..{offset + args.ranks - 1}" if args.rank_offset is not None else f"{args.ranks} ranks"
+        p.error(f"agent: {what} exceed --world-size {world}")
     try:
         slowdown_for(args.slowdown, 0, args.rank_offset, args.ranks, world)
     except ValueError as e:

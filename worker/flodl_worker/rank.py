@@ -71,6 +71,7 @@ import secrets
 import sys
 import time
 import traceback
+from dataclasses import replace
 from collections import Counter
 from typing import Any, Callable, Mapping, NoReturn
 
@@ -217,7 +218,8 @@ class _Rank(MachineShell):
         self.sock = self.ctx.socket(zmq.DEALER)
         # Options before connect. A random identity per process: a restarted rank is a
         # new peer to the ROUTERs, never confused with its previous life.
-        self.sock.setsockopt(zmq.IDENTITY, b"rank-%d-%s" % (cfg.rank, secrets.token_hex(4).encode()))
+        who = b"%d" % cfg.rank if cfg.pinned else b"u%d" % cfg.local_rank  # (cosmetic: routes are opaque)
+        self.sock.setsockopt(zmq.IDENTITY, b"rank-%s-%s" % (who, secrets.token_hex(4).encode()))
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
@@ -231,8 +233,9 @@ class _Rank(MachineShell):
             self.sock.close(0)
             self.ctx.term()
             raise _Refused(f"cannot dial FLODL_CONNECT={cfg.connect!r}: {e}") from None
+        # Unpinned: frames name rank 0 until the ack gives the slot (``_take_slot``).
         self.ep = Endpoint(
-            cfg.session, pb.Sender.KIND_RANK, rank=cfg.rank, host=cfg.host, incarnation=secrets.randbits(63)
+            cfg.session, pb.Sender.KIND_RANK, rank=max(cfg.rank, 0), host=cfg.host, incarnation=secrets.randbits(63)
         )
         self.seq = SeqTracker()
         self.drops: Counter = Counter()
@@ -248,7 +251,7 @@ class _Rank(MachineShell):
         self.liveness_s = DEFAULT_LIVENESS_S
         self.last_heard = time.monotonic()
         self.next_heartbeat = 0.0
-        self.m = RankMachine(cfg.rank)  # what the rank decides (flodl.rank)
+        self.m = RankMachine(max(cfg.rank, 0))  # what the rank decides (flodl.rank)
         # Where the wall time goes, by cause; reported on heartbeats and on Exiting.
         self.account = TimeAccount(min(_STARTED, time.monotonic()))
         self._trained = False  # a first batch trained: waits are barriers, no longer start-up
@@ -261,12 +264,30 @@ class _Rank(MachineShell):
         self.perms: dict[int, np.ndarray] = {}
         self.trace = None
         self.lr_trace = None  # every LR the schedule set (tests audit that ranks end alike)
+        self.clock = ProgressClock(self.m, lambda: self.optimizer, lr_schedule, None)
+        if cfg.pinned:
+            self._open_traces()
+
+    def _open_traces(self) -> None:
+        """The trace files, named by rank (an unpinned rank opens them once admitted)."""
+        cfg = self.cfg
         if cfg.trace_dir:
             os.makedirs(cfg.trace_dir, exist_ok=True)
             self.trace = open(os.path.join(cfg.trace_dir, f"rank{cfg.rank}.trace"), "a", encoding="ascii")
-            if lr_schedule is not None:
+            if self.clock.schedule is not None:
                 self.lr_trace = open(os.path.join(cfg.trace_dir, f"rank{cfg.rank}.lr"), "a", encoding="ascii")
-        self.clock = ProgressClock(self.m, lambda: self.optimizer, lr_schedule, self.lr_trace)
+                self.clock.trace = self.lr_trace
+
+    def _take_slot(self, rank: int, world: int) -> None:
+        """An unpinned rank is the slot its ack names: every later frame says so."""
+        if not 0 <= rank < world:
+            raise _Refused(f"the coordinator gave this rank slot {rank}, outside its world of {world}")
+        self.cfg = replace(self.cfg, rank=rank)
+        self.m.rank = rank
+        self.ep.sender.rank = rank
+        self.ep.session = self.ep.session  # (re-serialises the envelope's fixed fields)
+        self._open_traces()
+        log.info("admitted as rank %d (FLODL_RANK unset: the slot the coordinator gave it)", rank)
 
     @property
     def local_step(self) -> int:
@@ -389,8 +410,10 @@ class _Rank(MachineShell):
         # now rather than between admission and the first step.
         self.optimizer_fn(probe)
         del probe
+        unpinned = {} if self.cfg.pinned else {"unpinned_slot": self.cfg.local_rank}  # the core picks the slot
         hello = pb.RankHello(
-            rank=self.cfg.rank,
+            rank=max(self.cfg.rank, 0),
+            **unpinned,
             world_size=self.cfg.world_size,
             model_sig=sig,
             dataset_len=len(self.dataset),
@@ -450,6 +473,8 @@ class _Rank(MachineShell):
             raise _Refused(
                 f"RunSpec.total_samples={spec.total_samples} exceeds this rank's dataset of {len(self.dataset)}"
             )
+        if not self.cfg.pinned:
+            self._take_slot(ack.rank, spec.world_size)
         self.spec = spec
         self.heartbeat_s = spec.heartbeat_interval_s if spec.heartbeat_interval_s > 0 else DEFAULT_HEARTBEAT_S
         self.liveness_s = spec.liveness_timeout_s if spec.liveness_timeout_s > 0 else DEFAULT_LIVENESS_S
@@ -650,7 +675,12 @@ class _Rank(MachineShell):
         self.ctx.term()
 
 
-def _setup_logging(rank: int) -> None:
+def _who(cfg: RankEnv) -> str:
+    """'rank 3', or for a rank not admitted yet that names none: 'rank ? (local 1)'."""
+    return f"rank {cfg.rank}" if cfg.pinned else f"rank ? (local {cfg.local_rank})"
+
+
+def _setup_logging(rank: int | str) -> None:
     if not logging.getLogger().handlers and not log.handlers:
         h = logging.StreamHandler(sys.stderr)
         h.setFormatter(logging.Formatter(f"%(levelname)s flodl.rank[{rank}]: %(message)s"))
@@ -680,7 +710,7 @@ def rank_main(
     except EnvError as e:
         print(f"flodl rank: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
-    _setup_logging(cfg.rank)
+    _setup_logging(cfg.rank if cfg.pinned else f"?{cfg.local_rank}")
     r: _Rank | None = None
     try:
         r = _Rank(
@@ -693,14 +723,14 @@ def rank_main(
         log.info("%s after %d steps: exiting cleanly", s.args[0], r.local_step)
         return EXIT_OK
     except _Refused as e:
-        print(f"flodl rank {cfg.rank}: {e}", file=sys.stderr, flush=True)
+        print(f"flodl {_who(r.cfg if r else cfg)}: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     except _Abort as e:
-        print(f"flodl rank {cfg.rank}: {e}", file=sys.stderr, flush=True)
+        print(f"flodl {_who(r.cfg if r else cfg)}: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     except Exception:
         # The user's model/step code failed: no Exiting (reference hazard 7), exit 1.
-        print(f"flodl rank {cfg.rank}: training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        print(f"flodl {_who(r.cfg if r else cfg)}: training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     finally:
         if r is not None:

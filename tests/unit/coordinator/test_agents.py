@@ -1,6 +1,5 @@
 """Agent exit reports: only the agent a rank itself named may report it; forged reports are refused."""
 
-import logging
 import time
 
 import zmq
@@ -42,6 +41,23 @@ def test_a_report_is_believed_only_from_the_agent_the_rank_vouched_for():
     book.rank_admitted(2, REAL)
     assert book.report_refusal((b"agent-curve",), 2, REAL, "KEY-A") == ""
     assert "CURVE key" in book.report_refusal((b"agent-curve",), 2, REAL, "KEY-B")
+
+
+def test_a_rank_that_never_said_hello_is_believed_from_its_only_claimant_while_it_holds_no_slot():
+    # A script that failed at import never vouches: its agent's report is what tells the
+    # coordinator, before the world forms, that the slot will never come.
+    book = AgentBook(world_size=3)
+    real, rogue = (b"agent-real",), (b"agent-rogue",)
+    book.hello(real, _hello([0, 1]), "")
+    assert book.report_refusal(real, 1, REAL, "", admitted=False) == ""
+    assert "did not name" in book.report_refusal(real, 1, REAL, "", admitted=True)  # a live rank: never
+    assert "without the agent's token" in book.report_refusal(real, 1, FORGED, "", admitted=False)
+    book.rank_admitted(0, REAL)
+    book.hello(rogue, _hello([0, 1, 2], FORGED, "evil"), "")
+    assert "another agent claims it too" in book.report_refusal(real, 1, REAL, "", admitted=False)
+    assert "another agent claims it too" in book.report_refusal(rogue, 1, FORGED, "", admitted=False)
+    assert "did not announce" in book.report_refusal(rogue, 0, FORGED, "", admitted=False)  # vouched for the real one
+    assert book.report_refusal(rogue, 2, FORGED, "", admitted=False) == ""  # its own claim, alone
 
 
 def test_an_agent_hello_out_of_range_twice_or_oversized_is_refused_whole():
@@ -185,19 +201,76 @@ def test_with_curve_a_report_must_come_with_the_key_of_the_agents_hello(serve, t
     assert svc.state.route_of(1) is None, dict(svc.dropped)
 
 
-def test_an_agents_report_of_a_rank_that_never_said_hello_is_no_dropped_frame(serve, caplog):
+def test_a_rank_that_failed_before_its_hello_ends_a_forming_run_and_the_agents_are_told(serve, tmp_path):
+    svc, ep, ctx = serve(load_settings(env={}, flags={
+        "world_size": 2, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 1, "batch_size": 4,
+        "liveness_timeout_s": 30.0,
+    }))  # fmt: skip
+    rank0 = _Peer(ctx, ep, pb.Sender.KIND_RANK, rank=0, incarnation=10)
+    rank0.send("hello", pb.RankHello(rank=0, world_size=2, model_sig=b"a" * 32, dataset_len=100, agent_token=REAL))
+    assert rank0.hello_ack().accepted
+    agent = _Peer(ctx, ep, pb.Sender.KIND_AGENT, host="gpu1", incarnation=1)
+    agent.send("agent", pb.AgentMsg(hello=_hello([0, 1])))
+    lines = ["Traceback (most recent call last):", "ModuleNotFoundError: No module named 'x'"]
+    agent.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(
+        rank=1, code=1, token=REAL, restarting=True, last_lines=lines)))  # fmt: skip
+    assert _until(lambda: "its agent starts it again" in svc.state.run.not_admitted.get(1, ""))
+    assert svc.finished is None  # its agent restarts it: the world still waits
+    agent.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(
+        rank=1, code=1, token=REAL, restart_count=1, last_lines=lines)))  # fmt: skip
+    assert _until(lambda: svc.finished is not None)
+    assert not svc.finished.ok and "rank 1: exited with code 1 before the world formed" in svc.finished.reason
+    assert "its last line: ModuleNotFoundError: No module named 'x'" in svc.finished.reason
+    while True:  # the agent is told to stop its ranks (those still starting never said hello)
+        assert agent.sock.poll(5000), "no abort"
+        d = decode(split_routing(agent.sock.recv_multipart())[1], session=SESSION)
+        if d.kind == "agent" and d.envelope.agent.WhichOneof("msg") == "abort":
+            assert d.envelope.agent.abort.reason.startswith("the world did not form: the world can no longer form")
+            break
+
+
+def test_unpinned_ranks_get_their_slot_in_the_ack_and_their_agents_reports_find_it(serve, tmp_path):
+    svc, ep, ctx = serve(load_settings(env={}, flags={
+        "world_size": 3, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 1, "batch_size": 4,
+        "liveness_timeout_s": 30.0,
+    }))  # fmt: skip
+    agent = _Peer(ctx, ep, pb.Sender.KIND_AGENT, host="gpu1", incarnation=1)
+    agent.send("agent", pb.AgentMsg(hello=_hello([])))  # unpinned: it claims no rank
+    pinned = _Peer(ctx, ep, pb.Sender.KIND_RANK, rank=0, incarnation=10)
+    pinned.send("hello", pb.RankHello(rank=0, world_size=3, model_sig=b"a" * 32, dataset_len=100))
+    assert pinned.hello_ack().rank == 0
+    rank = _Peer(ctx, ep, pb.Sender.KIND_RANK, rank=0, incarnation=11)
+    hello = pb.RankHello(rank=0, world_size=3, model_sig=b"a" * 32, dataset_len=100, agent_token=REAL, unpinned_slot=1)
+    rank.send("hello", hello)
+    ack = rank.hello_ack()
+    assert ack.accepted and ack.rank == 1  # the lowest free slot
+    rank.send("hello", hello)  # a retransmit: the same slot
+    assert rank.hello_ack().rank == 1
+    assert svc.agents.vouched[1] == token_digest(REAL)
+    # Its agent reports local rank 0 (never admitted: a process fewer) and local rank 1 (slot 1).
+    agent.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(
+        code=1, token=REAL, unpinned_slot=0, restarting=True)))  # fmt: skip
+    agent.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(code=-9, token=REAL, unpinned_slot=1)))
+    assert _until(lambda: svc.state.route_of(1) is None), "the report did not find slot 1"
+    assert svc.finished is not None and "rank 1: killed by signal 9 before the world formed" in svc.finished.reason
+    assert svc.state.ranks[1].agent == token_digest(REAL) and svc.state.ranks[1].local_rank == 1
+
+
+def test_an_agents_report_of_a_rank_that_never_said_hello_is_no_dropped_frame(serve):
     # (a host that leaves, or whose ranks die importing, before they said hello: the churn
     # campaign's leaves logged each as a forged report, "route_mismatch")
-    caplog.set_level(logging.INFO, logger="flodl.coordinator")
     svc, ep, ctx = serve(load_settings(env={}, flags={
         "world_size": 2, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 1, "batch_size": 4,
     }))  # fmt: skip
     agent = _Peer(ctx, ep, pb.Sender.KIND_AGENT, host="gpu1", incarnation=1)
     agent.send("agent", pb.AgentMsg(hello=_hello([0, 1])))
-    agent.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(rank=1, code=-15, token=REAL)))
     agent.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(rank=1, code=-15, token=FORGED)))
+    agent.send("agent", pb.AgentMsg(rank_exited=pb.AgentMsg.RankExited(rank=1, code=-15, token=REAL)))
     assert _until(lambda: svc.dropped.get("route_mismatch", 0) == 1), dict(svc.dropped)  # only the forged one
-    assert "rank 1 ended (code -15) before it said hello" in caplog.text
+    # The real one is believed (its only claimant): before the world forms it says the slot
+    # will never come, and the run fails at once, naming it (flodl.core._formation).
+    assert _until(lambda: svc.finished is not None)
+    assert "rank 1: killed by signal 15 before the world formed" in svc.finished.reason
 
 
 def test_a_new_host_takes_over_the_slots_of_one_that_left_and_may_report_them():

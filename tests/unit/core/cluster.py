@@ -71,6 +71,7 @@ from flodl.core import (
     Send,
     SyncAcked,
     Tick,
+    UNPINNED,
     initial_state,
     step,
 )
@@ -265,11 +266,12 @@ class Cluster:
         return out
 
     def hello(self, rank: int, **over: Any) -> list:
+        """Rank ``rank``'s hello (``over`` replaces fields; ``hello_rank=UNPINNED``: it names none)."""
         r = self.ranks[rank] if 0 <= rank < len(self.ranks) else None
         kw = dict(
             now=self.now,
             route=r.route if r else (b"stray-%d" % rank,),
-            rank=rank,
+            rank=over.pop("hello_rank", rank),
             world_size=self.config.world_size,
             model_sig=MODEL_SIG,
             dataset_len=self.total,
@@ -391,15 +393,16 @@ class Cluster:
         self._do(r, r.m.handle(SeedApplied(cycle=self.state.rounds.cycle)))
         return True
 
-    def respawn(self, rank: int, **over: Any) -> list:
+    def respawn(self, rank: int, unpinned: bool = False, **over: Any) -> list:
         """The agent starts rank ``rank``'s process again: a new machine, route and
-        incarnation (the old shell is kept in ``retired``); it says hello."""
+        incarnation (the old shell is kept in ``retired``); it says hello (``unpinned``:
+        naming no rank -- the core should give it slot ``rank``)."""
         old = self.ranks[rank]
         n = sum(1 for r in self.retired if r.rank == rank) + 1
         self.retired.append(old)
         self.ranks[rank] = RankShell(rank, (b"relay", b"rank-%d-%d" % (rank, n)), incarnation=1000 * n + rank,
                                      speed_ms=old.speed_ms)  # fmt: skip
-        return self.hello(rank, **over)
+        return self.hello(rank, **({"hello_rank": UNPINNED} if unpinned else {}), **over)
 
     def can_train(self, rank: int) -> bool:
         r = self.ranks[rank]

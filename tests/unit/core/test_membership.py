@@ -55,7 +55,7 @@ def test_hello_accepted_carries_run_spec():
 def test_hello_refused_rank_out_of_range():
     c = Cluster(policy="sync", world_size=2)
     assert _refused(c.hello(2)) == "rank 2 out of range [0, 2)"
-    assert _refused(c.hello(-1)) == "rank -1 out of range [0, 2)"
+    assert _refused(c.hello(-2)) == "rank -2 out of range [0, 2)"  # (-1 is UNPINNED: the core picks)
 
 
 def test_hello_refused_world_size_differs():
@@ -181,10 +181,11 @@ def test_rank_lost_before_the_world_forms_is_named_at_the_deadline():
     c.feed(Tick(now=0.0))
     c.hello(0)
 
-    c.feed(RankExitReported(now=1.0, rank=0, code=-9))
+    c.feed(RankExitReported(now=1.0, rank=0, code=-9, restarting=True))  # (its agent restarts it: wait)
+    assert c.finished is None
     c.feed(Tick(now=6.0))
     assert c.finished is not None and not c.finished.ok
-    assert "rank 0: admitted, then lost before the world formed: killed by signal 9" in c.finished.reason
+    assert "rank 0: killed by signal 9 before the world formed; its agent starts it again" in c.finished.reason
     assert "rank 1: never said hello" in c.finished.reason
 
 

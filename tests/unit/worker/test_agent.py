@@ -30,8 +30,9 @@ time.sleep(60)
 
 
 def start_agent(procs, py, coordinator, *flags, command=(sys.executable, "-c", CHILD), env=None):
+    pin = () if "--rank-offset" in flags else ("--rank-offset", "0")  # CHILD behaves by FLODL_RANK
     argv = py("flodl_worker", "agent", "--coordinator", coordinator.endpoint, "--session", coordinator.session,
-              "--host", "hostB", *flags, "--", *command)
+              "--host", "hostB", *pin, *flags, "--", *command)
     return procs.start(argv, env=env)
 
 
@@ -40,6 +41,7 @@ def expect_exit(coordinator, rank: int, code: int):
     env = d.envelope
     assert env.sender.kind == pb.Sender.KIND_AGENT and env.sender.host == "hostB"
     assert (env.agent.rank_exited.rank, env.agent.rank_exited.code) == (rank, code)
+    return env.agent.rank_exited
 
 
 @pytest.mark.integration
@@ -49,7 +51,8 @@ def test_agent_reports_exit_code_and_signal(coordinator, procs, py, lines, tmp_p
     _, d = coordinator.expect("agent", "hello")
     assert d.envelope.sender.kind == pb.Sender.KIND_AGENT
     assert (d.envelope.agent.hello.host, list(d.envelope.agent.hello.ranks)) == ("hostB", [0, 1])
-    expect_exit(coordinator, 0, 3)
+    report = expect_exit(coordinator, 0, 3)
+    assert list(report.last_lines) == ["rank zero fails"] and not report.restarting  # (no --max-restarts)
 
     out = lines(agent.stdout)
     env1 = dict(kv.split("=", 1) for kv in out.wait_for(r"^\[rank 1\] ENV 1 (.*)$").group(1).split())
@@ -125,6 +128,7 @@ def test_cli_bad_flags_one_line_exit_2(capsys, monkeypatch):
         ([*coord, "--ranks", "2"], "after --"),
         ([*coord, "--ranks", "2", "--slowdown", "1,2,3", "--", "x"], "--slowdown"),
         ([*coord, "--ranks", "2", "--world-size", "1", "--", "x"], "exceed"),
+        ([*coord, "--ranks", "2", "--world-size", "4", "--slowdown", "1,2,3,4", "--", "x"], "needs --rank-offset"),
         (["agent", "--coordinator", "nope", "--ranks", "1", "--", "x"], "not a ZeroMQ endpoint"),
         (["agent", "--ranks", "1", "--", "x"], "--coordinator is required"),
         (["relay", "--coordinator", "tcp://127.0.0.1:1"], "--bind"),

@@ -33,12 +33,12 @@ def test_a_failed_rank_is_not_restarted_once_the_run_ended():
     a = agent_mod.Agent(agent_mod.AgentConfig(coordinator="tcp://127.0.0.1:1", ranks=1, command=("true",),
                                               max_restarts=5))  # fmt: skip
     try:
-        child = agent_mod._Child("rank 0", proc=None, rank=0)
+        child = agent_mod._Child("rank 0", proc=None, rank=0, local=0)
         a._maybe_restart(child, 1)
         assert list(a.restart_at) == [0]  # in backoff ...
         a._on_run_ended(RUN_ENDED.run_ended, now=100.0)
         assert a.restart_at == {}  # ... and not started for a run that is over
-        a._maybe_restart(agent_mod._Child("rank 1", proc=None, rank=1), 1)
+        a._maybe_restart(agent_mod._Child("rank 1", proc=None, rank=1, local=1), 1)
         assert a.restart_at == {}  # a rank failing after the end is not restarted either
     finally:
         a.sock.close(0)
@@ -54,7 +54,7 @@ def test_a_restarted_rank_left_running_after_the_run_ended_is_stopped(coordinato
     route, _ = coordinator.expect("agent", "hello")
     _, d = coordinator.expect("agent", "rank_exited")
     assert d.envelope.agent.rank_exited.code == 3
-    lines(agent.stdout).wait_for(r"^\[rank 0\] RESTARTED", timeout=30)
+    lines(agent.stdout).wait_for(r"^\[local 0\] RESTARTED", timeout=30)  # (no --rank-offset: unpinned)
     coordinator.send(route, "agent", RUN_ENDED)
     # Stopped after the grace, not left to time out its hello and be restarted again.
     assert agent.wait(agent_mod.RUN_ENDED_GRACE_S + 10) == 0

@@ -305,7 +305,7 @@ def test_rank_exits_when_coordinator_goes_silent(coordinator, procs, py, tmp_pat
 def test_rank_bad_environment_is_one_line_and_exit_2(capsys):
     fail = lambda *a: pytest.fail("must not be called")  # noqa: E731
     for env, needle in [
-        ({}, "FLODL_RANK is not set"),
+        ({}, "FLODL_WORLD_SIZE is not set"),  # (FLODL_RANK unset: unpinned, the coordinator numbers it)
         ({"FLODL_RANK": "x", "FLODL_WORLD_SIZE": "2", "FLODL_CONNECT": "tcp://h:1"}, "'x' is not an integer"),
         ({"FLODL_RANK": "2", "FLODL_WORLD_SIZE": "2", "FLODL_CONNECT": "tcp://h:1"}, "out of range"),
         ({"FLODL_RANK": "0", "FLODL_WORLD_SIZE": "2", "FLODL_CONNECT": "h:1"}, "must start with tcp://"),
