@@ -22,8 +22,10 @@ Pure state, no sockets: the relay loop (``relay``) hands it the coordinator's
   mass); one frame with weight = sum w, ``buffer_weight`` = sum of the mover masses
   and ``contributing_ranks`` = the ranks folded, in the parts' wire dtype (bf16 stays
   bf16: the sum is rounded once more on the way up, accumulation is still f32). A
-  part that does not decode is forwarded raw instead (the coordinator refuses it with
-  the reason and counts it) and is not in the fold.
+  part that does not decode, or has a negative or non-finite weight, is found when it
+  arrives and forwarded raw at once, in its rank's order (the coordinator refuses it
+  with the reason and counts it; sent later, behind that rank's next frames, it would
+  be dropped as out of sequence and its round would never finish); it is not in the fold.
 * A fold superseded by a newer ``FoldOpen`` is discarded: the coordinator abandoned that
   round. ``release`` (shutdown) hands back the raw messages of a fold in progress:
   forwarded untouched they are still valid individual contributions.
@@ -64,6 +66,7 @@ Message = list  # [routing id, b"", envelope, blob...] as received on the fronte
 class _Part:
     header: pb.RoundHeader
     message: Message
+    arrays: Optional[list[np.ndarray]] = None  # decoded on arrival (f32: views of the frames)
 
 
 @dataclass
@@ -214,10 +217,33 @@ class Folder:
             self.parts_forwarded += 1
             del f.want[identity]
             return False, self._maybe_flush()
+        # Checked on arrival, not at the flush: a part refused later would go up behind
+        # frames its rank sent after it, and the coordinator drops it as out of sequence
+        # (the round then waits for it forever) instead of refusing it with its reason.
+        arrays = None
+        if not math.isfinite(h.weight) or h.weight < 0:
+            return self._forward_raw(identity, f"weight {h.weight}")
+        if h.weight > 0:
+            try:
+                arrays = unpack_round(h, message[3:])
+            except BadTensor as e:
+                return self._forward_raw(identity, f"does not decode: {e}")
+            if any(m.dtype == pb.DTYPE_BF16 for m in h.tensors):
+                arrays = None  # widened copies: decode again at the flush, not held twice
         f.shapes = f.shapes or shapes
         del f.want[identity]
-        f.parts[rank] = _Part(h, message)
+        f.parts[rank] = _Part(h, message, arrays)
         return True, self._maybe_flush()
+
+    def _forward_raw(self, identity: bytes, why: str) -> tuple[bool, list[Message]]:
+        """A part the fold cannot carry goes up now, raw and in its rank's order, for the
+        coordinator to refuse with its reason; the fold stops waiting for it."""
+        f = self._fold
+        assert f is not None
+        log.warning("cycle %d: rank %d's round %s; forwarded as is", f.cycle, f.want[identity], why)
+        self.parts_forwarded += 1
+        del f.want[identity]
+        return False, self._maybe_flush()
 
     def release(self) -> list[Message]:
         """Shutdown: the raw messages of a fold in progress (still valid on their own)."""
@@ -243,22 +269,13 @@ class Folder:
             part = f.parts[r]
             h = part.header
             bf16 = bf16 or any(m.dtype == pb.DTYPE_BF16 for m in h.tensors)
-            if h.weight > 0:
-                try:
-                    arrays = unpack_round(h, part.message[3:])
-                except BadTensor as e:
-                    log.warning("cycle %d: rank %d's round does not decode (%s); forwarded as is", f.cycle, r, e)
-                    self.parts_forwarded += 1
-                    out.append(part.message)
-                    continue
+            if h.weight > 0:  # (checked on arrival: it decodes, its weight is finite)
+                arrays = part.arrays if part.arrays is not None else unpack_round(h, part.message[3:])
                 if acc is None:
                     acc = [a.copy() if not a.flags.writeable else a for a in arrays]
                 else:
                     for s, a in zip(acc, arrays):
                         s += a
-            elif not math.isfinite(h.weight) or h.weight < 0:
-                out.append(part.message)
-                continue
             ranks.append(r)
             weights.append(float(h.weight))
             buffer_weights.append(float(h.buffer_weight) if h.weight > 0 else 0.0)  # an idle part moved nothing

@@ -158,8 +158,27 @@ def test_a_broken_part_goes_up_raw_and_is_not_folded():
     bad = rank_round(1, 1, params_of(1), 1.0)
     bad[-1] = bytes(bad[-1])[:-4]  # a truncated tensor
     kept, up = f.offer(bad)
-    assert kept  # kept: the header looks right, the bytes are checked at flush
-    assert up[0] is bad and list(decoded(up[1])[0].contributing_ranks) == [0]
+    assert not kept  # forwarded as it came, now: the bytes are checked on arrival
+    assert list(decoded(up[0])[0].contributing_ranks) == [0]
+
+
+@pytest.mark.parametrize("forge", ["nan", "negative_weight", "truncated"])
+def test_a_refusable_part_goes_up_at_once_in_its_rank_s_order(forge):
+    # A part that waited for the flush went up behind the frames its rank sent after it:
+    # the coordinator dropped it as out of sequence, and the round waited for it forever
+    # (a hostile-peers run hung so). It must leave before the rank's next frame can.
+    f = Folder("relay-test-1")
+    fold_open(f, 3, [0, 1])
+    params = params_of(1)
+    if forge == "nan":
+        params[0][0, 0] = np.nan
+    bad = rank_round(1, 3, params, -1.0 if forge == "negative_weight" else 1.0)
+    if forge == "truncated":
+        bad[-1] = bytes(bad[-1])[:-4]
+    assert f.offer(bad) == (False, [])  # up as it came, before anything else of rank 1
+    assert f.active  # still folding the others
+    kept, up = f.offer(rank_round(0, 3, params_of(0), 1.0))
+    assert kept and list(decoded(up[0])[0].contributing_ranks) == [0]
     # A part shaped unlike the others is forwarded at once.
     fold_open(f, 2, [0, 1])
     f.offer(rank_round(0, 2, params_of(0), 1.0))
