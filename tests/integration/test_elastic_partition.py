@@ -3,7 +3,8 @@ network namespace loses its link for longer than the liveness timeout. Its ranks
 nothing from the coordinator and exit; the coordinator declares them dead; the host's
 agent (``--max-restarts``) starts them again, and once the link is back they take their
 slots back (seeded with the consensus) and train. The run ends ok, every epoch committed
-exactly once, every final digest identical."""
+exactly once, every final digest identical. On the collective plane (test d) the host's
+rank comes back into a new gloo generation and is seeded by a member's broadcast."""
 
 import json
 import os
@@ -33,27 +34,33 @@ def _wait_for(path, text, deadline_s=240.0):
         time.sleep(0.1)  # polling another process's log
 
 
-def test_a_partitioned_hosts_ranks_rejoin_when_the_link_returns(tmp_path):
+@pytest.mark.parametrize("plane", ["bus", "collective"])
+def test_a_partitioned_hosts_ranks_rejoin_when_the_link_returns(tmp_path, plane):
     summary, log = tmp_path / "summary.json", tmp_path / "coordinator.log"
     py = sys.executable
-    with netns.three_hosts(tag=92) as (ns, head_ip):
-        link = f"vb{os.getpid() % 10000}x"  # host b's end of its veth (netns.three_hosts names it)
+    tag = 92 if plane == "bus" else 93
+    with netns.three_hosts(tag=tag) as (ns, head_ip):
+        sfx = os.getpid() % 10000
+        link = f"vb{sfx}x"  # host b's end of its veth (netns.three_hosts names it)
         endpoint = f"tcp://{head_ip}:5555"
         coord = subprocess.Popen(
             _in(ns["head"], py, "-m", "flodl_coordinator", "serve", "--bind", endpoint, "--session", "part",
                 "--world-size", "3", "--epochs", "40", "--batch-size", "16", "--policy", "cadence",
-                "--liveness-timeout", "3", "--summary", str(summary)),
+                "--plane", plane, "--liveness-timeout", "3", "--summary", str(summary)),
             stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
         agents = []
         # Slowed ranks: the run outlasts the partition and the restart of host b's rank.
-        for key, offset, ranks, slow in (("a", 0, 2, "30"), ("b", 2, 1, "30")):
+        for i, (key, offset, ranks, slow) in enumerate((("a", 0, 2, "30"), ("b", 2, 1, "30")), start=2):
+            # Every namespace shares the machine's hostname: gloo is told each host's own
+            # address and interface, as an operator would on a multi-homed host.
+            env = {**os.environ, "FLODL_STORE_HOST": f"10.77.{tag}.{i}", "GLOO_SOCKET_IFNAME": f"v{key}{sfx}x"}
             agents.append(subprocess.Popen(
                 _in(ns[key], py, "-m", "flodl_worker", "agent", "--coordinator", endpoint, "--session", "part",
                     "--host", f"host-{key}", "--ranks", str(ranks), "--rank-offset", str(offset), "--world-size", "3",
                     "--slowdown", slow, "--base-ms", "1", "--max-restarts", "3", "--",
                     py, "-m", "flodl_worker.examples.digits"),
-                stdout=open(tmp_path / f"agent-{key}.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                stdout=open(tmp_path / f"agent-{key}.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
             ))  # fmt: skip
         try:
             _wait_for(log, "epoch 2/40")  # training, host b included
@@ -79,3 +86,6 @@ def test_a_partitioned_hosts_ranks_rejoin_when_the_link_returns(tmp_path):
     for c in data["coverage"]:
         assert (c["expected"], c["trained"], c["duplicates"], c["missing"]) == (1437, 1437, 0, 0), c
     assert len({r["param_digest"] for r in data["ranks"]}) == 1
+    if plane == "collective":  # it came back into a new gloo generation, seeded by a broadcast
+        col = data["collective"]
+        assert col["seeds"] >= 1 and col["generation"] >= 3 and col["members"] == [0, 1, 2], col
