@@ -57,6 +57,7 @@ from . import _coverage, _repartition
 from ._commands import Command
 from ._errors import LocalViolation, RankViolation
 from ._events import BatchDone
+from ._extend import extend
 from ._ranges import equal_sizes, split_ranges, subtract_ranges
 from ._state import CoordinatorState
 
@@ -308,13 +309,7 @@ class SyncDispatcher:
         if not remainder or not survivors:
             return
         for r, ranges in zip(survivors, split_ranges(remainder, len(survivors))):
-            for off, size in ranges:
-                ext = pb.Control.ExtendPartition(epoch=epoch, partition_offset=off, partition_size=size)
-                st.send(out, r, extend_partition=ext)
-                d.assigned[epoch].setdefault(r, []).append((off, size))
-                d.extensions += 1
-            if ranges:
-                d.rank_epoch[r] = epoch
+            extend(st, out, epoch, r, ranges)
 
     def give_back(
         self, st: CoordinatorState, rank: int, lost: list[tuple[int, int, int]], out: list[Command]
@@ -333,13 +328,7 @@ class SyncDispatcher:
             reported[rank] = max(0, reported.get(rank, 0) - sum(n for _, n in ranges))
             alive = st.alive_ranks()
             for r, mine in zip(alive, split_ranges(ranges, len(alive))):
-                for off, size in mine:
-                    ext = pb.Control.ExtendPartition(epoch=epoch, partition_offset=off, partition_size=size)
-                    st.send(out, r, extend_partition=ext)
-                    per_rank.setdefault(r, []).append((off, size))
-                    d.extensions += 1
-                if mine:
-                    d.rank_epoch[r] = epoch
+                extend(st, out, epoch, r, mine)
 
     def idle(self, st: CoordinatorState, rank: int) -> bool:
         d = st.dispatch

@@ -49,6 +49,7 @@ from . import _coverage
 from ._commands import Command, Notice
 from ._errors import RankViolation
 from ._events import PartitionTrimmed, RankResynced
+from ._extend import extend
 from ._phases import ACTIVE
 from ._ranges import equal_sizes, split_ranges, subtract_ranges
 from ._state import CoordinatorState
@@ -227,13 +228,7 @@ def _hand_out(
         for r, mine in zip(alive, split_ranges(orphans, len(alive))):
             parts.setdefault(r, []).extend(mine)
     for r, mine in parts.items():
-        for off, size in mine:
-            ext = pb.Control.ExtendPartition(epoch=epoch, partition_offset=off, partition_size=size)
-            st.send(out, r, extend_partition=ext)
-            per_rank.setdefault(r, []).append((off, size))
-            d.extensions += 1
-        if mine:
-            d.rank_epoch[r] = epoch
+        extend(st, out, epoch, r, mine)
     moved = sum(n for _, n in ranges)
     _count(st, "samples", moved)
     shared = {r: sum(n for _, n in v) for r, v in parts.items() if v}
