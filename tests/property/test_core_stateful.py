@@ -263,15 +263,8 @@ class CoreMachine(RuleBasedStateMachine):
         """kill -9 and restart on the journal: every command not yet handled dies with the
         process, so does the reducer's open round; the rank machines hear the new
         incarnation on their next frame and send their resync report."""
-        c = self.c
-        rebuilt = replay(c.config, c.journal)
-        assert rebuilt == c.state
-        c.state = rebuilt
-        for r in c.ranks:
-            r.inbox.clear()
-            r.ack_due = None
         self.restarts += 1
-        c.feed(CoordinatorRestarted(now=c.now, incarnation=self.restarts + 1))
+        self.c.restart_coordinator(incarnation=self.restarts + 1)
 
     @precondition(lambda self: self._running())
     @rule()

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from flodl.core import ACTIVE, DEAD, JOINING, TRAINING, VACANT, CoordinatorRestarted, Send, replay, view_drift
+from flodl.core import ACTIVE, DEAD, JOINING, TRAINING, VACANT, Send, replay, view_drift
 
 
 WORK = ("start_epoch", "extend_partition", "request_params", "update", "throttle")
@@ -68,16 +68,8 @@ class ElasticWorld(RuleBasedStateMachine):
         would make hypothesis give up on draws once the run has finished.)"""
         if not self._training() or self.restarts >= 2:
             return
-        c = self.c
-        rebuilt = replay(c.config, c.journal)
-        assert rebuilt == c.state
-        c.state = rebuilt
-        for r in c.ranks:
-            r.inbox.clear()
-            r.ack_due = None
-            r.seed_due = False
         self.restarts += 1
-        c.feed(CoordinatorRestarted(now=c.now, incarnation=self.restarts + 1))
+        self.c.restart_coordinator(incarnation=self.restarts + 1)
 
     @invariant()
     def no_position_is_held_by_two_live_ranks(self):

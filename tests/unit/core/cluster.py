@@ -74,6 +74,7 @@ from flodl.core import (
     UNPINNED,
     initial_state,
     step,
+    replay,
 )
 from flodl.rank import (
     AbandonRounds,
@@ -213,6 +214,19 @@ class Cluster:
         self._last_command_id = 0
 
     # -- feeding the core ---------------------------------------------------------------
+
+    def restart_coordinator(self, incarnation: int) -> None:
+        """kill -9 and restart on the journal: the state is rebuilt by replay (it must equal
+        the live one), every command not yet handled dies with the process, and the rank
+        machines hear the new incarnation on their next frame and send their resync report."""
+        rebuilt = replay(self.config, self.journal)
+        assert rebuilt == self.state
+        self.state = rebuilt
+        for r in self.ranks:
+            r.inbox.clear()
+            r.ack_due = None
+            r.seed_due = False
+        self.feed(CoordinatorRestarted(now=self.now, incarnation=incarnation))
 
     def feed(self, ev: Event) -> list:
         if isinstance(ev, CoordinatorRestarted):
