@@ -47,10 +47,10 @@ def split_routing(frames: Sequence[bytes]) -> tuple[tuple[bytes, ...], list]:
     Identity frames are never empty, so the first empty frame is the delimiter.
     """
     for i, f in enumerate(frames):
-        if len(f) == 0:
+        if not len(f):
             if i > MAX_ROUTE_HOPS:
                 raise MalformedFrame(f"route of {i} hops exceeds {MAX_ROUTE_HOPS}")
-            return tuple(bytes(x) for x in frames[:i]), list(frames[i + 1 :])
+            return tuple(map(bytes, frames[:i])), list(frames[i + 1 :])
     raise MalformedFrame("no empty delimiter frame between route and envelope")
 
 
@@ -74,9 +74,9 @@ def decode(payload: Sequence, *, session: str | None) -> Decoded:
     raw = payload[0]
     if len(raw) > MAX_ENVELOPE_BYTES:
         raise Oversized(f"envelope of {len(raw)} bytes exceeds {MAX_ENVELOPE_BYTES}")
-    env = pb.Envelope()
+    env = _Envelope()
     try:
-        env.ParseFromString(bytes(raw))
+        env.ParseFromString(raw if type(raw) is bytes else bytes(raw))
     except (DecodeError, ValueError, RuntimeError) as e:  # protobuf raises DecodeError; be strict
         raise MalformedFrame(f"envelope does not parse: {type(e).__name__}") from None
     if env.protocol_major != PROTOCOL_MAJOR:
@@ -88,11 +88,11 @@ def decode(payload: Sequence, *, session: str | None) -> Decoded:
         raise WrongSession(f"frame names session {env.session!r}, this run is {session!r}")
     if env.WhichOneof("body") is None:
         raise MalformedFrame("envelope carries no body")
-    if env.sender.kind == pb.Sender.KIND_UNSPECIFIED:
+    if env.sender.kind == _KIND_UNSPECIFIED:
         raise MalformedFrame("envelope names no sender kind")
     if env.seq == 0:
         raise MalformedFrame("sequence numbers start at 1")
-    blobs = list(payload[1:])
+    blobs = payload[1:] if type(payload) is list else list(payload[1:])
     if env.blob_count != len(blobs):
         raise MalformedFrame(f"envelope announces {env.blob_count} blobs, frame has {len(blobs)}")
     if len(blobs) > MAX_BLOBS:
@@ -100,9 +100,15 @@ def decode(payload: Sequence, *, session: str | None) -> Decoded:
     return Decoded(env, blobs)
 
 
+_Envelope = pb.Envelope
+_KIND_UNSPECIFIED = pb.Sender.KIND_UNSPECIFIED
+_KIND_RANK = pb.Sender.KIND_RANK
+
+
 def sender_key(env: pb.Envelope) -> tuple:
     s = env.sender
-    return (s.kind, s.rank if s.kind == pb.Sender.KIND_RANK else s.host)
+    kind = s.kind
+    return (kind, s.rank if kind == _KIND_RANK else s.host)
 
 
 class SeqTracker:
@@ -122,18 +128,24 @@ class SeqTracker:
     def __init__(self) -> None:
         self._last: dict[tuple, tuple[int, int]] = {}
 
-    def verify(self, env: pb.Envelope, route: tuple = ()) -> None:
-        """Raise ``OutOfSequence`` if ``env`` replays or reorders; record nothing."""
-        key = (tuple(route), sender_key(env))
+    def verify(self, env: pb.Envelope, route: tuple = ()) -> tuple:
+        """Raise ``OutOfSequence`` if ``env`` replays or reorders; record nothing.
+
+        Returns the frame's key, for ``accept`` (not built twice on the hot path)."""
+        key = (route if type(route) is tuple else tuple(route), sender_key(env))
         prev = self._last.get(key)
         if prev is not None:
             prev_inc, prev_seq = prev
             if env.sender.incarnation == prev_inc and env.seq <= prev_seq:
                 raise OutOfSequence(f"seq {env.seq} after {prev_seq} from {key[1]}")
+        return key
 
-    def accept(self, env: pb.Envelope, route: tuple = ()) -> None:
-        """Record ``env`` as the latest of its (route, sender): call only after ``verify``."""
-        self._last[(tuple(route), sender_key(env))] = (env.sender.incarnation, env.seq)
+    def accept(self, env: pb.Envelope, route: tuple = (), *, key: tuple | None = None) -> None:
+        """Record ``env`` as the latest of its (route, sender): call only after ``verify``
+        (``key``: what it returned for this ``env`` and ``route``)."""
+        if key is None:
+            key = (tuple(route), sender_key(env))
+        self._last[key] = (env.sender.incarnation, env.seq)
 
     def check(self, env: pb.Envelope, route: tuple = ()) -> None:
         self.verify(env, route)

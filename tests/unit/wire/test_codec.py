@@ -161,3 +161,29 @@ def test_endpoint_session_set_later_is_the_one_its_frames_name():
     ep.session = "run-7"
     frames = ep.frames("round", pb.RoundHeader(cycle=1))
     assert decode(frames[1:], session="run-7").envelope.sender.host == "relay-a"
+
+
+def test_seq_tracker_accept_with_verifys_key_is_accept_without_it():
+    """The service records a frame with the key ``verify`` built for it (not twice);
+    the counter it moves is the one a plain ``accept`` would."""
+    ep = _rank_endpoint(inc=4)
+    env = lambda: decode(split_routing(ep.frames("timing", _batch()))[1], session="s1").envelope  # noqa: E731
+    keyed, plain = SeqTracker(), SeqTracker()
+    for _ in range(3):
+        e = env()
+        keyed.accept(e, [b"r"], key=keyed.verify(e, [b"r"]))  # a list route: the key is a tuple all the same
+        plain.verify(e, (b"r",))
+        plain.accept(e, (b"r",))
+    assert keyed._last == plain._last and list(keyed._last) == [((b"r",), (pb.Sender.KIND_RANK, 1))]
+    late = env()
+    keyed.accept(late, (b"r",), key=keyed.verify(late, (b"r",)))
+    with pytest.raises(OutOfSequence, match="seq 4 after 4"):
+        keyed.verify(late, (b"r",))
+
+
+def test_split_routing_copies_frame_routes_to_bytes():
+    import zmq
+
+    route, payload = split_routing([zmq.Frame(b"relay"), zmq.Frame(b"rank"), zmq.Frame(b""), b"env"])
+    assert route == (b"relay", b"rank") and all(type(r) is bytes for r in route)
+    assert payload == [b"env"]
