@@ -96,7 +96,7 @@ from .agents import MAX_TOKEN_BYTES, AgentBook, token_digest
 from .checkpointing import Checkpointing
 from .curve import CurveServer, load_server_keys
 from .droplog import DropLog
-from .inbound import recv_frames as _recv_frames, recv_message
+from .inbound import recv_frames as _recv_frames, recv_routed
 from .journal import Journal, JournalError
 from .metrics import RunBook, journal_stats
 from .output import ModelOutput
@@ -106,6 +106,8 @@ from .status import StatusBoard
 from .timeline import FINAL_PAGE_SPANS, Timeline
 
 __all__ = ["CoordinatorService"]
+
+_KIND_RANK = pb.Sender.KIND_RANK
 
 log = logging.getLogger("flodl.coordinator")
 decisions = logging.getLogger("flodl.decisions")
@@ -470,27 +472,38 @@ class CoordinatorService:
 
     def _drain_socket(self) -> None:
         # CURVE: the ZAP User-Id is read off a received Frame, so every part stays one.
-        recv = _recv_frames if self.curve_keys is not None else recv_message
+        curve = self.curve_keys is not None
+        sock, on_routed = self.sock, self._on_routed
         with self._pass():  # one fsync for what this batch of frames decided (journal.py)
             for _ in range(DRAIN_BATCH):
                 try:
-                    frames = recv(self.sock)
+                    if curve:
+                        frames = _recv_frames(sock)
+                    else:  # split as it is received; a split it is unsure of comes back whole
+                        route, payload = recv_routed(sock)
                 except zmq.Again:
                     return
-                self._on_frames(frames)
+                if curve or route is None:
+                    self._on_frames(payload if not curve else frames)
+                else:
+                    on_routed(route, payload)
                 if self.finished is not None:
                     return
 
     def _on_frames(self, frames) -> None:
-        now = self.clock()
         try:
             route, payload = split_routing(frames)
         except WireError as e:
             return self._drop((), e)
+        self._peer_key = _user_id(frames[-1]) if self.curve_keys is not None else ""
+        self._on_routed(route, payload)
+
+    def _on_routed(self, route: tuple, payload: list) -> None:
+        """One message, split at its delimiter (``route``: a tuple of bytes)."""
+        now = self.clock()
         if self.held and route:
             self.held.heard(route[0], self._send_held)  # a peer back after a restart (not while paused)
             self._links_back(now)
-        self._peer_key = _user_id(frames[-1]) if self.curve_keys is not None else ""
         try:
             d = decode(payload, session=self.settings.session)
         except VersionMismatch as e:
@@ -504,15 +517,31 @@ class CoordinatorService:
             # Checked per (route, sender) and recorded only once the frame has passed the
             # route checks: a foreign route claiming a rank's incarnation with seq 2**63
             # must not make the real rank's next frames "out of sequence".
-            self.seq.verify(env, route)
+            key = self.seq.verify(env, route)
             self._dispatch(now, route, d)
         except WireError as e:
             return self._drop(route, e)
-        if env.sender.kind != pb.Sender.KIND_RANK or tuple(self.state.route_of(env.sender.rank) or ()) == route:
-            self.seq.accept(env, route)  # (a refused hello or a gone rank's frame records nothing)
+        sender = env.sender
+        if sender.kind != _KIND_RANK or tuple(self.state.route_of(sender.rank) or ()) == route:
+            self.seq.accept(env, route, key=key)  # (a refused hello or a gone rank's frame records nothing)
 
     def _dispatch(self, now: float, route: tuple, d) -> None:
-        env, kind = d.envelope, d.kind
+        env = d.envelope
+        kind = env.WhichOneof("body")  # (decode refused a frame without one)
+        if kind == "timing":  # the hot path: every batch a rank trains (order of the checks below kept)
+            t = env.timing
+            rank = self._owned_rank(route, env, kind, t.rank)
+            if t.HasField("time_account"):  # goodput / badput by cause (/metrics)
+                self.status.book.time_account(rank, env.sender.incarnation, t.time_account)
+            event = t.WhichOneof("event")
+            if event == "batch":
+                if self._first_batch_at is None:
+                    self._first_batch_at = time.monotonic()
+            elif event == "checkpoint_result":
+                self.checkpointing.on_result(rank, t.checkpoint_result)
+            elif event == "eval_result":
+                self.output.on_eval_result(rank, t.eval_result)
+            return self._feed(timing_event(now, t))
         if kind == "hello":
             if env.sender.kind != pb.Sender.KIND_RANK or env.sender.rank != env.hello.rank:
                 raise RouteMismatch("hello's sender is not the rank it names")
@@ -542,28 +571,22 @@ class CoordinatorService:
             if env.round.HasField("relay_stats"):  # the relay's fold / fan-out counters (/metrics)
                 self.status.book.relay_stats(env.sender.host, env.sender.incarnation, env.round.relay_stats)
             return self._on_round(None, env.round, d.blobs, relay=route)
-        if kind in ("timing", "metrics", "round"):
-            rank = self._owned_rank(route, env, d)
-            if kind == "timing":
-                if env.timing.HasField("time_account"):  # goodput / badput by cause (/metrics)
-                    self.status.book.time_account(rank, env.sender.incarnation, env.timing.time_account)
-                if self._first_batch_at is None and env.timing.WhichOneof("event") == "batch":
-                    self._first_batch_at = time.monotonic()
-                if env.timing.WhichOneof("event") == "checkpoint_result":
-                    self.checkpointing.on_result(rank, env.timing.checkpoint_result)
-                elif env.timing.WhichOneof("event") == "eval_result":
-                    self.output.on_eval_result(rank, env.timing.eval_result)
-                return self._feed(timing_event(now, env.timing))
-            if kind == "metrics":
-                return self._feed(metrics_event(now, env.metrics))
-            return self._on_round(rank, env.round, d.blobs)
+        if kind == "metrics":
+            self._owned_rank(route, env, kind)
+            return self._feed(metrics_event(now, env.metrics))
+        if kind == "round":
+            return self._on_round(self._owned_rank(route, env, kind), env.round, d.blobs)
         raise MalformedFrame(f"a coordinator does not accept {kind!r} frames")
 
-    def _owned_rank(self, route: tuple, env, d) -> int:
-        if env.sender.kind != pb.Sender.KIND_RANK:
-            raise RouteMismatch(f"{d.kind} frame from a non-rank sender")
-        rank = env.sender.rank
-        body_rank = getattr(getattr(env, d.kind), "rank", rank)
+    def _owned_rank(self, route: tuple, env, kind: str, body_rank: int | None = None) -> int:
+        """The rank a timing/metrics/round frame speaks for, if its route owns it (else
+        RouteMismatch). ``body_rank``: the body's own rank field, when the caller read it."""
+        sender = env.sender
+        if sender.kind != _KIND_RANK:
+            raise RouteMismatch(f"{kind} frame from a non-rank sender")
+        rank = sender.rank
+        if body_rank is None:
+            body_rank = getattr(getattr(env, kind), "rank", rank)
         if body_rank != rank:
             raise RouteMismatch(f"sender is rank {rank} but the body claims rank {body_rank}")
         owner = self.state.route_of(rank)
@@ -805,23 +828,24 @@ class CoordinatorService:
         self._step_pending()
 
     def _step_pending(self) -> None:
-        while self._pending:
-            ev = self._pending.popleft()
+        pending, book, observe, execute = self._pending, self.status.book, self.timeline.observe, self._execute
+        while pending:
+            ev = pending.popleft()
             self._events_stepped += 1
             if self._journal is not None:  # building the record costs: only when it is kept
                 self._journal_write(to_record(ev))
             try:
                 self.state, commands = step(self.state, ev)
-                self.status.book.stepped(self.state)  # times a round that just finished
+                book.stepped(self.state)  # times a round that just finished
             except RankViolation as e:
                 # A peer's illegal frame: the core validated before changing anything, so
                 # the state is intact (replay skips the same record). Drop it and go on.
                 self.dropped["rank_violation"] += 1
                 log.warning("refused %s: %s", type(ev).__name__, e.reason)
                 continue
-            self.timeline.observe(ev, commands)
+            observe(ev, commands)
             for cmd in commands:
-                self._execute(cmd)
+                execute(cmd)
         self._status_stale = True  # republished once per tick (_publish_status), not per event
 
     def _publish_status(self, *, force: bool = False) -> None:
@@ -838,47 +862,58 @@ class CoordinatorService:
             self._next_publish = now + max(PUBLISH_MIN_S, cost * PUBLISH_COST_SHARE)
 
     def _execute(self, cmd) -> None:
-        if isinstance(cmd, Send):
-            route = self.state.route_of(cmd.rank)
-            if route is None:
-                self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
+        run = _EXECUTORS.get(type(cmd))
+        if run is None:  # a subclass: the first executor whose command type it is, in table order
+            run = next((f for t, f in _EXECUTORS.items() if isinstance(cmd, t)), None)
+            if run is None:
                 return
-            control = self.output.stamp(cmd.rank, self.checkpointing.stamp(cmd.rank, cmd.control))
-            frames = self.endpoint.frames("control", control, route=tuple(route))
-            if not self._send_frames(frames, failed=(cmd.rank, cmd.kind)):
-                self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
-        elif isinstance(cmd, Reply):
-            ack = self.checkpointing.stamp_ack(cmd.ack)
-            if not ack.accepted:
-                self._log_refusal(cmd.route, ack)
-            self._send_frames(self.endpoint.frames("hello_ack", ack, route=cmd.route))
-        elif isinstance(cmd, OpenRound) and self.config.plane == "collective":
-            pass  # the ranks all-reduce among themselves (flodl_worker.collective): no reducer round
-        elif isinstance(cmd, OpenRound):
-            # FoldOpen goes out before the ranks' RequestParams (later commands of this
-            # step) on the same FIFO pipe: a relay knows its fold before any round.
-            for relay, msg in self.reducer.folds.open(cmd.cycle, cmd.ranks, self.state.route_of):
-                self._send_frames(self.endpoint.frames("relay", msg, route=relay))
-            self._send_round(self.reducer.open(cmd.cycle, cmd.ranks, cmd.steps))
-        elif isinstance(cmd, ForgetRank):
-            # A clean leave at the end of a run is news, not a warning (a healthy run has none).
-            left = self.state.ranks[cmd.rank].phase is LEFT
-            log.log(logging.INFO if left else logging.WARNING, "rank %d forgotten: %s", cmd.rank, cmd.reason)
-            fold_drop = self.reducer.folds.drop(self.reducer.open_cycle, cmd.rank)
-            if fold_drop is not None:  # its relay stops waiting for it; the rest flush
-                self._send_frames(self.endpoint.frames("relay", fold_drop[1], route=fold_drop[0]))
-            self._send_round(self.reducer.drop(cmd.rank))
-        elif isinstance(cmd, SeedJoiner):
-            self._seed_joiner(cmd.rank)
-        elif isinstance(cmd, StageCheckpoint):  # an order to stage a meta, before the notices
-            self.checkpointing.stage(cmd)
-        elif isinstance(cmd, Notice):
-            self._notice(cmd)
-        elif isinstance(cmd, RunFinished):
-            self.finished = cmd
-            self._finished_at = time.monotonic()
-            if not cmd.ok and self.state.run.formed_at is None and not self.state.run.stop_reason:
-                self._abort_agents(f"the world did not form: {cmd.reason}")  # (a stop: run_ended says it)
+        run(self, cmd)
+
+    def _execute_send(self, cmd: Send) -> None:
+        route = self.state.route_of(cmd.rank)
+        if route is None:
+            self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
+            return
+        control = self.output.stamp(cmd.rank, self.checkpointing.stamp(cmd.rank, cmd.control))
+        frames = self.endpoint.frames("control", control, route=tuple(route))
+        if not self._send_frames(frames, failed=(cmd.rank, cmd.kind)):
+            self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
+
+    def _execute_reply(self, cmd: Reply) -> None:
+        ack = self.checkpointing.stamp_ack(cmd.ack)
+        if not ack.accepted:
+            self._log_refusal(cmd.route, ack)
+        self._send_frames(self.endpoint.frames("hello_ack", ack, route=cmd.route))
+
+    def _execute_open_round(self, cmd: OpenRound) -> None:
+        if self.config.plane == "collective":
+            return  # the ranks all-reduce among themselves (flodl_worker.collective): no reducer round
+        # FoldOpen goes out before the ranks' RequestParams (later commands of this
+        # step) on the same FIFO pipe: a relay knows its fold before any round.
+        for relay, msg in self.reducer.folds.open(cmd.cycle, cmd.ranks, self.state.route_of):
+            self._send_frames(self.endpoint.frames("relay", msg, route=relay))
+        self._send_round(self.reducer.open(cmd.cycle, cmd.ranks, cmd.steps))
+
+    def _execute_forget(self, cmd: ForgetRank) -> None:
+        # A clean leave at the end of a run is news, not a warning (a healthy run has none).
+        left = self.state.ranks[cmd.rank].phase is LEFT
+        log.log(logging.INFO if left else logging.WARNING, "rank %d forgotten: %s", cmd.rank, cmd.reason)
+        fold_drop = self.reducer.folds.drop(self.reducer.open_cycle, cmd.rank)
+        if fold_drop is not None:  # its relay stops waiting for it; the rest flush
+            self._send_frames(self.endpoint.frames("relay", fold_drop[1], route=fold_drop[0]))
+        self._send_round(self.reducer.drop(cmd.rank))
+
+    def _execute_seed(self, cmd: SeedJoiner) -> None:
+        self._seed_joiner(cmd.rank)
+
+    def _execute_stage(self, cmd: StageCheckpoint) -> None:  # an order to stage a meta, before the notices
+        self.checkpointing.stage(cmd)
+
+    def _execute_finished(self, cmd: RunFinished) -> None:
+        self.finished = cmd
+        self._finished_at = time.monotonic()
+        if not cmd.ok and self.state.run.formed_at is None and not self.state.run.stop_reason:
+            self._abort_agents(f"the world did not form: {cmd.reason}")  # (a stop: run_ended says it)
 
     def _abort_agents(self, reason: str) -> None:
         """A world that failed to form: ranks still starting (torch imports) have not said
@@ -1055,6 +1090,21 @@ class CoordinatorService:
         j.close()
         self._pending.append(StopRequested(now=self.clock(), reason=self._journal_error))
 
+
+
+# What each core command does here, by its exact type (one look-up per command, not a
+# chain of isinstance). Order matters for a subclass only: StageCheckpoint is a Notice,
+# and is staged, not noticed.
+_EXECUTORS = {
+    Send: CoordinatorService._execute_send,
+    Reply: CoordinatorService._execute_reply,
+    OpenRound: CoordinatorService._execute_open_round,
+    ForgetRank: CoordinatorService._execute_forget,
+    SeedJoiner: CoordinatorService._execute_seed,
+    StageCheckpoint: CoordinatorService._execute_stage,
+    Notice: CoordinatorService._notice,
+    RunFinished: CoordinatorService._execute_finished,
+}
 
 def _open_journal(path: str) -> Journal:
     """Open the journal for appending (a new one owner-only, 0600: journal.py); a journal

@@ -115,6 +115,29 @@ def test_a_forged_frame_with_a_huge_seq_does_not_poison_the_real_ranks_sequence(
     assert svc.dropped.get("out_of_sequence", 0) == 0, dict(svc.dropped)
 
 
+
+def test_malformed_routes_replays_and_foreign_senders_are_each_dropped_by_reason(service):
+    """The receive path splits a message as it arrives; what it cannot split (no
+    delimiter, a route of more hops than a relay stacks) is still refused by
+    ``split_routing``'s reason, and the checks after it (sender kind, sequence) hold."""
+    svc, ep, ctx = service
+    r0 = Peer(ctx, ep, 0, 1)
+    assert r0.hello(0).accepted
+    beat = pb.Timing(rank=0, heartbeat=pb.Timing.Heartbeat(step_count=1))
+    r0.sock.send_multipart([b"no-delimiter", b"at-all"])
+    r0.sock.send_multipart([b"a", b"b", b"c", b"d", b"", *r0.me.frames("timing", beat)[1:]])  # 5 hops
+    replayed = r0.me.frames("timing", beat)
+    r0.sock.send_multipart(replayed)
+    r0.sock.send_multipart(replayed)  # the same seq again
+    agent = Endpoint(SESSION, pb.Sender.KIND_AGENT, host="h", incarnation=5)
+    r0.sock.send_multipart(agent.frames("timing", beat))  # a timing frame from an agent
+    want = {"malformed": 2, "out_of_sequence": 1, "route_mismatch": 1}
+    assert _until(lambda: {k: svc.dropped.get(k, 0) for k in want} == want), dict(svc.dropped)
+    seen = svc.state.ranks[0].last_seen
+    r0.send("timing", beat)  # and rank 0 is still served
+    assert _until(lambda: svc.state.ranks[0].last_seen > seen), dict(svc.dropped)
+    assert svc.finished is None
+
 def test_the_journal_is_created_owner_only(tmp_path):
     import os
 
