@@ -84,8 +84,8 @@ def spans_per_rank(world_size: int) -> int:
     return min(MAX_SPANS_PER_RANK, max(MIN_SPANS_PER_RANK, MAX_SPANS_TOTAL // max(world_size, 1)))
 
 
-# What the timeline reads (the rest is skipped without a look: the hot path).
-_EVENTS_READ = frozenset({BatchDone, SyncAcked, CoordinatorRestarted, RankHello})
+# What the timeline reads of the commands (the rest is skipped without a look: the hot
+# path); the events it reads are the keys of ``_ON_EVENT`` (after the class).
 _COMMANDS_READ = frozenset({OpenRound, Send, Reply})
 
 
@@ -151,13 +151,16 @@ class Timeline:
     def observe(self, ev, commands: Iterable) -> None:
         """One stepped event and what it produced (commands in order)."""
         with self._lock:
-            if self._t0 is None:
-                self._t0 = ev.now
-            t = round(ev.now - self._t0, 4)
+            now = ev.now
+            t0 = self._t0
+            if t0 is None:
+                t0 = self._t0 = now
+            t = round(now - t0, 4)
             if t > self._now:
                 self._now = t
-            if type(ev) in _EVENTS_READ:
-                self._event(ev, t)
+            on_event = _ON_EVENT.get(type(ev))  # (by exact type: the rest is skipped without a look)
+            if on_event is not None:
+                on_event(self, ev, t)
             for cmd in commands:
                 if type(cmd) in _COMMANDS_READ or isinstance(cmd, Notice):
                     self._command(cmd, ev, t)
@@ -165,30 +168,34 @@ class Timeline:
     def _lane(self, rank: int) -> Optional[_Lane]:
         return self._lanes[rank] if 0 <= rank < len(self._lanes) else None
 
-    def _event(self, ev, t: float) -> None:
-        if isinstance(ev, BatchDone):
-            lane = self._lane(ev.rank)
-            if lane is None:
-                return
-            if "train" not in lane.open:
-                lane.steps = 0
-                lane.begin("train", max(0.0, round(t - ev.batch_ms / 1000.0, 4)))
-            lane.steps += 1
-            if self._acc_since is None:  # the curve starts with the first step, not the first hello
-                self._acc_since = max(0.0, round(t - ev.batch_ms / 1000.0, 4))
-            self._acc_samples += ev.samples
-            self._acc_loss += ev.loss * ev.samples
-        elif isinstance(ev, SyncAcked):
-            lane = self._lane(ev.rank)
-            if lane is not None:
-                lane.end("round", t, {"cycle": ev.cycle})
-                lane.end("throttle", t)
-        elif isinstance(ev, CoordinatorRestarted):
-            self._run_mark(t, f"{ev.cause}_restart", "resynchronised" if ev.cause == "relay" else "replayed its journal")
-        elif isinstance(ev, RankHello):
-            lane = self._lane(ev.rank)
-            if lane is not None and ev.host:
-                lane.host = ev.host[:64]
+    def _on_batch(self, ev: BatchDone, t: float) -> None:
+        rank, lanes = ev.rank, self._lanes
+        if not 0 <= rank < len(lanes):
+            return
+        lane = lanes[rank]
+        if "train" not in lane.open:
+            lane.steps = 0
+            lane.begin("train", max(0.0, round(t - ev.batch_ms / 1000.0, 4)))
+        lane.steps += 1
+        if self._acc_since is None:  # the curve starts with the first step, not the first hello
+            self._acc_since = max(0.0, round(t - ev.batch_ms / 1000.0, 4))
+        samples = ev.samples
+        self._acc_samples += samples
+        self._acc_loss += ev.loss * samples
+
+    def _on_sync_acked(self, ev: SyncAcked, t: float) -> None:
+        lane = self._lane(ev.rank)
+        if lane is not None:
+            lane.end("round", t, {"cycle": ev.cycle})
+            lane.end("throttle", t)
+
+    def _on_restarted(self, ev: CoordinatorRestarted, t: float) -> None:
+        self._run_mark(t, f"{ev.cause}_restart", "resynchronised" if ev.cause == "relay" else "replayed its journal")
+
+    def _on_hello(self, ev: RankHello, t: float) -> None:
+        lane = self._lane(ev.rank)
+        if lane is not None and ev.host:
+            lane.host = ev.host[:64]
 
     def _command(self, cmd, ev, t: float) -> None:
         if isinstance(cmd, OpenRound):
@@ -314,6 +321,14 @@ class Timeline:
                 },
             }
 
+
+
+_ON_EVENT = {
+    BatchDone: Timeline._on_batch,
+    SyncAcked: Timeline._on_sync_acked,
+    CoordinatorRestarted: Timeline._on_restarted,
+    RankHello: Timeline._on_hello,
+}
 
 def _halve(points: list[dict]) -> list[dict]:
     """Neighbours merged in pairs: throughput by their samples over the pair's span,
