@@ -20,8 +20,8 @@ from flodl.wire._codec import MAX_ROUTE_HOPS
 
 __all__ = ["recv_message", "recv_frames", "recv_routed"]
 
-_RCVMORE = zmq.RCVMORE
-_NOBLOCK = zmq.NOBLOCK
+_RCVMORE = int(zmq.RCVMORE)  # (plain ints: zmq's flag enums cost on every call)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 def recv_message(sock: zmq.Socket) -> list:
