@@ -49,7 +49,10 @@ def recv_routed(sock: zmq.Socket) -> tuple[tuple | None, list]:
     them) and ``[envelope, *blobs]`` -- or ``(None, parts)`` when the message has no
     delimiter or too long a route (``split_routing(parts)`` then says which)."""
     recv, more = sock.recv, sock.getsockopt
-    head = []
+    # A ROUTER hands the peer's identity first, always with a part after it: that one
+    # RCVMORE look-up (~0.7 us, a fifth of a control frame's receive) is skipped.
+    # (NOBLOCK all the same: a socket that broke the rule could not stall the loop.)
+    head = [recv(_NOBLOCK)]
     part = recv(_NOBLOCK)
     while part != b"":
         head.append(part)
