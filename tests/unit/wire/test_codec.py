@@ -187,3 +187,12 @@ def test_split_routing_copies_frame_routes_to_bytes():
     route, payload = split_routing([zmq.Frame(b"relay"), zmq.Frame(b"rank"), zmq.Frame(b""), b"env"])
     assert route == (b"relay", b"rank") and all(type(r) is bytes for r in route)
     assert payload == [b"env"]
+
+
+def test_varint_is_protobufs_at_every_length_boundary():
+    from flodl.wire._codec import _varint
+
+    assert _varint(0) == b"\x00"  # (proto3 writes no zero field: nothing to compare with)
+    edges = [1, 127, 128, 129, 300, 16383, 16384, 16385, 2**21 - 1, 2**21, 2**28, 2**35 + 5, 2**63 - 1]
+    for n in edges + list(range(1, 20000, 7)):
+        assert _varint(n) == pb.Envelope(seq=n).SerializeToString()[1:], n
