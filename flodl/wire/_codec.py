@@ -200,8 +200,10 @@ class Endpoint:
 def _varint(n: int) -> bytes:
     if n < 0x80:
         return _SMALL[n]
-    if n < 0x4000:  # two bytes: every sequence number up to 16,383, most body lengths
+    if n < 0x4000:  # two or three bytes: the first 2 million sequence numbers, most body lengths
         return bytes(((n & 0x7F) | 0x80, n >> 7))
+    if n < 0x200000:
+        return bytes(((n & 0x7F) | 0x80, ((n >> 7) & 0x7F) | 0x80, n >> 14))
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)

@@ -194,5 +194,5 @@ def test_varint_is_protobufs_at_every_length_boundary():
 
     assert _varint(0) == b"\x00"  # (proto3 writes no zero field: nothing to compare with)
     edges = [1, 127, 128, 129, 300, 16383, 16384, 16385, 2**21 - 1, 2**21, 2**28, 2**35 + 5, 2**63 - 1]
-    for n in edges + list(range(1, 20000, 7)):
+    for n in edges + list(range(1, 20000, 7)) + list(range(2**21 - 5000, 2**21 + 50, 3)):
         assert _varint(n) == pb.Envelope(seq=n).SerializeToString()[1:], n
