@@ -29,6 +29,7 @@ from ._config import CoreConfig
 from ._errors import LocalViolation, ProtocolViolation, RankViolation
 from ._events import (
     BatchDone,
+    BatchesDone,
     CheckpointDone,
     ChunkDone,
     EpochFnElapsed,
@@ -109,6 +110,7 @@ __all__ = [
     "Tick",
     "RankHello",
     "BatchDone",
+    "BatchesDone",
     "SyncAcked",
     "ChunkDone",
     "RankExiting",

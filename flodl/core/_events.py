@@ -25,6 +25,7 @@ __all__ = [
     "Tick",
     "RankHello",
     "BatchDone",
+    "BatchesDone",
     "SyncAcked",
     "ChunkDone",
     "RankExiting",
@@ -102,6 +103,27 @@ class BatchDone(Event):
     offset: int
     lr: float = 0.0
     sync_divergence: Optional[float] = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchesDone(Event):
+    """Consecutive optimizer steps of one rank in one frame (``Timing.batches``), in step
+    order: each ``(batch_ms, data_ms, step_count, loss, samples, epoch, offset, lr,
+    sync_divergence)`` is what a ``BatchDone`` would have said. One event, so the rules
+    settle once for the frame, not once per batch."""
+
+    rank: int
+    batches: tuple[tuple, ...] = ()
+
+    def __post_init__(self) -> None:  # a journal record holds lists: make them tuples
+        object.__setattr__(self, "batches", _tuples(self.batches))
+
+    def each(self) -> list[BatchDone]:
+        return [
+            BatchDone(now=self.now, rank=self.rank, batch_ms=b[0], data_ms=b[1], step_count=b[2], loss=b[3],
+                      samples=b[4], epoch=b[5], offset=b[6], lr=b[7], sync_divergence=b[8])
+            for b in self.batches
+        ]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -325,6 +347,7 @@ EVENT_TYPES = {
         Tick,
         RankHello,
         BatchDone,
+        BatchesDone,
         SyncAcked,
         ChunkDone,
         RankExiting,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ._events import (
     BatchDone,
+    BatchesDone,
     CheckpointDone,
     ChunkDone,
     CollectiveFailed,
@@ -91,6 +92,16 @@ def timing_event(now: float, t: pb.Timing):
             lr=b.lr,
             sync_divergence=_opt(b, "sync_divergence"),
         )
+    if kind == "batches":
+        return BatchesDone(
+            now=now,
+            rank=r,
+            batches=tuple(
+                (b.batch_ms, b.data_ms, b.step_count, b.batch_loss, b.samples, b.epoch, b.offset, b.lr,
+                 _opt(b, "sync_divergence"))
+                for b in t.batches.batch
+            ),
+        )  # fmt: skip
     if kind == "sync_ack":
         a = t.sync_ack
         return SyncAcked(

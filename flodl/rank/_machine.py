@@ -105,6 +105,10 @@ INFORMATIONAL = frozenset(
 )
 
 
+# A frame of batch reports holds at most this many (a bound on its size, ~50 bytes each).
+MAX_BATCHES_PER_REPORT = 64
+
+
 def gamma_mass(n: int, gamma: float) -> float:
     """Contribution mass n**gamma with the idle guard: 0 when n <= 0 (never 0**0 = 1)."""
     if n <= 0:
@@ -151,6 +155,9 @@ class RankMachine:
         self.left_behind: set[int] = set()
         self.last_command_id = 0
         self.unfolded: list[pb.Timing.Batch] = []  # reported, not yet folded (step order)
+        # Batch reports not sent yet (RunSpec.batch_report_ms), and the training ms they cover.
+        self.unsent: list[pb.Timing.Batch] = []
+        self.unsent_ms = 0.0
         self.finished: list[pb.Metrics] = []  # chunks of epochs not seen aggregated
         self.restarts = 0
         # Elastic membership: admitted into a running world, no seed consensus loaded yet.
@@ -202,6 +209,12 @@ class RankMachine:
             raise TypeError(f"RankMachine cannot handle {type(ev).__name__}")
         out: list[Command] = []
         fn(self, ev, out)
+        if self.unsent:
+            # Whatever this rank says next, its batches are said first: the coordinator
+            # weighs a snapshot, commits an ack and reads a trim by the batches it heard.
+            at = next((i for i, c in enumerate(out) if type(c) not in _SILENT), None)
+            if at is not None:
+                out[at:at] = self._unsent_report()
         return out
 
     def next_action(self, now: float) -> Union[TrainBatch, SendMetrics, Sentinel]:
@@ -286,7 +299,24 @@ class RankMachine:
         # Until folded: a restarted coordinator may ask for it.
         self.unfolded = [b for b in self.unfolded if b.step_count > self.folded_step]
         self.unfolded.append(batch)
-        out.append(SendTiming(kind="batch", body=batch))
+        self.unsent.append(batch)
+        self.unsent_ms += ev.batch_ms + ev.data_ms
+        assert self.spec is not None
+        if (
+            self.unsent_ms >= self.spec.batch_report_ms
+            or len(self.unsent) >= MAX_BATCHES_PER_REPORT
+            or cur is None
+            or cur.exhausted()  # the plan ran out: the coordinator plans the next one by it
+            or self.throttled
+        ):
+            out.extend(self._unsent_report())
+
+    def _unsent_report(self) -> list[Command]:
+        """The batches not reported yet, as one frame (one ``batch`` frame when alone)."""
+        unsent, self.unsent, self.unsent_ms = self.unsent, [], 0.0
+        if len(unsent) == 1:
+            return [SendTiming(kind="batch", body=unsent[0])]
+        return [SendTiming(kind="batches", body=pb.Timing.BatchRun(batch=unsent))]
 
     def _metrics(self, chunk: Chunk, now: float) -> pb.Metrics:
         m = pb.Metrics(
@@ -341,6 +371,7 @@ class RankMachine:
 
     def _throttle(self, c: pb.Control, out: list[Command]) -> None:
         self.throttled = True
+        out.extend(self._unsent_report() if self.unsent else ())  # it waits now: nothing may wait with it
 
     def _queue(self, plan: pb.EpochPlan, source: str, out: list[Command]) -> None:
         self._add_chunk(plan.epoch, plan.partition_offset, plan.partition_size, source, out)
@@ -498,6 +529,7 @@ class RankMachine:
         self.snapshots.clear()  # their rounds died with the old coordinator's reducer
         out.append(AbandonRounds(cycles=dropped))
         batches = [b for b in self.unfolded if b.step_count > self.folded_step]
+        self.unsent, self.unsent_ms = [], 0.0  # they are in the report
         held = self.held_positions()
         report = pb.Timing.Resync(
             coordinator_incarnation=inc,
@@ -517,6 +549,9 @@ class RankMachine:
             f"throttled={self.throttled})"
         )))  # fmt: skip
 
+
+# Commands after which nothing leaves the rank (the rest send a frame, train, save or exit).
+_SILENT = frozenset({Drop, Warn, AbandonRounds})
 
 _HANDLERS: dict[type, Callable[[RankMachine, Any, list], None]] = {
     Admitted: RankMachine._admitted,

@@ -124,13 +124,28 @@ def _boundary_waits_ms(res):
     """Per rank and epoch boundary: the idle time between its last batch of an epoch and
     its first of the next (the gap less that batch's own time), in ms."""
     last, waits = {}, []
-    for ev in res.events:
-        if type(ev).__name__ == "BatchDone":
-            prev = last.get(ev.rank)
-            if prev is not None and prev[1] != ev.epoch:
-                waits.append((ev.now - prev[0]) * 1e3 - ev.batch_ms)
-            last[ev.rank] = (ev.now, ev.epoch)
+    for ev, end in _batches_with_end(res.events):
+        prev = last.get(ev.rank)
+        if prev is not None and prev[1] != ev.epoch:
+            waits.append((end - prev[0]) * 1e3 - ev.batch_ms - ev.data_ms)
+        last[ev.rank] = (end, ev.epoch)
     return waits
+
+
+def _batches_with_end(events):
+    """Every batch reported, with when it ended: a ``BatchesDone`` frame left when its
+    last batch ended, each earlier one ended the later ones' time before that."""
+    for ev in events:
+        if type(ev).__name__ == "BatchDone":
+            yield ev, ev.now
+        elif type(ev).__name__ == "BatchesDone":
+            each = ev.each()
+            after = 0.0
+            ends = []
+            for b in reversed(each):
+                ends.append(ev.now - after / 1e3)
+                after += b.batch_ms + b.data_ms
+            yield from zip(each, reversed(ends))
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -181,6 +181,9 @@ class Cluster:
         dt: float = 0.01,
         **cfg: Any,
     ) -> None:
+        # A frame per batch unless a test asks for coalesced reports: the scripted scenarios
+        # here step batch by batch (the property tests draw batch_report_ms).
+        cfg.setdefault("batch_report_ms", 0.0)
         self.config = config or CoreConfig(
             world_size=world_size, batch_size=batch_size, num_epochs=epochs, **cfg
         )
