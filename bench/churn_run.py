@@ -165,7 +165,7 @@ class ChurnRun:
             pos += len(chunk)
             *whole, buf = (buf + chunk).split(b"\n")
             for line in whole:
-                if b'"BatchDone"' in line:
+                if b'"BatchDone"' in line or b'"BatchesDone"' in line:
                     rec = json.loads(line)
                     with self.lock:
                         self.last_batch[rec["rank"]] = rec["now"]

@@ -28,6 +28,8 @@ from ._commands import (
 from ._config import CoreConfig
 from ._errors import LocalViolation, ProtocolViolation, RankViolation
 from ._events import (
+    BATCH_RECORDS,
+    batches_in,
     BatchDone,
     BatchesDone,
     CheckpointDone,
@@ -86,6 +88,8 @@ from ._status_view import status_view
 from ._translate import hello_event, hello_oversized, metrics_event, timing_event
 
 __all__ = [
+    "BATCH_RECORDS",
+    "batches_in",
     "hello_event",
     "hello_oversized",
     "metrics_event",

@@ -370,6 +370,16 @@ EVENT_TYPES = {
 }
 
 
+# Journal record types that report trained batches (readers of journals: tests, benches).
+BATCH_RECORDS = ("BatchDone", "BatchesDone")
+
+
+def batches_in(rec: dict) -> int:
+    """How many trained batches a journal record reports (0: not a batch report)."""
+    kind = rec.get("type")
+    return 1 if kind == "BatchDone" else len(rec.get("batches", ())) if kind == "BatchesDone" else 0
+
+
 def to_record(ev: Event) -> dict:
     """JSON-safe dict: bytes become hex strings, tuples become lists."""
     rec = {"type": type(ev).__name__}

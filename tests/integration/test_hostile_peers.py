@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from flodl.core import BATCH_RECORDS
 from flodl.wire import Endpoint, pb
 from runlocal import ROOT, read_journal
 
@@ -95,7 +96,7 @@ def _wait_for(cond, what: str, deadline_s: float = 90.0):
 
 def _hello_of(journal: Path, rank: int) -> dict | None:
     hellos = [r for r in read_journal(journal) if r.get("type") == "RankHello" and r.get("rank") == rank]
-    batches = any(r.get("type") == "BatchDone" and r.get("rank") == rank for r in read_journal(journal))
+    batches = any(r.get("type") in BATCH_RECORDS and r.get("rank") == rank for r in read_journal(journal))
     return hellos[-1] if hellos and batches else None
 
 

@@ -490,10 +490,12 @@ class Cluster:
     def pump_once(self) -> bool:
         """Every rank drains its inbox, acks, reports, trains a batch; then time moves.
 
-        True if anything but liveness traffic reached the core (a hang makes no progress,
-        even though beacons and heartbeats keep flowing).
+        True if anything but liveness traffic reached the core, or a rank trained (its
+        report may wait, coalesced: ``batch_report_ms``). A hang makes no progress, even
+        though beacons and heartbeats keep flowing.
         """
         before = self.work_events
+        trained = False
         for r in range(len(self.ranks)):
             while self.deliver_one(r):
                 pass
@@ -501,9 +503,9 @@ class Cluster:
             self.send_seed(r)
             if not self.hold_chunks:
                 self.send_chunk(r)
-            self.train_one(r)
+            trained = self.train_one(r) or trained
         self.advance(self.dt)
-        return self.work_events > before
+        return self.work_events > before or trained
 
     def run(self, max_iters: int = 20000) -> Optional[RunFinished]:
         """Pump until the run finishes; when stuck, let time pass (silent ranks die).
