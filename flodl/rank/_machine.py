@@ -158,6 +158,7 @@ class RankMachine:
         # Batch reports not sent yet (RunSpec.batch_report_ms), and the training ms they cover.
         self.unsent: list[pb.Timing.Batch] = []
         self.unsent_ms = 0.0
+        self.report_at = 0  # Update.report_at_step: the step that ends this rank's window
         self.finished: list[pb.Metrics] = []  # chunks of epochs not seen aggregated
         self.restarts = 0
         # Elastic membership: admitted into a running world, no seed consensus loaded yet.
@@ -302,8 +303,12 @@ class RankMachine:
         self.unsent.append(batch)
         self.unsent_ms += ev.batch_ms + ev.data_ms
         assert self.spec is not None
+        window_run = 0 < self.report_at <= self.local_step  # the next round waits for this step
+        if window_run:
+            self.report_at = 0
         if (
-            self.unsent_ms >= self.spec.batch_report_ms
+            window_run
+            or self.unsent_ms >= self.spec.batch_report_ms
             or len(self.unsent) >= MAX_BATCHES_PER_REPORT
             or cur is None
             or cur.exhausted()  # the plan ran out: the coordinator plans the next one by it
@@ -365,6 +370,7 @@ class RankMachine:
         self._queue(c.start_epoch.plan, "StartEpoch", out)
 
     def _update(self, c: pb.Control, out: list[Command]) -> None:
+        self.report_at = c.update.report_at_step
         if c.update.HasField("next_plan"):
             self._queue(c.update.next_plan, "Update.next_plan", out)
         self.throttled = False

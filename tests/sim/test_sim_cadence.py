@@ -5,7 +5,7 @@ import random
 import pytest
 
 from flodl.core import Notice, replay
-from flodl.sim import SimConfig, simulate
+from flodl.sim import SimConfig, batch_ends, simulate
 
 # The 1,2,4 rig: three ranks at 10, 20 and 40 ms per batch, 5 % jitter, 0.5 ms links.
 RIG = dict(ms_per_batch=(10, 20, 40), jitter=0.05, latency_s=0.0005, batch_size=16)
@@ -124,28 +124,13 @@ def _boundary_waits_ms(res):
     """Per rank and epoch boundary: the idle time between its last batch of an epoch and
     its first of the next (the gap less that batch's own time), in ms."""
     last, waits = {}, []
-    for ev, end in _batches_with_end(res.events):
+    for ev, end in batch_ends(res.events):
         prev = last.get(ev.rank)
         if prev is not None and prev[1] != ev.epoch:
             waits.append((end - prev[0]) * 1e3 - ev.batch_ms - ev.data_ms)
         last[ev.rank] = (end, ev.epoch)
     return waits
 
-
-def _batches_with_end(events):
-    """Every batch reported, with when it ended: a ``BatchesDone`` frame left when its
-    last batch ended, each earlier one ended the later ones' time before that."""
-    for ev in events:
-        if type(ev).__name__ == "BatchDone":
-            yield ev, ev.now
-        elif type(ev).__name__ == "BatchesDone":
-            each = ev.each()
-            after = 0.0
-            ends = []
-            for b in reversed(each):
-                ends.append(ev.now - after / 1e3)
-                after += b.batch_ms + b.data_ms
-            yield from zip(each, reversed(ends))
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -134,3 +134,13 @@ def test_a_coordinator_restart_reports_unsent_batches_in_the_resync_once():
     assert resync.kind == "resync" and [b.step_count for b in resync.body.batches] == [1, 2]
     assert m.unsent == []  # not sent again as batches
     assert reported(train(m, ms=2000.0)) == [(3, 2)]
+
+
+def test_the_step_that_ends_the_window_goes_at_once():
+    m = machine(1000.0)
+    m.handle(plan(0, 0, 100))
+    train(m)
+    m.handle(ControlReceived(control=pb.Control(update=pb.Control.Update(version=1, cycle=1, report_at_step=3))))
+    assert train(m) == []  # step 2
+    assert reported(train(m)) == [(1, 0), (2, 1), (3, 2)]  # step 3: the next round waits for it
+    assert train(m) == []  # once: later batches coalesce again
