@@ -355,7 +355,7 @@ def analyse_coordinator(journal: Path, summary: dict, steps: dict[int, list[floa
     out: dict = {"restart_s": t_ready - t_kill}
     done = [r for r in before if r.get("type") in BATCH_RECORDS]
     out["kill_batches"] = sum(batches_in(r) for r in done)
-    out["kill_epoch"] = (done[-1]["epoch"] if "epoch" in done[-1] else done[-1]["batches"][-1][5]) if done else None
+    out["kill_epoch"] = (done[-1]["epoch"] if "epoch" in done[-1] else done[-1]["batches"][-1]["epoch"]) if done else None
     out["replayed_events"] = records[i].get("replayed_events")  # what the restart replayed
     out["last_event_before_kill_s"] = t_kill - max(r["now"] for r in before if "now" in r)
     if after:

@@ -108,22 +108,18 @@ class BatchDone(Event):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BatchesDone(Event):
     """Consecutive optimizer steps of one rank in one frame (``Timing.batches``), in step
-    order: each ``(batch_ms, data_ms, step_count, loss, samples, epoch, offset, lr,
-    sync_divergence)`` is what a ``BatchDone`` would have said. One event, so the rules
-    settle once for the frame, not once per batch."""
+    order: each is the ``BatchDone`` a frame of its own would have been (same ``now`` and
+    rank). One event, so the rules settle once for the frame, not once per batch."""
 
     rank: int
-    batches: tuple[tuple, ...] = ()
+    batches: tuple[BatchDone, ...] = ()
 
-    def __post_init__(self) -> None:  # a journal record holds lists: make them tuples
-        object.__setattr__(self, "batches", _tuples(self.batches))
+    def __post_init__(self) -> None:  # a journal record holds a list of dicts
+        if not all(type(b) is BatchDone for b in self.batches):
+            object.__setattr__(self, "batches", tuple(b if type(b) is BatchDone else BatchDone(**b) for b in self.batches))
 
-    def each(self) -> list[BatchDone]:
-        return [
-            BatchDone(now=self.now, rank=self.rank, batch_ms=b[0], data_ms=b[1], step_count=b[2], loss=b[3],
-                      samples=b[4], epoch=b[5], offset=b[6], lr=b[7], sync_divergence=b[8])
-            for b in self.batches
-        ]  # fmt: skip
+    def each(self) -> tuple[BatchDone, ...]:
+        return self.batches
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

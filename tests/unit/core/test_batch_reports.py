@@ -114,7 +114,10 @@ def test_a_frame_larger_than_any_rank_sends_is_refused():
 
 
 def test_the_journal_record_round_trips():
-    ev = BatchesDone(now=1.5, rank=2, batches=((1.0, 0.5, 7, 0.25, 4, 0, 8, 0.01, None), (1.0, 0.5, 8, 0.2, 4, 0, 12, 0.01, 0.3)))
+    one = dict(now=1.5, rank=2, batch_ms=1.0, data_ms=0.5, loss=0.25, samples=4, epoch=0, lr=0.01)
+    ev = BatchesDone(now=1.5, rank=2, batches=(BatchDone(**one, step_count=7, offset=8),
+                                               BatchDone(**one, step_count=8, offset=12, sync_divergence=0.3)))  # fmt: skip
     rec = json.loads(json.dumps(to_record(ev)))
-    assert from_record(rec) == ev
-    assert [b.step_count for b in ev.each()] == [7, 8] and ev.each()[1].sync_divergence == 0.3
+    back = from_record(rec)
+    assert back == ev and all(type(b) is BatchDone for b in back.batches)
+    assert [b.step_count for b in back.each()] == [7, 8] and back.each()[1].sync_divergence == 0.3
