@@ -297,9 +297,7 @@ class RankMachine:
             batch_ms=ev.batch_ms, data_ms=ev.data_ms, step_count=self.local_step, batch_loss=ev.loss, lr=ev.lr,
             samples=ev.samples, epoch=ev.epoch, offset=ev.offset,
         )  # fmt: skip
-        # Until folded: a restarted coordinator may ask for it.
-        self.unfolded = [b for b in self.unfolded if b.step_count > self.folded_step]
-        self.unfolded.append(batch)
+        self.unfolded.append(batch)  # until folded: a restarted coordinator may ask for it
         self.unsent.append(batch)
         self.unsent_ms += ev.batch_ms + ev.data_ms
         assert self.spec is not None
@@ -468,6 +466,8 @@ class RankMachine:
         if ev.arrays is not None:
             self.steps_since_avg = max(0, self.steps_since_avg - snap.n)
             self.folded_step = acked = snap.step_count
+            # Folded: no longer reported in a resync (pruned here, once per round, not per batch).
+            self.unfolded = [b for b in self.unfolded if b.step_count > acked]
         out.append(ApplyConsensus(cycle=ev.cycle, arrays=ev.arrays, ack_step=acked, moved=self.local_step != snap.step_count))
         # Held until the next consensus: a later Checkpoint{cycle} saves exactly it.
         self.held = (ev.cycle, list(ev.arrays)) if ev.arrays is not None else None
