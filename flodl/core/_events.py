@@ -116,7 +116,7 @@ class BatchesDone(Event):
 
     def __post_init__(self) -> None:  # a journal record holds a list of dicts
         if not all(type(b) is BatchDone for b in self.batches):
-            object.__setattr__(self, "batches", tuple(b if type(b) is BatchDone else BatchDone(**b) for b in self.batches))
+            object.__setattr__(self, "batches", tuple(_batch_done(b) for b in self.batches))
 
     def each(self) -> tuple[BatchDone, ...]:
         return self.batches
@@ -279,6 +279,10 @@ class ContributionRefused(Event):
     rank: int
     cycle: int
     reason: str = ""
+
+
+def _batch_done(b: "BatchDone | dict") -> BatchDone:
+    return b if isinstance(b, BatchDone) else BatchDone(**b)
 
 
 def _tuples(v):
