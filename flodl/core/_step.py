@@ -477,7 +477,13 @@ def _check_batches(st: CoordinatorState, ev: BatchesDone) -> None:
         _check_batch(st, b)
 
 
+def _on_batch_frame(st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
+    st.ranks[ev.rank].batch_frames += 1
+    _on_batch(st, ev, out)
+
+
 def _on_batches(st: CoordinatorState, ev: BatchesDone, out: list[Command]) -> None:
+    st.ranks[ev.rank].batch_frames += 1
     for b in ev.each():
         _on_batch(st, b, out)
 
@@ -594,7 +600,7 @@ def _nothing(st: CoordinatorState, ev: Event, out: list[Command]) -> None:
 HANDLERS: dict[type, Handler] = {
     Tick: Handler(_on_tick),
     RankHello: Handler(lambda st, ev, out: _membership.on_hello(st, ev, out), checks_rank=False, after_finish=True),
-    BatchDone: Handler(_on_batch, _check_batch, touches_liveness=True),
+    BatchDone: Handler(_on_batch_frame, _check_batch, touches_liveness=True),
     BatchesDone: Handler(_on_batches, _check_batches, touches_liveness=True),
     SyncAcked: Handler(lambda st, ev, out: _averaging.on_ack(st, ev, out, policy_of(st.config).dispatcher),
                        touches_liveness=True),  # fmt: skip

@@ -41,6 +41,9 @@ def test_coalesced_runs_cover_every_sample_once_with_fewer_events(policy):
     n_each = sum(isinstance(ev, BatchDone) for ev in each.journal)
     n_coalesced = sum(isinstance(ev, BatchDone) for ev in coalesced.journal) + len(frames)
     assert n_coalesced < n_each  # the point: fewer frames and fewer steps of the core
+    rows = lambda c: [(r["batches"], r["batch_frames"]) for r in c.finished.summary["ranks"]]  # noqa: E731
+    assert all(b == f for b, f in rows(each))  # the summary says how many frames carried them
+    assert sum(f for _b, f in rows(coalesced)) == n_coalesced < sum(b for b, _f in rows(coalesced))
     assert replay(coalesced.config, coalesced.journal) == coalesced.state  # the journal holds them
 
 
