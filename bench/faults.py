@@ -71,6 +71,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+from benchproc import JournalTail, start_ready
 from flodl.core import BATCH_RECORDS, BatchDone, BatchesDone, ForgetRank, RankViolation, batches_in, from_record, initial_state, step
 from flodl_coordinator.settings import Settings
 from flodl_worker.agent import AgentConfig, rank_env
@@ -121,10 +122,9 @@ class Run:
 
     def _start_coordinator(self) -> str:
         """Start the coordinator (``self.coord_cmd``, the same for a restart); its endpoint."""
-        coord = subprocess.Popen(self.coord_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        coord, endpoint = start_ready(self.coord_cmd, self.log)
         self.procs.append(coord)
         self.coord = coord
-        endpoint = self._ready(coord.stdout, "COORDINATOR_READY")
         threading.Thread(target=self._watch_coordinator, args=(coord,), daemon=True).start()
         threading.Thread(target=self._copy, args=(coord.stdout,), daemon=True).start()
         return endpoint
@@ -232,18 +232,11 @@ class Run:
         """Once the journal reports ``--kill-batches`` batches, kill -9 the
         coordinator and start it again at once on the same command line and journal;
         returns (monotonic time of the kill, the killed pid)."""
-        want, seen, pos, buf = self.args.kill_batches, 0, 0, b""
+        want, seen = self.args.kill_batches, 0
+        tail = JournalTail(self.journal, marker=b'"type": "Batch')
         deadline = time.monotonic() + self.args.deadline
         while time.monotonic() < deadline:
-            try:
-                with open(self.journal, "rb") as fh:
-                    fh.seek(pos)
-                    chunk = fh.read()
-            except OSError:
-                chunk = b""
-            pos += len(chunk)
-            *whole, buf = (buf + chunk).split(b"\n")
-            seen += sum(batches_in(json.loads(line)) for line in whole if b'"type": "Batch' in line)
+            seen += sum(batches_in(rec) for rec in tail.new())
             if seen >= want:
                 old = self.coord
                 t = time.monotonic()
