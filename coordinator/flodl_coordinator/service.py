@@ -534,7 +534,7 @@ class CoordinatorService:
             if t.HasField("time_account"):  # goodput / badput by cause (/metrics)
                 self.status.book.time_account(rank, env.sender.incarnation, t.time_account)
             event = t.WhichOneof("event")
-            if event == "batch":
+            if event == "batch" or event == "batches":  # (one batch, or several to a frame)
                 if self._first_batch_at is None:
                     self._first_batch_at = time.monotonic()
             elif event == "checkpoint_result":

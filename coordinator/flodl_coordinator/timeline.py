@@ -37,6 +37,7 @@ from typing import Any, Iterable, Optional
 from flodl.core import (
     CHECKPOINT_META,
     BatchDone,
+    BatchesDone,
     CoordinatorRestarted,
     Notice,
     OpenRound,
@@ -183,6 +184,10 @@ class Timeline:
         self._acc_samples += samples
         self._acc_loss += ev.loss * samples
 
+    def _on_batches(self, ev: BatchesDone, t: float) -> None:
+        for b in ev.each():  # a frame of several batches: each as if alone
+            self._on_batch(b, t)
+
     def _on_sync_acked(self, ev: SyncAcked, t: float) -> None:
         lane = self._lane(ev.rank)
         if lane is not None:
@@ -325,6 +330,7 @@ class Timeline:
 
 _ON_EVENT = {
     BatchDone: Timeline._on_batch,
+    BatchesDone: Timeline._on_batches,
     SyncAcked: Timeline._on_sync_acked,
     CoordinatorRestarted: Timeline._on_restarted,
     RankHello: Timeline._on_hello,

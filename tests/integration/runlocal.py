@@ -39,6 +39,12 @@ def traced_counts(trace: Path) -> dict[int, Counter]:
     return per_epoch
 
 
+def traced_samples(trace: Path, rank: int) -> int:
+    """How many samples one rank's trace file says it trained (repeats counted)."""
+    f = trace / f"rank{rank}.trace"
+    return sum(1 for line in f.read_text().split("\n") if line.strip()) if f.exists() else 0
+
+
 def assert_exact_coverage(summary: dict, trace: Path, epochs: int, expected: int) -> None:
     """Every epoch committed exactly once (summary) and trained exactly once (traces)."""
     cov = summary["coverage"]
