@@ -127,11 +127,32 @@ def trigger(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) ->
     st.index.open_round(rs.ranks)
     out.append(OpenRound(rs.cycle, rs.ranks, tuple(st.unfolded(r) for r in rs.ranks)))
     dispatcher.on_trigger(st, list(rs.ranks), out)
-    for r in rs.ranks:  # built in place: a round asks every rank (``CoordinatorState.control``)
-        st.control(out, r).request_params.cycle = rs.cycle
+    args = (rs.cycle,)
+    for r in rs.ranks:  # built when sent: a round asks every rank (``CoordinatorState.send_built``)
+        st.send_built(out, r, "request_params", _request_params, args)
     if not dispatcher.progressive:
         for r in rs.ranks:
-            st.control(out, r).throttle.SetInParent()
+            st.send_built(out, r, "throttle", _throttle)
+
+
+def _request_params(ctl: pb.Control, cycle: int) -> None:
+    ctl.request_params.cycle = cycle
+
+
+def _throttle(ctl: pb.Control) -> None:
+    ctl.throttle.SetInParent()
+
+
+def _update(ctl: pb.Control, version: int, cycle: int, plan: Optional[pb.EpochPlan] = None) -> None:
+    upd = ctl.update
+    upd.version, upd.cycle = version, cycle
+    if plan is not None:
+        upd.next_plan.CopyFrom(plan)
+
+
+def _set_global_step(ctl: pb.Control, global_step: int, committed: int) -> None:
+    gs = ctl.set_global_step
+    gs.global_step, gs.samples_committed = global_step, committed
 
 
 def on_refused(st: CoordinatorState, ev: ContributionRefused) -> None:
@@ -256,12 +277,13 @@ def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> 
     rs.global_step += rs.window_steps
     alive = [r for r in rs.ranks if st.ranks[r].phase is ACTIVE]
     plans = dispatcher.on_round_finished(st, alive, out)
-    for r in alive:  # built in place: a round answers every rank (``CoordinatorState.control``)
-        upd = st.control(out, r).update
-        upd.version, upd.cycle = rs.version, rs.cycle
-        if r in plans:
-            upd.next_plan.CopyFrom(plans[r])
-    committed = _coverage.committed_samples(st.coverage)  # the ranks' LR schedules follow it
+    # Built when sent (``CoordinatorState.send_built``): a round answers every rank. The
+    # plans are the dispatcher's fresh messages, held by nothing else.
+    args = (rs.version, rs.cycle)
     for r in alive:
-        gs = st.control(out, r).set_global_step
-        gs.global_step, gs.samples_committed = rs.global_step, committed
+        plan = plans.get(r)
+        st.send_built(out, r, "update", _update, args if plan is None else (*args, plan))
+    committed = _coverage.committed_samples(st.coverage)  # the ranks' LR schedules follow it
+    args = (rs.global_step, committed)
+    for r in alive:
+        st.send_built(out, r, "set_global_step", _set_global_step, args)

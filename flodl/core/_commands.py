@@ -7,8 +7,8 @@ per addressed rank, so "who got what" is visible in tests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import FrozenInstanceError, dataclass, field
+from typing import Any, Callable
 
 from flodl.wire import pb
 
@@ -35,16 +35,72 @@ class Command:
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class Send(Command):
-    """Deliver ``control`` to ``rank``. A failure comes back as a ``SendFailed`` event."""
+_new = object.__new__
+_set = object.__setattr__
 
-    rank: int
-    control: pb.Control
+
+class Send(Command):
+    """Deliver ``control`` to ``rank``. A failure comes back as a ``SendFailed`` event.
+
+    ``Send(rank, control)`` carries a ready ``Control``. ``Send.built(rank, command_id,
+    kind, build, args)`` carries the recipe instead: ``control`` is built on first read
+    as ``build(pb.Control(command_id=command_id), *args)`` and kept. A dispatch, a round
+    or a heartbeat addresses every rank: built eagerly, its N messages were most of the
+    step's cost at thousands of ranks, and the shell builds each one once anyway, when
+    it sends it. ``args`` must be values nothing changes later (numbers, tuples, a
+    message nobody else holds), so a recipe read late builds what an eager one would.
+    Frozen, compared by ``(rank, control)`` like the dataclass it replaces."""
+
+    __slots__ = ("rank", "_body")  # _body: a Control, or (command_id, kind, build, args)
+    __match_args__ = ("rank", "control")
+
+    def __init__(self, rank: int, control: pb.Control) -> None:
+        _set(self, "rank", rank)
+        _set(self, "_body", control)
+
+    @classmethod
+    def built(cls, rank: int, command_id: int, kind: str, build: Callable[..., None], args: tuple) -> "Send":
+        s = _new(cls)
+        _set(s, "rank", rank)
+        _set(s, "_body", (command_id, kind, build, args))
+        return s
+
+    @property
+    def control(self) -> pb.Control:
+        body = self._body
+        if type(body) is tuple:
+            command_id, _, build, args = body
+            ctl = pb.Control(command_id=command_id)
+            build(ctl, *args)
+            _set(self, "_body", ctl)
+            return ctl
+        return body
 
     @property
     def kind(self) -> str:
-        return self.control.WhichOneof("cmd") or ""
+        body = self._body
+        if type(body) is tuple:
+            return body[1]
+        return body.WhichOneof("cmd") or ""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self.rank == other.rank and self.control == other.control  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]  (a Control is unhashable: so was the dataclass)
+
+    def __repr__(self) -> str:
+        return f"Send(rank={self.rank!r}, control={self.control!r})"
+
+    def __reduce__(self) -> tuple:
+        return (Send, (self.rank, self.control))
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,13 +120,21 @@ def role_to_tell(st: CoordinatorState) -> Optional[int]:
 
 def send_plan(st: CoordinatorState, out: list[Command], rank: int, epoch: int, offset: int, size: int,
               role: Optional[int] = None) -> None:  # fmt: skip
-    """``StartEpoch{plan, epoch_callback_role}`` to ``rank``, built in place (a dispatch
-    sends one per rank: ``CoordinatorState.control``)."""
-    start = st.control(out, rank).start_epoch
+    """``StartEpoch{plan, epoch_callback_role}`` to ``rank``, built when the shell sends
+    it (a dispatch sends one per rank: ``CoordinatorState.send_built``)."""
+    st.send_built(out, rank, "start_epoch", _start_epoch, (epoch, offset, size, role))
+
+
+def _start_epoch(ctl: pb.Control, epoch: int, offset: int, size: int, role: Optional[int]) -> None:
+    start = ctl.start_epoch
     plan = start.plan
     plan.epoch, plan.partition_offset, plan.partition_size = epoch, offset, size
     if role is not None:
         start.epoch_callback_role = role
+
+
+def _set_role(ctl: pb.Control, role: int) -> None:
+    ctl.set_epoch_callback_role.rank = role
 
 
 def announce_role(st: CoordinatorState, out: list[Command], told: Container[int] = ()) -> None:
@@ -135,9 +143,10 @@ def announce_role(st: CoordinatorState, out: list[Command], told: Container[int]
     role = role_to_tell(st)
     if role is None:
         return
-    for r in st.alive_ranks():
+    args = (role,)
+    for r in st.index.alive():
         if r not in told:
-            st.control(out, r).set_epoch_callback_role.rank = role
+            st.send_built(out, r, "set_epoch_callback_role", _set_role, args)
     st.dispatch.announced_role = role
     st.roles.dirty = False
 

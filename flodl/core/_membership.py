@@ -433,8 +433,13 @@ def beacon(st: CoordinatorState, now: float, out: list[Command]) -> None:
         return
     st.beats += 1
     st.last_beacon = now
-    for r in targets:
-        st.control(out, r).coord_heartbeat.beat = st.beats
+    args = (st.beats,)
+    for r in targets:  # built when sent (``CoordinatorState.send_built``)
+        st.send_built(out, r, "coord_heartbeat", _beat, args)
+
+
+def _beat(ctl: pb.Control, beat: int) -> None:
+    ctl.coord_heartbeat.beat = beat
 
 
 def stale_exit_report(st: CoordinatorState, rank: int, restart_count: int) -> bool:

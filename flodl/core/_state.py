@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, is_dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from flodl.wire import pb
 
@@ -499,6 +499,19 @@ class CoordinatorState:
         self.next_command_id += 1
         out.append(Send(rank, ctl))
         return ctl
+
+    def send_built(self, out: list[Command], rank: int, kind: str, build: Callable[..., None], args: tuple = ()) -> None:
+        """Append ``Send.built(rank, next id, kind, build, args)``: its Control is built
+        when first read, as ``build(pb.Control(command_id=id), *args)`` -- what a command
+        to every one of thousands of ranks (a dispatch, a round, a heartbeat) sends, so
+        that the step does not build N messages the shell builds again when it sends them
+        (``Send``). ``args``: values nothing changes later."""
+        rec = self.ranks[rank] if 0 <= rank < len(self.ranks) else None
+        if rec is None or (rec.phase is not ACTIVE and rec.phase is not JOINING):
+            self._check_addressable(rank)
+        cid = self.next_command_id
+        self.next_command_id = cid + 1
+        out.append(Send.built(rank, cid, kind, build, args))
 
     def _check_addressable(self, rank: int) -> None:
         phase = self.ranks[rank].phase if 0 <= rank < len(self.ranks) else None
