@@ -72,7 +72,7 @@ from ._dispatcher import (
     window_steps,
     windows_done,
 )
-from ._views import absorb_released, counts_changed, counts_view, rearm
+from ._views import absorb_released, counts_changed, counts_view, drop, rearm
 from .._commands import Command
 from .._phases import PENDING, TRAINING
 from .._state import CadenceState, CoordinatorState
@@ -104,6 +104,7 @@ class _BoundaryStreams:
         # the tail comes back with the rearm above).
         for r in sorted(cad.wakeable):
             cad.wakeable.discard(r)
+            drop(cad, r)
             if leaves_the_tail(st, r) or _async._dispatch_next(st, r, out):
                 continue
             if st.config.run_ahead and at_reduce_barrier(st, r):

@@ -40,7 +40,7 @@ import heapq
 from .._phases import ACTIVE
 from .._state import CadenceState, CoordinatorState
 
-__all__ = ["counts_view", "counts_changed", "may_block", "absorb_released", "rearm"]
+__all__ = ["counts_view", "counts_changed", "may_block", "absorb_released", "drop", "rearm"]
 
 
 def _cad(st: CoordinatorState) -> CadenceState:
@@ -85,12 +85,24 @@ def absorb_released(st: CoordinatorState) -> None:
             may_block(cad, r)
 
 
+def drop(cad: CadenceState, rank: int) -> None:
+    """A wake or the gate took ``rank`` out of a view: the next ``rearm`` puts it back."""
+    cad.dropped.add(rank)
+
+
 def rearm(st: CoordinatorState) -> None:
     """Something that can release many ranks at once happened (module doc): every ACTIVE
-    rank may be served and may block the gate."""
+    rank may be served and may block the gate.
+
+    Both views already hold every ACTIVE rank but those taken out since the last rearm
+    (``dropped``) and those that became ACTIVE since (the index's ``released``): only
+    these go back, so a rearm costs what changed, not O(N log N) -- it runs on every
+    death, and a run's end is N of them."""
     cad = _cad(st)
-    st.index.drain_released()
-    alive = st.index.alive()
-    cad.wakeable.update(alive)
-    cad.in_open.update(alive)
-    cad.open_windows = sorted(cad.in_open)  # a sorted list is a heap
+    back = cad.dropped | st.index.drain_released()
+    cad.dropped = set()
+    ranks = st.ranks
+    for r in sorted(back):
+        if ranks[r].phase is ACTIVE:
+            cad.wakeable.add(r)
+            may_block(cad, r)
