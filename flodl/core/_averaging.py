@@ -127,12 +127,10 @@ def trigger(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) ->
     st.index.open_round(rs.ranks)
     out.append(OpenRound(rs.cycle, rs.ranks, tuple(st.unfolded(r) for r in rs.ranks)))
     dispatcher.on_trigger(st, list(rs.ranks), out)
-    args = (rs.cycle,)
-    for r in rs.ranks:  # built when sent: a round asks every rank (``CoordinatorState.send_built``)
-        st.send_built(out, r, "request_params", _request_params, args)
+    # Built when sent: a round asks every rank (``CoordinatorState.send_built``).
+    st.send_built_each(out, rs.ranks, "request_params", _request_params, (rs.cycle,))
     if not dispatcher.progressive:
-        for r in rs.ranks:
-            st.send_built(out, r, "throttle", _throttle)
+        st.send_built_each(out, rs.ranks, "throttle", _throttle)
 
 
 def _request_params(ctl: pb.Control, cycle: int) -> None:
@@ -280,10 +278,11 @@ def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> 
     # Built when sent (``CoordinatorState.send_built``): a round answers every rank. The
     # plans are the dispatcher's fresh messages, held by nothing else.
     args = (rs.version, rs.cycle)
-    for r in alive:
-        plan = plans.get(r)
-        st.send_built(out, r, "update", _update, args if plan is None else (*args, plan))
+    if plans:
+        for r in alive:
+            plan = plans.get(r)
+            st.send_built(out, r, "update", _update, args if plan is None else (*args, plan))
+    else:
+        st.send_built_each(out, alive, "update", _update, args)
     committed = _coverage.committed_samples(st.coverage)  # the ranks' LR schedules follow it
-    args = (rs.global_step, committed)
-    for r in alive:
-        st.send_built(out, r, "set_global_step", _set_global_step, args)
+    st.send_built_each(out, alive, "set_global_step", _set_global_step, (rs.global_step, committed))

@@ -8,7 +8,7 @@ per addressed rank, so "who got what" is visible in tests.
 from __future__ import annotations
 
 from dataclasses import FrozenInstanceError, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from flodl.wire import pb
 
@@ -64,6 +64,33 @@ class Send(Command):
         _set(s, "rank", rank)
         _set(s, "_body", (command_id, kind, build, args))
         return s
+
+    @classmethod
+    def each(cls, ranks: Iterable[int], first_id: int, kind: str, build: Callable[..., None], args: tuple) -> list["Send"]:
+        """``Send.built`` to each of ``ranks``, numbered from ``first_id`` in order."""
+        sends = []
+        cid = first_id
+        for rank in ranks:
+            s = _new(cls)
+            _set(s, "rank", rank)
+            _set(s, "_body", (cid, kind, build, args))
+            sends.append(s)
+            cid += 1
+        return sends
+
+    @classmethod
+    def each_of(cls, ranks: Iterable[int], first_id: int, kind: str, build: Callable[..., None],
+                args: Iterable[tuple]) -> list["Send"]:  # fmt: skip
+        """``Send.built`` to each of ``ranks`` with its own ``args`` (zipped), numbered in order."""
+        sends = []
+        cid = first_id
+        for rank, a in zip(ranks, args):
+            s = _new(cls)
+            _set(s, "rank", rank)
+            _set(s, "_body", (cid, kind, build, a))
+            sends.append(s)
+            cid += 1
+        return sends
 
     @property
     def control(self) -> pb.Control:

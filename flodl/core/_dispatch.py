@@ -266,16 +266,17 @@ class SyncDispatcher:
         role = role_to_tell(st)
         _coverage.open_epoch(st.coverage, epoch, sum(size for _, size in plans.values()))
         assigned = d.assigned.setdefault(epoch, {})
-        rank_epoch, planned = d.rank_epoch, set()
+        rank_epoch, ranks, args = d.rank_epoch, [], []
         for r in st.index.alive():
-            off, size = plans.get(r, (0, 0))
-            if size == 0:
+            plan = plans.get(r)
+            if plan is None or plan[1] == 0:
                 continue
-            send_plan(st, out, r, epoch, off, size, role)
-            assigned[r] = [(off, size)]
+            ranks.append(r)
+            args.append((epoch, plan[0], plan[1], role))
+            assigned[r] = [plan]
             rank_epoch[r] = epoch
-            planned.add(r)
-        announce_role(st, out, told=planned)  # a rank whose share is 0 got no plan
+        st.send_built_zip(out, ranks, "start_epoch", _start_epoch, args)  # one StartEpoch each (``send_plan``)
+        announce_role(st, out, told=set(ranks))  # a rank whose share is 0 got no plan
         d.reported.setdefault(epoch, {})
         d.last_dispatched = epoch
         d.dispatched_at.setdefault(epoch, st.now)

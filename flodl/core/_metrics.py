@@ -31,6 +31,7 @@ The math (``aggregate``, scenario 51), per rank summed over its chunks, then coh
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 from flodl.wire import pb
@@ -178,12 +179,14 @@ def aggregate_next(st: CoordinatorState, out: list[Command]) -> int:
     # arrays, N per-rank maps) from a copy of the throughput list, which the history
     # row and the notice below share.
     whole = (dict(m, per_rank_throughput=list(m["per_rank_throughput"])),)
-    rest = (cohort,)
-    for r in st.index.alive():
-        if r == role:
-            st.send_built(out, r, "epoch_aggregated", _whole_metrics, whole)
-        else:
-            st.send_built(out, r, "epoch_aggregated", _epoch_aggregated, rest)
+    alive = st.index.alive()
+    if role is None or role not in st.index.phases[ACTIVE]:
+        st.send_built_each(out, alive, "epoch_aggregated", _epoch_aggregated, (cohort,))
+    else:
+        at = bisect_left(alive, role)
+        st.send_built_each(out, alive[:at], "epoch_aggregated", _epoch_aggregated, (cohort,))
+        st.send_built(out, role, "epoch_aggregated", _whole_metrics, whole)
+        st.send_built_each(out, alive[at + 1:], "epoch_aggregated", _epoch_aggregated, (cohort,))
     _coverage.freeze(st.coverage, epoch)
     st.metrics.last_aggregated = epoch
     row = {k: m[k] for k in ("epoch", "avg_loss", "epoch_ms", "per_rank_throughput")}

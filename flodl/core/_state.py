@@ -131,6 +131,11 @@ class RankRecord:
     # set (as plain writes) before it is there to be told.
     index: Optional[RankIndex] = field(default=None, compare=False, repr=False)
 
+    def set_quietly(self, name: str, value: Any) -> None:
+        """Write without telling the index: only for a caller that tells it itself, at
+        once for many records (``RankIndex.moved``)."""
+        object.__setattr__(self, name, value)
+
     def __setattr__(self, name: str, value: Any) -> None:
         index = getattr(self, "index", None) if name in INDEXED_FIELDS else None
         if index is None:
@@ -515,6 +520,31 @@ class CoordinatorState:
         cid = self.next_command_id
         self.next_command_id = cid + 1
         out.append(Send.built(rank, cid, kind, build, args))
+
+    def send_built_each(self, out: list[Command], ranks: list[int], kind: str, build: Callable[..., None],
+                        args: tuple = ()) -> None:  # fmt: skip
+        """``send_built`` to each of ``ranks`` in order, with the same ``args``: every rank
+        is checked addressable before anything is appended."""
+        recs = self.ranks
+        for r in ranks:
+            phase = recs[r].phase if 0 <= r < len(recs) else None
+            if phase is not ACTIVE and phase is not JOINING:
+                self._check_addressable(r)
+        cid = self.next_command_id
+        out.extend(Send.each(ranks, cid, kind, build, args))
+        self.next_command_id = cid + len(ranks)
+
+    def send_built_zip(self, out: list[Command], ranks: list[int], kind: str, build: Callable[..., None],
+                       args: list[tuple]) -> None:  # fmt: skip
+        """``send_built`` to each of ``ranks`` in order, ``args[i]`` for ``ranks[i]``."""
+        recs = self.ranks
+        for r in ranks:
+            phase = recs[r].phase if 0 <= r < len(recs) else None
+            if phase is not ACTIVE and phase is not JOINING:
+                self._check_addressable(r)
+        cid = self.next_command_id
+        out.extend(Send.each_of(ranks, cid, kind, build, args))
+        self.next_command_id = cid + len(ranks)
 
     def _check_addressable(self, rank: int) -> None:
         phase = self.ranks[rank].phase if 0 <= rank < len(self.ranks) else None

@@ -313,7 +313,7 @@ def start_window(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int
     if epoch not in st.cadence.pools:
         return {}
     _pin(st, epoch)
-    sizes = {r: _capped(st, r, chunk_batches(st, r, epoch)) for r in ranks}
+    sizes = _window_sizes(st, epoch, ranks)
     taken: dict[int, tuple[int, int]] = {}
     for r in ranks:
         if sizes[r] > 0:
@@ -321,6 +321,29 @@ def start_window(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int
             if got is not None:
                 taken[r] = got
     return taken
+
+
+def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int, int]:
+    """``_capped(chunk_batches(rank))`` for each rank, the inputs they share (the pool's
+    remaining, the counts view, the pinned plan) read once: nothing moves them before the
+    first take, and a dispatch sizes every rank of a world of thousands."""
+    cad = st.cadence
+    pool = cad.pools[epoch]
+    bs, plan = st.config.batch_size, cad.final_plan
+    _, counts, counts_total, calibrated = counts_view(st)
+    remaining = _batches(pool.remaining(), bs) * bs
+    final_alloc = plan.alloc if plan is not None and plan.epoch == epoch else None
+    recs, marks, own, over, on = st.ranks, cad.window_mark, cad.elche.batch_counts, cad.overshoot, cad.overshoot_on
+    barrier_paced, total = cad.barrier_paced, pool.total
+    sizes: dict[int, int] = {}
+    for r in ranks:
+        steps = max(0, recs[r].last_step - marks.get(r, 0))  # window_steps
+        budget = over.budget_for(own[r], overshoot=on)  # _budget
+        n = compute_chunk_batches(r, remaining_samples=remaining, counts=counts, counts_total=counts_total,
+                                  batch_size=bs, barrier_paced=barrier_paced, calibrated=calibrated,
+                                  total_samples=total, steps=steps, budget=budget, final_alloc=final_alloc)  # fmt: skip
+        sizes[r] = min(n, max(1, budget - steps)) if budget > 0 and n > 0 else n  # _capped
+    return sizes
 
 
 def _send_plan(st: CoordinatorState, rank: int, epoch: int, got: tuple[int, int], out: list[Command],
