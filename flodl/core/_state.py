@@ -305,9 +305,13 @@ class CadenceState:
     wakeable: set[int] = field(default_factory=set)
     open_windows: list[int] = field(default_factory=list)
     in_open: set[int] = field(default_factory=set)
-    # Ranks taken out of ``wakeable`` or ``open_windows`` since the last ``rearm``: what
-    # it puts back (with the ranks the index released), not every ACTIVE rank.
-    dropped: set[int] = field(default_factory=set)
+    # Ranks taken out of ``wakeable`` / of ``open_windows`` since the last ``rearm``: what
+    # it puts back (with the ranks the index released), not every ACTIVE rank; and the
+    # ranks a wake found leaving the run's tail (``_boundary``), out of ``wakeable``
+    # until a rearm or until nobody trains (``cadence._views``).
+    dropped_wake: set[int] = field(default_factory=set)
+    dropped_open: set[int] = field(default_factory=set)
+    parked: set[int] = field(default_factory=set)
     alive_counts: Optional[tuple[int, list[int], int, bool]] = None  # (+ calibrated or speed-hinted)
 
     def __eq__(self, other: object) -> bool:

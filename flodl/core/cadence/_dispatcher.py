@@ -106,7 +106,7 @@ from ._lr_meta import LrEventMeta
 from ._overshoot import OvershootBudget
 from .._phases import ACTIVE, PENDING, TRAINING
 from .._state import CadenceState, CoordinatorState
-from ._views import absorb_released, counts_changed, counts_view, drop, may_block, rearm
+from ._views import absorb_released, counts_changed, counts_view, drop_open, drop_wake, may_block, rearm
 from ._window import WindowLedger
 
 __all__ = [
@@ -218,7 +218,7 @@ def windows_done(st: CoordinatorState) -> tuple[bool, str]:
                 return False, f"rank {r} ran {steps}/{counts[r]} batches of its window and has work left"
         heapq.heappop(heap)
         cad.in_open.discard(r)
-        drop(cad, r)
+        drop_open(cad, r)
     if not st.any_unfolded():
         return False, "no rank has stepped since the last average"
     return True, "every active rank ran its window, is throttled, or has no work left"
@@ -407,7 +407,7 @@ def wake(st: CoordinatorState, out: list[Command]) -> None:
         _dispatch_next(st, r, out)
         if _held(st, r) is not None:  # served (one chunk in flight) or held: out until released
             cad.wakeable.discard(r)
-            drop(cad, r)
+            drop_wake(cad, r)
 
 
 def _note_barrier(st: CoordinatorState) -> None:

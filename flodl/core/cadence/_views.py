@@ -40,7 +40,7 @@ import heapq
 from .._phases import ACTIVE
 from .._state import CadenceState, CoordinatorState
 
-__all__ = ["counts_view", "counts_changed", "may_block", "absorb_released", "drop", "rearm"]
+__all__ = ["counts_view", "counts_changed", "may_block", "absorb_released", "drop_wake", "drop_open", "rearm"]
 
 
 def _cad(st: CoordinatorState) -> CadenceState:
@@ -85,24 +85,38 @@ def absorb_released(st: CoordinatorState) -> None:
             may_block(cad, r)
 
 
-def drop(cad: CadenceState, rank: int) -> None:
-    """A wake or the gate took ``rank`` out of a view: the next ``rearm`` puts it back."""
-    cad.dropped.add(rank)
+def drop_wake(cad: CadenceState, rank: int) -> None:
+    """A wake took ``rank`` out of ``wakeable``: the next ``rearm`` puts it back."""
+    cad.dropped_wake.add(rank)
 
 
-def rearm(st: CoordinatorState) -> None:
+def drop_open(cad: CadenceState, rank: int) -> None:
+    """The gate took ``rank`` out of ``open_windows``: the next ``rearm`` puts it back."""
+    cad.dropped_open.add(rank)
+
+
+def rearm(st: CoordinatorState, *, unpark: bool = True) -> None:
     """Something that can release many ranks at once happened (module doc): every ACTIVE
     rank may be served and may block the gate.
 
     Both views already hold every ACTIVE rank but those taken out since the last rearm
-    (``dropped``) and those that became ACTIVE since (the index's ``released``): only
-    these go back, so a rearm costs what changed, not O(N log N) -- it runs on every
-    death, and a run's end is N of them."""
+    (``dropped_wake`` / ``dropped_open``, and ``parked``) and those that became ACTIVE
+    since (the index's ``released``): only these go back, so a rearm costs what changed,
+    not O(N log N) -- it runs on every death, and a run's end is N of them.
+    ``unpark=False``: the parked ranks stay out of ``wakeable`` (``_boundary``'s wake
+    looks at them itself, in order, only while nobody trains)."""
     cad = _cad(st)
-    back = cad.dropped | st.index.drain_released()
-    cad.dropped = set()
+    released = st.index.drain_released()
+    back_wake = cad.dropped_wake | released
+    if unpark:
+        back_wake |= cad.parked
+        cad.parked = set()
+    back_open = cad.dropped_open | released
+    cad.dropped_wake, cad.dropped_open = set(), set()
     ranks = st.ranks
-    for r in sorted(back):
+    # (Unsorted: a set's order is a function of its history, so a replay pushes the same
+    # heap; and the heap's order never changes which rank it yields first.)
+    cad.wakeable.update(r for r in back_wake if ranks[r].phase is ACTIVE)
+    for r in back_open:
         if ranks[r].phase is ACTIVE:
-            cad.wakeable.add(r)
             may_block(cad, r)
