@@ -43,7 +43,7 @@ from ._events import ChunkDone
 from ._phases import ACTIVE
 from ._state import CoordinatorState
 
-__all__ = ["check_chunk", "on_chunk", "aggregate", "to_pb", "is_ready", "next_ready", "aggregate_next"]
+__all__ = ["check_chunk", "on_chunk", "aggregate", "aggregate_sums", "to_pb", "is_ready", "next_ready", "aggregate_next"]
 
 
 def check_chunk(st: CoordinatorState, ev: ChunkDone) -> None:
@@ -64,31 +64,54 @@ def on_chunk(st: CoordinatorState, ev: ChunkDone) -> None:
         st.count_ignored("duplicate ChunkDone")
         return
     mine.append(ev)
+    sums = st.metrics.sums.setdefault(ev.epoch, {})
+    acc = sums.get(ev.rank)
+    if acc is None:
+        acc = sums[ev.rank] = [0, 0, 0.0, 0.0, 0.0, {}]
+    _add(acc, ev)
+
+
+def _add(acc: list[Any], c: ChunkDone) -> None:
+    """Fold one chunk into a rank's sums ``[batches, samples, loss*batches, epoch_ms,
+    share_ms, {scalar: [sum, count]}]`` -- the same float operations, in arrival order,
+    whether run as the chunk arrives (``on_chunk``) or over a list (``aggregate``)."""
+    acc[0] += c.batches
+    acc[1] += c.samples
+    acc[2] += c.avg_loss * c.batches
+    acc[3] += c.epoch_ms
+    acc[4] += c.share_complete_ms
+    for name, v, k in c.scalars:
+        s = acc[5].setdefault(name, [0.0, 0])
+        s[0] += v
+        s[1] += k
+
+
+def _sums(chunks: dict[int, list[ChunkDone]]) -> dict[int, list[Any]]:
+    out = {}
+    for r, mine in chunks.items():
+        acc = out[r] = [0, 0, 0.0, 0.0, 0.0, {}]
+        for c in mine:
+            _add(acc, c)
+    return out
 
 
 def aggregate(epoch: int, chunks: dict[int, list[ChunkDone]], world_size: int) -> dict[str, Any]:
-    """The epoch's metrics as a JSON-safe dict (see the module docstring).
+    """The epoch's metrics as a JSON-safe dict (see the module docstring)."""
+    return aggregate_sums(epoch, _sums(chunks), world_size)
 
-    Column by column, only over the ranks that reported (the rest are zeros): the sums
-    are the same float operations in the same order as one record per rank made, at a
-    fraction of the cost at thousands of ranks (it runs inside the epoch-boundary step)."""
+
+def aggregate_sums(epoch: int, sums: dict[int, list[Any]], world_size: int) -> dict[str, Any]:
+    """``aggregate`` from the ranks' sums (``_add``): column by column, only over the
+    ranks that reported (the rest are zeros), the same float operations in the same
+    order as one record per rank made, at a fraction of the cost at thousands of ranks
+    (it runs inside the epoch-boundary step)."""
     batches, samples = [0] * world_size, [0] * world_size
     loss_b, epoch_ms, share_ms = [0.0] * world_size, [0.0] * world_size, [0.0] * world_size
     scal: dict[int, dict[str, list[float]]] = {}  # rank -> name -> [sum, count], ranks with scalars
-    for r, mine in chunks.items():
-        b = n = 0
-        lb = ms = sh = 0.0
-        for c in mine:
-            b += c.batches
-            n += c.samples
-            lb += c.avg_loss * c.batches
-            ms += c.epoch_ms
-            sh += c.share_complete_ms
-            for name, v, k in c.scalars:
-                acc = scal.setdefault(r, {}).setdefault(name, [0.0, 0])
-                acc[0] += v
-                acc[1] += k
-        batches[r], samples[r], loss_b[r], epoch_ms[r], share_ms[r] = b, n, lb, ms, sh
+    for r, acc in sums.items():
+        batches[r], samples[r], loss_b[r], epoch_ms[r], share_ms[r] = acc[0], acc[1], acc[2], acc[3], acc[4]
+        if acc[5]:
+            scal[r] = acc[5]
     names = sorted({k for per in scal.values() for k in per})
     zeros = dict.fromkeys(names, 0.0)
     per_rank = [dict(zeros) for _ in range(world_size)]
@@ -103,7 +126,7 @@ def aggregate(epoch: int, chunks: dict[int, list[ChunkDone]], world_size: int) -
         else:
             scalars[k] = sum(per_rank[r][k] for r in have) / len(have)
     thr = [0.0] * world_size
-    for r in chunks:
+    for r in sums:
         denom = share_ms[r] if share_ms[r] > 0 else epoch_ms[r]
         thr[r] = samples[r] / denom * 1000.0 if denom > 0 else 0.0
     all_b = sum(batches)
@@ -172,7 +195,8 @@ def aggregate_next(st: CoordinatorState, out: list[Command]) -> int:
     """Aggregate the next epoch (``next_ready`` said it is ready); returns it. The step
     then asks for its checkpoint and serves an eval intent (before the next dispatch)."""
     epoch = _next_epoch(st)
-    m = aggregate(epoch, st.metrics.chunks.pop(epoch, {}), st.config.world_size)
+    st.metrics.chunks.pop(epoch, None)
+    m = aggregate_sums(epoch, st.metrics.sums.pop(epoch, {}), st.config.world_size)
     cohort = pb.EpochMetrics(epoch=m["epoch"], scalars=m["scalars"], avg_loss=m["avg_loss"], epoch_ms=m["epoch_ms"])
     role = st.dispatch.announced_role  # what the ranks believe: who runs epoch_fn with these
     # Built when sent (``CoordinatorState.send_built``); the role's whole metrics (N-long

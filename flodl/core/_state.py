@@ -209,6 +209,9 @@ class CoverageState:
 class MetricsState:
     # epoch -> rank -> [ChunkDone], in arrival order.
     chunks: dict[int, dict[int, list[Any]]] = field(default_factory=dict)
+    # epoch -> rank -> its running sums over those chunks (``_metrics._add``), kept as
+    # they arrive so that the epoch-boundary step does not walk every chunk.
+    sums: dict[int, dict[int, list[Any]]] = field(default_factory=dict)
     last_aggregated: Optional[int] = None
     history: list[dict[str, Any]] = field(default_factory=list)
     late_chunks: int = 0
