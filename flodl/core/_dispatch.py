@@ -73,6 +73,7 @@ __all__ = [
     "announce_role",
     "role_to_tell",
     "send_plan",
+    "send_plans",
     "check_batch",
     "record_batch",
 ]
@@ -123,6 +124,13 @@ def send_plan(st: CoordinatorState, out: list[Command], rank: int, epoch: int, o
     """``StartEpoch{plan, epoch_callback_role}`` to ``rank``, built when the shell sends
     it (a dispatch sends one per rank: ``CoordinatorState.send_built``)."""
     st.send_built(out, rank, "start_epoch", _start_epoch, (epoch, offset, size, role))
+
+
+def send_plans(st: CoordinatorState, out: list[Command], epoch: int, plans: dict[int, tuple[int, int]],
+               role: Optional[int] = None) -> None:  # fmt: skip
+    """``send_plan`` to each rank of ``plans`` (``rank -> (offset, size)``), in its order."""
+    st.send_built_zip(out, list(plans), "start_epoch", _start_epoch,
+                      [(epoch, off, size, role) for off, size in plans.values()])  # fmt: skip
 
 
 def _start_epoch(ctl: pb.Control, epoch: int, offset: int, size: int, role: Optional[int]) -> None:

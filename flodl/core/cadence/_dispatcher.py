@@ -558,8 +558,7 @@ class CadenceDispatcher:
         counts_changed(st)
         rearm(st)
         taken = start_window(st, epoch, alive)
-        for r, got in taken.items():
-            _send_plan(st, r, epoch, got, out, role)
+        _dispatch.send_plans(st, out, epoch, taken, role)  # one StartEpoch each, in rank order
         _dispatch.announce_role(st, out, told=taken)
         wake(st, out)
 
