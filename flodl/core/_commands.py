@@ -1,8 +1,9 @@
 """Commands: what the core asks the shell to do. Data, never callbacks.
 
-The shell executes them in order. ``Send`` carries a ready protobuf ``Control`` (the
-core numbers ``command_id``); broadcasts are expanded by the core into one ``Send``
-per addressed rank, so "who got what" is visible in tests.
+The shell executes them in order. ``Send`` carries a protobuf ``Control`` (the core
+numbers ``command_id``) -- ready, or as a recipe built when first read
+(``Send.built``: a command to every rank of a large world); broadcasts are expanded
+by the core into one ``Send`` per addressed rank, so "who got what" is visible in tests.
 """
 
 from __future__ import annotations

@@ -46,8 +46,10 @@ keep it: an assignment to a ``RankRecord``'s ``phase``, ``last_step``, ``folded_
 ``last_seen`` tells it, so any writer (a mid-run join included) keeps it exact. It is
 derived: equality ignores it; ``index_drift`` recomputes it (``flodl.core.view_drift``).
 
-``send`` is the single place a ``Send`` is made: it refuses (``LocalViolation``) to
-address a rank that is not JOINING or ACTIVE, so "no command to a DEAD or LEFT rank"
+``send`` (and its forms for a command to many ranks, ``send_built`` /
+``send_built_each`` / ``send_built_zip``, whose Control is built when first read) is
+the single place a ``Send`` is made: it refuses (``LocalViolation``) to address a rank
+that is not JOINING or ACTIVE, so "no command to a DEAD or LEFT rank"
 is enforced where commands are born, not hoped for downstream.
 """
 

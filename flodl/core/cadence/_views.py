@@ -28,8 +28,11 @@ views in ``CadenceState`` make each O(1) amortised (O(log N) where a heap orders
 
 ``rearm`` is for what can release many ranks at once -- a trigger (window marks move), a
 finished round (counts, budgets, throttles), a dispatch or an opened epoch, a death or a
-refused window (a pool refills): every ACTIVE rank goes back into both views, O(N) once
-per such event. ``flodl.core.view_drift`` recomputes the views from scratch (the
+refused window (a pool refills): every ACTIVE rank goes back into both views. Both
+already hold every ACTIVE rank but those a wake or the gate took out since
+(``dropped_wake`` / ``dropped_open``), those parked for leaving the run's tail
+(``parked``, ``_boundary``) and those the index released, so a rearm puts back only
+these: it costs what changed since the last one, not O(N log N) per death. ``flodl.core.view_drift`` recomputes the views from scratch (the
 stateful property tests assert it after every step).
 """
 
