@@ -54,6 +54,8 @@ class Send(Command):
 
     __slots__ = ("rank", "_body")  # _body: a Control, or (command_id, kind, build, args)
     __match_args__ = ("rank", "control")
+    rank: int
+    _body: Any
 
     def __init__(self, rank: int, control: pb.Control) -> None:
         _set(self, "rank", rank)
@@ -122,7 +124,8 @@ class Send(Command):
             return NotImplemented
         return self.rank == other.rank and self.control == other.control  # type: ignore[attr-defined]
 
-    __hash__ = None  # type: ignore[assignment]  (a Control is unhashable: so was the dataclass)
+    # A Control is unhashable: so was the dataclass.
+    __hash__ = None
 
     def __repr__(self) -> str:
         return f"Send(rank={self.rank!r}, control={self.control!r})"

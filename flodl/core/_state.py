@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, is_dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from flodl.wire import pb
 
@@ -530,7 +530,7 @@ class CoordinatorState:
         self.next_command_id = cid + 1
         out.append(Send.built(rank, cid, kind, build, args))
 
-    def send_built_each(self, out: list[Command], ranks: list[int], kind: str, build: Callable[..., None],
+    def send_built_each(self, out: list[Command], ranks: Sequence[int], kind: str, build: Callable[..., None],
                         args: tuple = ()) -> None:  # fmt: skip
         """``send_built`` to each of ``ranks`` in order, with the same ``args``: every rank
         is checked addressable before anything is appended."""

@@ -145,6 +145,7 @@ def wake(st: CoordinatorState, out: list[Command]) -> None:
     if st.run.phase is not TRAINING or st.dispatch.last_dispatched is None:
         return
     cad = st.cadence
+    assert cad is not None
     absorb_released(st)
     for r in sorted(cad.wakeable):
         if source_epoch(st) is None:
