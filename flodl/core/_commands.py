@@ -120,12 +120,12 @@ class Send(Command):
         raise FrozenInstanceError(f"cannot delete field {name!r}")
 
     def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
+        if not isinstance(other, Send) or other.__class__ is not self.__class__:
             return NotImplemented
-        return self.rank == other.rank and self.control == other.control  # type: ignore[attr-defined]
+        return self.rank == other.rank and self.control == other.control
 
     # A Control is unhashable: so was the dataclass.
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"Send(rank={self.rank!r}, control={self.control!r})"
