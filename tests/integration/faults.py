@@ -11,7 +11,13 @@ from pathlib import Path
 
 def rank_pid(trace_dir: Path, rank: int) -> int | None:
     """The pid of the rank process started with this trace dir (scans /proc environ)."""
-    want = {f"FLODL_TRACE_DIR={trace_dir}".encode(), f"FLODL_RANK={rank}".encode()}
+    return pid_with_env(f"FLODL_TRACE_DIR={trace_dir}", f"FLODL_RANK={rank}")
+
+
+def pid_with_env(*assignments: str) -> int | None:
+    """The pid of a rank process (an example task) whose environment holds every
+    ``NAME=value`` given (scans /proc environ)."""
+    want = {a.encode() for a in assignments}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue

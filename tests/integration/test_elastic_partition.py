@@ -15,6 +15,7 @@ import time
 import pytest
 
 import netns
+from faults import pid_with_env
 from runlocal import ROOT
 
 pytestmark = [
@@ -32,6 +33,13 @@ def _wait_for(path, text, deadline_s=240.0):
     while text not in path.read_text():
         assert time.monotonic() < t_end, f"never saw {text!r}:\n{path.read_text()[-3000:]}"
         time.sleep(0.1)  # polling another process's log
+
+
+def _wait_until(cond, what, deadline_s=120.0):
+    t_end = time.monotonic() + deadline_s
+    while not cond():
+        assert time.monotonic() < t_end, f"never saw {what}"
+        time.sleep(0.05)  # polling another process's start
 
 
 @pytest.mark.parametrize("plane", ["bus", "collective"])
@@ -69,7 +77,10 @@ def test_a_partitioned_hosts_ranks_rejoin_when_the_link_returns(tmp_path, plane)
             subprocess.run(["ip", "-n", ns["b"], "link", "set", link, "down"], check=True)
             _wait_for(log, "rank 2 forgotten: heartbeat stale")  # the coordinator gave it up
             _wait_for(tmp_path / "agent-b.log", "restarting it in")  # and its agent restarts it
-            time.sleep(2.0)  # the partition outlasts the restart: the new process cannot reach the head yet
+            # The partition outlasts the restart: the link comes back only once the new
+            # process runs (it cannot have reached the head before).
+            _wait_until(lambda: pid_with_env("FLODL_RANK=2", "FLODL_RESTART_COUNT=1", f"GLOO_SOCKET_IFNAME=vb{sfx}x"),
+                        "host b's restarted rank process")  # fmt: skip
             subprocess.run(["ip", "-n", ns["b"], "link", "set", link, "up"], check=True)
             rc = coord.wait(timeout=400)
             for a in agents:
