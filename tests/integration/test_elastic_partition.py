@@ -75,7 +75,7 @@ def test_a_partitioned_hosts_ranks_rejoin_when_the_link_returns(tmp_path, plane)
                 stdout=open(tmp_path / f"agent-{key}.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
             ))  # fmt: skip
         try:
-            _wait_for(log, "epoch 1/8")  # training, host b included (its rank is in the rates)
+            _wait_for(log, "epoch 1/8")  # training, host b included
             subprocess.run(["ip", "-n", ns["b"], "link", "set", link, "down"], check=True)
             _wait_for(log, "rank 2 forgotten: heartbeat stale")  # the coordinator gave it up
             _wait_for(tmp_path / "agent-b.log", "restarting it in")  # and its agent restarts it

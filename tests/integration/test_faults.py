@@ -66,8 +66,9 @@ def test_kill9_a_rank_mid_epoch(tmp_path, seed, policy):
 def test_sigstop_a_rank_is_declared_dead_by_heartbeat(tmp_path):
     proc, summary, trace = _launch(tmp_path, ["--policy", "sync", "--liveness-timeout", "3"])
     watch = LineWatch(proc.stdout)
-    struck = strike_after(trace, 2, 100, signal.SIGSTOP)
+    struck = {"pid": -1}
     try:
+        struck = strike_after(trace, 2, 100, signal.SIGSTOP)
         # The stopped process must not outlive the run (the agent waits for its children):
         # it is reaped once the coordinator gave it up -- its heartbeat verdict already
         # stands -- or, should that verdict never come, after 20 s (then the agent reports
@@ -77,7 +78,8 @@ def test_sigstop_a_rank_is_declared_dead_by_heartbeat(tmp_path):
         proc.wait(timeout=240)
         out = watch.text(timeout=10)
     finally:
-        kill_quietly(struck["pid"])
+        if struck["pid"] > 0:
+            kill_quietly(struck["pid"])
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
