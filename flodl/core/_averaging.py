@@ -259,6 +259,7 @@ def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> 
     for r in alive:  # built in place: a round answers every rank (``CoordinatorState.control``)
         upd = st.control(out, r).update
         upd.version, upd.cycle = rs.version, rs.cycle
+        upd.report_at_step = dispatcher.window_end_step(st, r)
         if r in plans:
             upd.next_plan.CopyFrom(plans[r])
     committed = _coverage.committed_samples(st.coverage)  # the ranks' LR schedules follow it
