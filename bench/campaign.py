@@ -40,6 +40,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchproc import start_ready
 from faults import _lines, _rounded, _signal
 
 PY = sys.executable
@@ -110,14 +111,7 @@ class Cluster:
 
     def start_coordinator(self) -> None:
         """Start (or restart: the same command line and journal) and wait for READY."""
-        coord = subprocess.Popen(self.coord_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
-        for line in iter(coord.stdout.readline, ""):
-            if line.startswith("COORDINATOR_READY"):
-                self.endpoint = line.split()[1]
-                break
-            self.log.write(line)
-        else:
-            raise RuntimeError(f"the coordinator never became ready; see {self.log.name}")
+        coord, self.endpoint = start_ready(self.coord_cmd, self.log)
         self.coord = coord
         threading.Thread(target=self._watch, args=(coord.stderr,), daemon=True).start()
         threading.Thread(target=self._copy, args=(coord.stdout,), daemon=True).start()

@@ -42,6 +42,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
+from flodl.core import BATCH_RECORDS, batches_in
+
 __all__ = [
     "KINDS",
     "Fault",
@@ -110,8 +112,8 @@ def batch_times(records: Iterable[dict]) -> dict[int, list[float]]:
     """rank -> the sorted receipt times of its ``BatchDone`` records."""
     out: dict[int, list[float]] = {}
     for r in records:
-        if r.get("type") == "BatchDone":
-            out.setdefault(r["rank"], []).append(r["now"])
+        if r.get("type") in BATCH_RECORDS:
+            out.setdefault(r["rank"], []).extend([r["now"]] * batches_in(r))
     return {k: sorted(v) for k, v in out.items()}
 
 
@@ -192,7 +194,7 @@ def join_times(records: list[dict]) -> list[dict]:
 
 def goodput(records: list[dict], summary: dict) -> dict:
     """Committed samples per second from the world's first batch to its last commit."""
-    first = next((r["now"] for r in records if r.get("type") == "BatchDone"), None)
+    first = next((r["now"] for r in records if r.get("type") in BATCH_RECORDS), None)
     last = max((r["now"] for r in records if r.get("type") == "SyncAcked"), default=None)
     committed = sum(c["trained"] - c["duplicates"] for c in summary.get("coverage", []))
     span = (last - first) if first is not None and last is not None else 0.0

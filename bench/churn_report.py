@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import fields
 from pathlib import Path
 
+from flodl.core import BATCH_RECORDS
 import churn_plan as plan
 from churn_run import ChurnRun
 
@@ -114,7 +115,7 @@ def _stall(batches: dict[int, list[float]], ranks: list[int], a: float, b: float
 def _fault_rows(struck, records, batches, rates, decisions, joins, args) -> list[dict]:
     done = [s for s in struck if "t" in s]
     end = max((t for ts in batches.values() for t in ts), default=0.0)
-    t_first = next(r["now"] for r in records if r.get("type") == "BatchDone")
+    t_first = next(r["now"] for r in records if r.get("type") in BATCH_RECORDS)
     rows = []
     for i, s in enumerate(done):
         t = s["t"]

@@ -16,7 +16,6 @@ schedule goes on meanwhile.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -26,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from benchproc import JournalTail, start_ready
+from flodl.core import BATCH_RECORDS
 from churn_plan import PRE_S, Fault, pick_victim
 
 PY = sys.executable
@@ -110,14 +111,7 @@ class ChurnRun:
             "--heartbeat-interval-s", str(a.heartbeat), "--liveness-timeout-s", str(a.liveness_timeout),
             "--form-timeout-s", "300", "--summary", str(self.summary), "--journal", str(self.journal),
         ]  # fmt: skip
-        coord = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
-        for line in iter(coord.stdout.readline, ""):
-            if line.startswith("COORDINATOR_READY"):
-                self.endpoint = line.split()[1]
-                break
-            self.log.write(line)
-        else:
-            raise RuntimeError(f"the coordinator never became ready; see {self.log.name}")
+        coord, self.endpoint = start_ready(cmd, self.log, cwd=ROOT)
         self._thread(self._watch_coordinator, coord.stderr)
         self._thread(self._copy, coord.stdout, "[coordinator] ")
         return coord
@@ -154,19 +148,10 @@ class ChurnRun:
 
     def _follow_journal(self) -> None:
         """Keep ``last_batch`` current: the journal is the run's own record of progress."""
-        pos, buf = 0, b""
+        tail = JournalTail(self.journal, marker=b'"type": "Batch')
         while not self.done.is_set():
-            try:
-                with open(self.journal, "rb") as fh:
-                    fh.seek(pos)
-                    chunk = fh.read()
-            except OSError:
-                chunk = b""
-            pos += len(chunk)
-            *whole, buf = (buf + chunk).split(b"\n")
-            for line in whole:
-                if b'"BatchDone"' in line:
-                    rec = json.loads(line)
+            for rec in tail.new():
+                if rec.get("type") in BATCH_RECORDS:
                     with self.lock:
                         self.last_batch[rec["rank"]] = rec["now"]
                         if self.first_batch is None:

@@ -28,6 +28,13 @@ of the echo process: the rate each would sustain with a core to itself; robust t
 loaded machine, and conservative for a coordinator that is not saturated, since its
 per-frame cost falls as it drains more per pass).
 
+Batch reports: a rank sends its batches several to a frame (the coordinator's
+``batch_report_ms``, 25 ms of training by default), so frames no longer count batches:
+``cpu_us_per_batch`` is the coordinator's CPU per batch the ranks trained and
+``batches_vs_raw_frames_per_cpu`` its batches per CPU-second over the echo's frames per
+CPU-second. ``--peer-report-ms 0`` runs saturated and paced again with a frame per batch
+(rows ``saturated@0ms``, ``paced@0ms``): the peer in the same sitting.
+
 Ranks run ``--gens`` to a generator process, each serving its ranks from one poller.
 Every figure is the median of ``--repeats`` runs (3; ``--quick``: 1 run, N = 16, 64,
 shorter epochs). Prints one JSON object. The generators share the machine with the
@@ -200,7 +207,7 @@ class Sampler(threading.Thread):
 
 
 def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, batches_per_rank: int,
-              policy: str, timeout_s: float) -> dict:
+              policy: str, timeout_s: float, report_ms: float | None = None) -> dict:
     """One run: coordinator (+ relays) + fake ranks to the end; what they measured."""
     total = max(n, int(batches_per_rank * n / epochs))  # batch size 1: samples = batches
     tmp = tempfile.mkdtemp(prefix="flodl-scale-")
@@ -211,6 +218,8 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
         "--total-samples", str(total), "--log-level", "WARNING", "--no-final-eval", "--summary", summary,
         "--form-timeout-s", str(timeout_s), "--liveness-timeout-s", "30",
     ]  # fmt: skip
+    if report_ms is not None:
+        coord_cmd += ["--batch-report-ms", str(report_ms)]
     coord_log = open(os.path.join(tmp, "coordinator.log"), "w")  # a failed run's story (see "log")
     coord, ep = _spawn_ready(coord_cmd, "COORDINATOR_READY", stderr=coord_log)
     sampler = Sampler(coord.pid)
@@ -288,6 +297,9 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
         # Coordinator CPU per frame it handled (in and out): the cost that machine load
         # does not change, unlike latency and idle share.
         "cpu_us_per_frame": 1e6 * cpu_s / max(1.0, (sent + sum(o["received"] for o in outs)) * span_sampled / max(1e-9, t1 - t0)),
+        # ... and per batch the ranks trained: what coalesced batch reports (several to a
+        # frame, ``batch_report_ms``) change, where the per-frame cost cannot show it.
+        "cpu_us_per_batch": 1e6 * cpu_s / max(1.0, sum(o["batches"] for o in outs) * span_sampled / max(1e-9, t1 - t0)),
         "rss_mib": rss,
     }
 
@@ -352,6 +364,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1 run each, N = 16, 64, shorter")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: raw,saturated,paced,relayed")
+    ap.add_argument("--batch-report-ms", type=float, default=None,
+                    help="the coordinator's batch_report_ms (default: its own default)")
+    ap.add_argument("--peer-report-ms", type=float, default=None,
+                    help="also run saturated and paced with this batch_report_ms (rows NAME@Xms): a peer in the same run")
     args = ap.parse_args()
     if args.quick:
         args.ranks, args.repeats, args.paced_s, args.saturated_batches, args.raw_s = "16,64", 1, 3.0, 6000, 1.5
@@ -369,25 +385,32 @@ def main() -> None:
         row: dict = {"generators": gens, "base_ms": base, "loadavg": os.getloadavg()[0]}
         if "raw" not in skip:
             row["raw"] = _median([run_raw(n, gens, args.raw_s) for _ in range(args.repeats)])
-        if "saturated" not in skip:
-            row["saturated"] = _median([run_flodl(n, [0.0], gens=gens, hosts=0, epochs=1, policy=args.policy,
-                                                  batches_per_rank=max(20, args.saturated_batches // n),
-                                                  timeout_s=timeout)
-                                        for _ in range(args.repeats)])  # fmt: skip
-        for name, hosts in (("paced", 0), ("relayed", args.hosts)):
-            if name in skip or (name == "relayed" and not hosts):
-                continue
-            row[name] = _median([run_flodl(n, ms, gens=gens, hosts=hosts, epochs=2, policy=args.policy,
-                                           batches_per_rank=paced_batches, timeout_s=timeout)
-                                 for _ in range(args.repeats)])  # fmt: skip
+        variants = [("", args.batch_report_ms)]
+        if args.peer_report_ms is not None:
+            variants.append((f"@{args.peer_report_ms:g}ms", args.peer_report_ms))
+        for suffix, report_ms in variants:  # interleaved per repeat would be fairer; one block each is simpler
+            if "saturated" not in skip:
+                row["saturated" + suffix] = _median([
+                    run_flodl(n, [0.0], gens=gens, hosts=0, epochs=1, policy=args.policy,
+                              batches_per_rank=max(20, args.saturated_batches // n), timeout_s=timeout,
+                              report_ms=report_ms)
+                    for _ in range(args.repeats)])  # fmt: skip
+            for name, hosts in (("paced", 0), ("relayed", args.hosts)):
+                if name in skip or (name == "relayed" and not hosts) or (suffix and name == "relayed"):
+                    continue
+                row[name + suffix] = _median([
+                    run_flodl(n, ms, gens=gens, hosts=hosts, epochs=2, policy=args.policy,
+                              batches_per_rank=paced_batches, timeout_s=timeout, report_ms=report_ms)
+                    for _ in range(args.repeats)])  # fmt: skip
         if "raw" in row:
             raw = row["raw"]
-            for name in ("saturated", "paced", "relayed"):
-                if name in row:
-                    r = row[name]
+            for name, r in row.items():
+                if isinstance(r, dict) and "cpu_us_per_frame" in r and name != "raw":
                     # Message rate per CPU-second, flodl against the raw echo: what each
                     # could sustain on one core, whatever else the machine was doing.
                     r["vs_raw_per_cpu"] = round(raw["cpu_us_per_frame"] / r["cpu_us_per_frame"], 3)
+                    # Batches per coordinator CPU-second over the echo's frames per CPU-second.
+                    r["batches_vs_raw_frames_per_cpu"] = round(raw["cpu_us_per_frame"] / r["cpu_us_per_batch"], 3)
             if "saturated" in row:
                 row["saturated"]["vs_raw_wall"] = round(row["saturated"]["frames_per_s"] / raw["frames_per_s"], 3)
         res["by_n"][str(n)] = row

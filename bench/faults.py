@@ -13,7 +13,7 @@ trained ``--strike-samples`` samples (its own trace file; progress, not a clock)
 * ``sigstop``: SIGSTOP under the agent: the process is alive but silent (a hang), so again
   only the heartbeat. The stopped process is SIGKILLed once the coordinator forgot it.
 * ``kill9_coordinator``: SIGKILL of the *coordinator* (ranks under the agent), struck once
-  its journal holds ``--kill-batches`` ``BatchDone`` records (progress, not a clock), and
+  its journal holds ``--kill-batches`` reported batches (``BatchDone``/``BatchesDone``) (progress, not a clock), and
   restarted at once with the same command line and journal (systemd's
   ``Restart=on-failure``): it replays the journal, rebinds the run's endpoint, and the
   ranks resync with the new incarnation. No rank is struck; ``--victim`` is unused.
@@ -71,7 +71,8 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from flodl.core import BatchDone, ForgetRank, RankViolation, from_record, initial_state, step
+from benchproc import JournalTail, start_ready
+from flodl.core import BATCH_RECORDS, BatchDone, BatchesDone, ForgetRank, RankViolation, batches_in, from_record, initial_state, step
 from flodl_coordinator.settings import Settings
 from flodl_worker.agent import AgentConfig, rank_env
 
@@ -121,10 +122,9 @@ class Run:
 
     def _start_coordinator(self) -> str:
         """Start the coordinator (``self.coord_cmd``, the same for a restart); its endpoint."""
-        coord = subprocess.Popen(self.coord_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        coord, endpoint = start_ready(self.coord_cmd, self.log)
         self.procs.append(coord)
         self.coord = coord
-        endpoint = self._ready(coord.stdout, "COORDINATOR_READY")
         threading.Thread(target=self._watch_coordinator, args=(coord,), daemon=True).start()
         threading.Thread(target=self._copy, args=(coord.stdout,), daemon=True).start()
         return endpoint
@@ -229,21 +229,14 @@ class Run:
         raise RuntimeError(f"rank {self.args.victim} never traced {self.args.strike_samples} samples")
 
     def strike_coordinator(self) -> tuple[float, int]:
-        """Once the journal holds ``--kill-batches`` BatchDone records, kill -9 the
+        """Once the journal reports ``--kill-batches`` batches, kill -9 the
         coordinator and start it again at once on the same command line and journal;
         returns (monotonic time of the kill, the killed pid)."""
-        want, seen, pos, buf = self.args.kill_batches, 0, 0, b""
+        want, seen = self.args.kill_batches, 0
+        tail = JournalTail(self.journal, marker=b'"type": "Batch')
         deadline = time.monotonic() + self.args.deadline
         while time.monotonic() < deadline:
-            try:
-                with open(self.journal, "rb") as fh:
-                    fh.seek(pos)
-                    chunk = fh.read()
-            except OSError:
-                chunk = b""
-            pos += len(chunk)
-            *whole, buf = (buf + chunk).split(b"\n")
-            seen += sum(1 for line in whole if b'"type": "BatchDone"' in line)
+            seen += sum(batches_in(rec) for rec in tail.new())
             if seen >= want:
                 old = self.coord
                 t = time.monotonic()
@@ -255,7 +248,7 @@ class Run:
             if self.coord.poll() is not None:
                 raise RuntimeError(f"the run ended before {want} batches were journaled; see {self.log.name}")
             time.sleep(0.005)  # polling another process's progress: nothing to wait on
-        raise RuntimeError(f"the journal never held {want} BatchDone records")
+        raise RuntimeError(f"the journal never reported {want} batches")
 
     def finish(self, pid: int) -> int:
         a = self.args
@@ -308,7 +301,7 @@ def analyse(journal: Path, summary: dict, victim: int, t_fault: float) -> dict:
         if str(rec.get("type", "")).startswith("_"):
             continue  # a service record (restart, ...), not an event
         ev = from_record(rec)
-        if isinstance(ev, BatchDone) and ev.rank != victim:
+        if isinstance(ev, (BatchDone, BatchesDone)) and ev.rank != victim:
             survivor.append(ev.now)
         if decided_at is not None:
             continue
@@ -353,14 +346,14 @@ def analyse_coordinator(journal: Path, summary: dict, steps: dict[int, list[floa
     i = next(k for k, r in enumerate(records) if r.get("type") == "_restart")
     before, after = records[:i], [r for r in records[i + 1 :] if "now" in r]
     out: dict = {"restart_s": t_ready - t_kill}
-    done = [r for r in before if r.get("type") == "BatchDone"]
-    out["kill_batches"] = len(done)
-    out["kill_epoch"] = done[-1]["epoch"] if done else None
+    done = [r for r in before if r.get("type") in BATCH_RECORDS]
+    out["kill_batches"] = sum(batches_in(r) for r in done)
+    out["kill_epoch"] = (done[-1]["epoch"] if "epoch" in done[-1] else done[-1]["batches"][-1]["epoch"]) if done else None
     out["replayed_events"] = records[i].get("replayed_events")  # what the restart replayed
     out["last_event_before_kill_s"] = t_kill - max(r["now"] for r in before if "now" in r)
     if after:
         out["restart_first_event_s"] = after[0]["now"] - t_kill
-    resume = next((r["now"] for r in after if r.get("type") == "BatchDone"), None)
+    resume = next((r["now"] for r in after if r.get("type") in BATCH_RECORDS), None)
     if resume is not None:
         out["resume_s"] = resume - t_kill
     out["resynced_batches"] = sum(len(r.get("batches", ())) for r in after if r.get("type") == "RankResynced")
@@ -468,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--liveness-timeout", type=float, default=3.0, help="seconds of silence = dead (default 3)")
     p.add_argument("--strike-samples", type=int, default=200, help="victim's trained samples before the strike")
     p.add_argument("--kill-batches", type=int, default=135,
-                   help="kill9_coordinator: BatchDone records journaled before the kill (default 135: mid epoch 1)")
+                   help="kill9_coordinator: batches reported in the journal before the kill (default 135: mid epoch 1)")
     p.add_argument("--deadline", type=float, default=300.0, help="give up on one run after this many seconds")
     args = p.parse_args(argv)
     args.slow = [float(x) for x in args.slowdown.split(",")]

@@ -23,8 +23,7 @@ import argparse
 import json
 import statistics
 
-from flodl.core import BatchDone
-from flodl.sim import SimConfig, simulate
+from flodl.sim import SimConfig, batch_ends, simulate
 
 POLICIES = {
     "cadence": ("cadence", {}),
@@ -40,15 +39,13 @@ def _time_split(res) -> tuple[list[list[float]], float]:
     last: dict[int, tuple[float, int]] = {}
     busy: dict[int, float] = {}
     boundary = 0.0
-    for ev in res.events:
-        if not isinstance(ev, BatchDone):
-            continue
-        r, dt = ev.rank, ev.batch_ms / 1000.0
-        first.setdefault(r, ev.now - dt)
+    for ev, end in batch_ends(res.events):
+        r, dt = ev.rank, (ev.batch_ms + ev.data_ms) / 1000.0
+        first.setdefault(r, end - dt)
         prev = last.get(r)
         if prev is not None and prev[1] != ev.epoch:
-            boundary = max(boundary, (ev.now - prev[0] - dt) * 1e3)
-        last[r] = (ev.now, ev.epoch)
+            boundary = max(boundary, (end - prev[0] - dt) * 1e3)
+        last[r] = (end, ev.epoch)
         busy[r] = busy.get(r, 0.0) + dt
     split = [[first[r], last[r][0] - first[r] - busy[r], res.virtual_s - last[r][0]] for r in sorted(first)]
     return split, boundary

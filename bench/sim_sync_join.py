@@ -26,9 +26,9 @@ import json
 import statistics
 from typing import Iterator
 
-from flodl.core import BatchDone, JoinerSeeded
+from flodl.core import JoinerSeeded
 from flodl.core import _repartition
-from flodl.sim import SimConfig, simulate
+from flodl.sim import SimConfig, batch_ends, simulate
 
 SCENARIOS = {
     # name: (ms per batch of every rank, {joiner: hello_at})
@@ -55,18 +55,18 @@ def measure(cfg: SimConfig) -> dict:
     for c in r.summary["coverage"]:
         assert (c["trained"], c["duplicates"], c["missing"]) == (c["expected"], 0, 0), c
     joined = min(e.now for e in r.events if isinstance(e, JoinerSeeded))
-    batches = [e for e in r.events if isinstance(e, BatchDone)]
-    first = min(e.now for e in batches)
-    epoch = next(e.epoch for e in batches if e.now >= joined)  # the epoch live at the join
-    mine = [e for e in batches if e.epoch == epoch]
-    end = max(e.now for e in mine)
-    before = sum(e.samples for e in batches if e.now < joined)
-    after = sum(e.samples for e in mine if e.now >= joined)
+    batches = list(batch_ends(r.events))  # (batch, when it ended)
+    first = min(t for _e, t in batches)
+    epoch = next(e.epoch for e, t in batches if t >= joined)  # the epoch live at the join
+    mine = [(e, t) for e, t in batches if e.epoch == epoch]
+    end = max(t for _e, t in mine)
+    before = sum(e.samples for e, t in batches if t < joined)
+    after = sum(e.samples for e, t in mine if t >= joined)
     return {
         "joined_at_s": round(joined, 3),
         "before_sps": before / (joined - first),
         "after_sps": after / (end - joined),
-        "epoch_s": end - min(e.now for e in mine),
+        "epoch_s": end - min(t for _e, t in mine),
         "run_s": r.virtual_s,
         "moved": r.summary["elastic"].get("repartition", {}).get("samples", 0),
     }

@@ -704,7 +704,8 @@ def _print_summary(s: dict) -> None:
         if r.get("phase") == "VACANT":
             print(f"  rank {r.get('rank')}: never joined (open slot)")
             continue
-        print(f"  rank {r.get('rank')}: samples {r.get('samples')}  batches {r.get('batches')}")
+        frames = f" in {r['batch_frames']} report frames" if r.get("batch_frames") else ""
+        print(f"  rank {r.get('rank')}: samples {r.get('samples')}  batches {r.get('batches')}{frames}")
     cov = s.get("coverage", [])
     exact = all(c.get("duplicates") == 0 and c.get("missing") == 0 for c in cov) and bool(cov)
     print(f"coverage: {len(cov)} epochs, every sample exactly once: {exact}")

@@ -547,7 +547,7 @@ class CoordinatorService:
             if kind == "timing":
                 if env.timing.HasField("time_account"):  # goodput / badput by cause (/metrics)
                     self.status.book.time_account(rank, env.sender.incarnation, env.timing.time_account)
-                if self._first_batch_at is None and env.timing.WhichOneof("event") == "batch":
+                if self._first_batch_at is None and env.timing.WhichOneof("event") in ("batch", "batches"):
                     self._first_batch_at = time.monotonic()
                 if env.timing.WhichOneof("event") == "checkpoint_result":
                     self.checkpointing.on_result(rank, env.timing.checkpoint_result)

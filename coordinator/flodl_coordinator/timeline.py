@@ -37,6 +37,7 @@ from typing import Any, Iterable, Optional
 from flodl.core import (
     CHECKPOINT_META,
     BatchDone,
+    BatchesDone,
     CoordinatorRestarted,
     Notice,
     OpenRound,
@@ -85,7 +86,7 @@ def spans_per_rank(world_size: int) -> int:
 
 
 # What the timeline reads (the rest is skipped without a look: the hot path).
-_EVENTS_READ = frozenset({BatchDone, SyncAcked, CoordinatorRestarted, RankHello})
+_EVENTS_READ = frozenset({BatchDone, BatchesDone, SyncAcked, CoordinatorRestarted, RankHello})
 _COMMANDS_READ = frozenset({OpenRound, Send, Reply})
 
 
@@ -166,7 +167,10 @@ class Timeline:
         return self._lanes[rank] if 0 <= rank < len(self._lanes) else None
 
     def _event(self, ev, t: float) -> None:
-        if isinstance(ev, BatchDone):
+        if isinstance(ev, BatchesDone):  # a frame of several batches: each as if alone
+            for b in ev.each():
+                self._event(b, t)
+        elif isinstance(ev, BatchDone):
             lane = self._lane(ev.rank)
             if lane is None:
                 return

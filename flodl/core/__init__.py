@@ -28,7 +28,10 @@ from ._commands import (
 from ._config import CoreConfig
 from ._errors import LocalViolation, ProtocolViolation, RankViolation
 from ._events import (
+    BATCH_RECORDS,
+    batches_in,
     BatchDone,
+    BatchesDone,
     CheckpointDone,
     ChunkDone,
     EpochFnElapsed,
@@ -85,6 +88,8 @@ from ._status_view import status_view
 from ._translate import hello_event, hello_oversized, metrics_event, timing_event
 
 __all__ = [
+    "BATCH_RECORDS",
+    "batches_in",
     "hello_event",
     "hello_oversized",
     "metrics_event",
@@ -109,6 +114,7 @@ __all__ = [
     "Tick",
     "RankHello",
     "BatchDone",
+    "BatchesDone",
     "SyncAcked",
     "ChunkDone",
     "RankExiting",

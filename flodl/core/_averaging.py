@@ -141,9 +141,10 @@ def _throttle(ctl: pb.Control) -> None:
     ctl.throttle.SetInParent()
 
 
-def _update(ctl: pb.Control, version: int, cycle: int, plan: Optional[pb.EpochPlan] = None) -> None:
+def _update(ctl: pb.Control, version: int, cycle: int, report_at_step: int, plan: Optional[pb.EpochPlan]) -> None:
     upd = ctl.update
     upd.version, upd.cycle = version, cycle
+    upd.report_at_step = report_at_step
     if plan is not None:
         upd.next_plan.CopyFrom(plan)
 
@@ -276,13 +277,9 @@ def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> 
     alive = [r for r in rs.ranks if st.ranks[r].phase is ACTIVE]
     plans = dispatcher.on_round_finished(st, alive, out)
     # Built when sent (``CoordinatorState.send_built``): a round answers every rank. The
-    # plans are the dispatcher's fresh messages, held by nothing else.
-    args = (rs.version, rs.cycle)
-    if plans:
-        for r in alive:
-            plan = plans.get(r)
-            st.send_built(out, r, "update", _update, args if plan is None else (*args, plan))
-    else:
-        st.send_built_each(out, alive, "update", _update, args)
+    # plans are the dispatcher's fresh messages, held by nothing else; the window's end
+    # is read now (it moves with the next trigger).
+    version, cycle, end = rs.version, rs.cycle, dispatcher.window_end_step
+    st.send_built_zip(out, alive, "update", _update, [(version, cycle, end(st, r), plans.get(r)) for r in alive])
     committed = _coverage.committed_samples(st.coverage)  # the ranks' LR schedules follow it
     st.send_built_each(out, alive, "set_global_step", _set_global_step, (rs.global_step, committed))

@@ -145,6 +145,16 @@ class CoreConfig:
     # Liveness (zguide's named trio): beacon interval, and how long silence may last.
     heartbeat_interval_s: float = setting(1.0, help="coordinator beacon / rank heartbeat interval")
     liveness_timeout_s: float = setting(10.0, help="silence after which a rank is declared dead")
+    batch_report_ms: float = setting(
+        25.0,
+        help="a rank reports its batches at most once per this many ms of training (0 = a frame per batch)",
+        doc="a rank sends its batch reports (which positions it trained, its timing, its loss) at most "
+        "once per this many ms of its training time, several batches to a frame; it sends at once when "
+        "its plan runs out, when throttled and before any other frame, so no decision waits on it. "
+        "0 = a frame per batch. Batches slower than this are reported one by one, as before; fast "
+        "batches on many ranks are what would otherwise swamp one coordinator. Must be below "
+        "`heartbeat_interval_s`",
+    )  # fmt: skip
     reduce_stall_s: float = setting(
         300.0, help="an averaging round pending this long ends the run (ShutdownWithSave ReduceStall)",
         doc="an averaging round pending this long ends the run",
@@ -265,6 +275,11 @@ class CoreConfig:
             raise ValueError(f"total_samples must be >= 0, got {self.total_samples}")
         if self.heartbeat_interval_s <= 0 or self.liveness_timeout_s <= 0:
             raise ValueError("heartbeat_interval_s and liveness_timeout_s must be > 0")
+        if not 0.0 <= self.batch_report_ms < self.heartbeat_interval_s * 1000.0:
+            raise ValueError(
+                f"batch_report_ms must be in [0, heartbeat_interval_s * 1000 = {self.heartbeat_interval_s * 1000:g}),"
+                f" got {self.batch_report_ms:g}"
+            )
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if not self.form_timeout_s >= 0:

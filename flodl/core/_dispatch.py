@@ -216,6 +216,8 @@ class Dispatcher(Protocol):
 
     def on_join(self, st: CoordinatorState, rank: int, out: list[Command]) -> None: ...
 
+    def window_end_step(self, st: CoordinatorState, rank: int) -> int: ...
+
 
 class SyncDispatcher:
     """Equal contiguous partitions per epoch; a lost rank's remainder is split equally."""
@@ -227,6 +229,9 @@ class SyncDispatcher:
 
     def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
         pass
+
+    def window_end_step(self, st: CoordinatorState, rank: int) -> int:
+        return 0  # the barrier follows the partition's end, which a rank reports at once
 
     def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None:
         pass  # Sync: the rank keeps its partition; the Throttle barrier follows

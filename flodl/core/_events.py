@@ -25,6 +25,7 @@ __all__ = [
     "Tick",
     "RankHello",
     "BatchDone",
+    "BatchesDone",
     "SyncAcked",
     "ChunkDone",
     "RankExiting",
@@ -102,6 +103,23 @@ class BatchDone(Event):
     offset: int
     lr: float = 0.0
     sync_divergence: Optional[float] = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchesDone(Event):
+    """Consecutive optimizer steps of one rank in one frame (``Timing.batches``), in step
+    order: each is the ``BatchDone`` a frame of its own would have been (same ``now`` and
+    rank). One event, so the rules settle once for the frame, not once per batch."""
+
+    rank: int
+    batches: tuple[BatchDone, ...] = ()
+
+    def __post_init__(self) -> None:  # a journal record holds a list of dicts
+        if not all(type(b) is BatchDone for b in self.batches):
+            object.__setattr__(self, "batches", tuple(_batch_done(b) for b in self.batches))
+
+    def each(self) -> tuple[BatchDone, ...]:
+        return self.batches
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -263,6 +281,10 @@ class ContributionRefused(Event):
     reason: str = ""
 
 
+def _batch_done(b: "BatchDone | dict") -> BatchDone:
+    return b if isinstance(b, BatchDone) else BatchDone(**b)
+
+
 def _tuples(v):
     return tuple(_tuples(x) for x in v) if isinstance(v, (list, tuple)) else v
 
@@ -325,6 +347,7 @@ EVENT_TYPES = {
         Tick,
         RankHello,
         BatchDone,
+        BatchesDone,
         SyncAcked,
         ChunkDone,
         RankExiting,
@@ -345,6 +368,16 @@ EVENT_TYPES = {
         PartitionTrimmed,
     )
 }
+
+
+# Journal record types that report trained batches (readers of journals: tests, benches).
+BATCH_RECORDS = ("BatchDone", "BatchesDone")
+
+
+def batches_in(rec: dict) -> int:
+    """How many trained batches a journal record reports (0: not a batch report)."""
+    kind = rec.get("type")
+    return 1 if kind == "BatchDone" else len(rec.get("batches", ())) if kind == "BatchesDone" else 0
 
 
 def to_record(ev: Event) -> dict:

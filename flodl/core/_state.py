@@ -126,6 +126,7 @@ class RankRecord:
     folded_step: int = 0  # highest step_count folded into a consensus (SyncAcked)
     batches: int = 0
     samples: int = 0
+    batch_frames: int = 0  # frames that reported batches (batches / batch_frames: the coalescing)
     param_digest: str = ""
     divergence: Optional[float] = None  # from the latest SyncAcked
     # The state's RankIndex (``_rank_index``), told of every write to an indexed field.

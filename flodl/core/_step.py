@@ -102,6 +102,7 @@ from ._policy import Policy, policy_of
 from ._errors import LocalViolation, RankViolation
 from ._events import (
     BatchDone,
+    BatchesDone,
     CheckpointDone,
     ChunkDone,
     EpochFnElapsed,
@@ -455,6 +456,36 @@ def _on_batch(st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
     _ingest_batch(st, ev, out, advance_last_step=True)
 
 
+# A frame of batches holds at most this many: the rank sends up to 64 (flodl.rank), a
+# peer that sends more is refused, not looped over.
+MAX_BATCHES_PER_FRAME = 1024
+
+
+def _check_batches(st: CoordinatorState, ev: BatchesDone) -> None:
+    """Every batch of the frame must be one a ``BatchDone`` could say, in step order:
+    checked against the state before any of them changes it (a frame is refused whole)."""
+    if not 0 < len(ev.batches) <= MAX_BATCHES_PER_FRAME:
+        raise RankViolation(f"rank {ev.rank}: a batches frame of {len(ev.batches)} batches "
+                            f"(1 to {MAX_BATCHES_PER_FRAME})")  # fmt: skip
+    prev = -1
+    for b in ev.each():
+        if b.step_count <= prev:
+            raise RankViolation(f"rank {ev.rank}: batches out of step order ({b.step_count} after {prev})")
+        prev = b.step_count
+        _check_batch(st, b)
+
+
+def _on_batch_frame(st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
+    st.ranks[ev.rank].batch_frames += 1
+    _on_batch(st, ev, out)
+
+
+def _on_batches(st: CoordinatorState, ev: BatchesDone, out: list[Command]) -> None:
+    st.ranks[ev.rank].batch_frames += 1
+    for b in ev.each():
+        _on_batch(st, b, out)
+
+
 def _on_exiting(st: CoordinatorState, ev: RankExiting, out: list[Command]) -> None:
     st.ranks[ev.rank].param_digest = ev.param_digest
     forget_rank(st, ev.rank, "leave", "exited cleanly", out)
@@ -567,7 +598,8 @@ def _nothing(st: CoordinatorState, ev: Event, out: list[Command]) -> None:
 HANDLERS: dict[type, Handler] = {
     Tick: Handler(_on_tick),
     RankHello: Handler(lambda st, ev, out: _membership.on_hello(st, ev, out), checks_rank=False, after_finish=True),
-    BatchDone: Handler(_on_batch, _check_batch, touches_liveness=True),
+    BatchDone: Handler(_on_batch_frame, _check_batch, touches_liveness=True),
+    BatchesDone: Handler(_on_batches, _check_batches, touches_liveness=True),
     SyncAcked: Handler(lambda st, ev, out: _averaging.on_ack(st, ev, out, policy_of(st.config).dispatcher),
                        touches_liveness=True),  # fmt: skip
     ChunkDone: Handler(lambda st, ev, out: _metrics.on_chunk(st, ev), _metrics.check_chunk, touches_liveness=True),

@@ -23,7 +23,7 @@ def summary(st: CoordinatorState, summarise: Callable[[CoordinatorState, dict[st
 
     {world_size, policy, total_samples, epochs_completed, averages, averaging_s, global_step,
      accuracy: float|None, wall_s, discarded_samples,
-     ranks: [{rank, host, phase, reason, samples, batches, steps, param_digest}],
+     ranks: [{rank, host, phase, reason, samples, batches, batch_frames, steps, param_digest}],
      coverage: [{epoch, expected, trained, duplicates, missing, discarded}],
      epochs: [{epoch, avg_loss, epoch_ms, per_rank_throughput}],
      evals: [{epoch, metric}]}   (non-final evals asked by an eval intent)
@@ -45,6 +45,7 @@ def summary(st: CoordinatorState, summarise: Callable[[CoordinatorState, dict[st
             "reason": rec.reason,
             "samples": rec.samples,
             "batches": rec.batches,
+            "batch_frames": rec.batch_frames,
             "steps": rec.last_step,
             "param_digest": rec.param_digest,
         }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ._events import (
     BatchDone,
+    BatchesDone,
     CheckpointDone,
     ChunkDone,
     CollectiveFailed,
@@ -72,25 +73,30 @@ def hello_event(now: float, route: tuple[bytes, ...], env: pb.Envelope, agent: s
     )
 
 
+def _batch(now: float, rank: int, b: pb.Timing.Batch) -> BatchDone:
+    return BatchDone(
+        now=now,
+        rank=rank,
+        batch_ms=b.batch_ms,
+        data_ms=b.data_ms,
+        step_count=b.step_count,
+        loss=b.batch_loss,
+        samples=b.samples,
+        epoch=b.epoch,
+        offset=b.offset,
+        lr=b.lr,
+        sync_divergence=_opt(b, "sync_divergence"),
+    )
+
+
 def timing_event(now: float, t: pb.Timing):
     """Return the core event for a Timing body (liveness-only kinds become HeartbeatSeen)."""
     kind = t.WhichOneof("event")
     r = t.rank
     if kind == "batch":
-        b = t.batch
-        return BatchDone(
-            now=now,
-            rank=r,
-            batch_ms=b.batch_ms,
-            data_ms=b.data_ms,
-            step_count=b.step_count,
-            loss=b.batch_loss,
-            samples=b.samples,
-            epoch=b.epoch,
-            offset=b.offset,
-            lr=b.lr,
-            sync_divergence=_opt(b, "sync_divergence"),
-        )
+        return _batch(now, r, t.batch)
+    if kind == "batches":
+        return BatchesDone(now=now, rank=r, batches=tuple(_batch(now, r, b) for b in t.batches.batch))
     if kind == "sync_ack":
         a = t.sync_ack
         return SyncAcked(

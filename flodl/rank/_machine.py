@@ -105,6 +105,10 @@ INFORMATIONAL = frozenset(
 )
 
 
+# A frame of batch reports holds at most this many (a bound on its size, ~50 bytes each).
+MAX_BATCHES_PER_REPORT = 64
+
+
 def gamma_mass(n: int, gamma: float) -> float:
     """Contribution mass n**gamma with the idle guard: 0 when n <= 0 (never 0**0 = 1)."""
     if n <= 0:
@@ -151,6 +155,10 @@ class RankMachine:
         self.left_behind: set[int] = set()
         self.last_command_id = 0
         self.unfolded: list[pb.Timing.Batch] = []  # reported, not yet folded (step order)
+        # Batch reports not sent yet (RunSpec.batch_report_ms), and the training ms they cover.
+        self.unsent: list[pb.Timing.Batch] = []
+        self.unsent_ms = 0.0
+        self.report_at = 0  # Update.report_at_step: the step that ends this rank's window
         self.finished: list[pb.Metrics] = []  # chunks of epochs not seen aggregated
         self.restarts = 0
         # Elastic membership: admitted into a running world, no seed consensus loaded yet.
@@ -202,6 +210,12 @@ class RankMachine:
             raise TypeError(f"RankMachine cannot handle {type(ev).__name__}")
         out: list[Command] = []
         fn(self, ev, out)
+        if self.unsent:
+            # Whatever this rank says next, its batches are said first: the coordinator
+            # weighs a snapshot, commits an ack and reads a trim by the batches it heard.
+            at = next((i for i, c in enumerate(out) if type(c) not in _SILENT), None)
+            if at is not None:
+                out[at:at] = self._unsent_report()
         return out
 
     def next_action(self, now: float) -> Union[TrainBatch, SendMetrics, Sentinel]:
@@ -283,10 +297,29 @@ class RankMachine:
             batch_ms=ev.batch_ms, data_ms=ev.data_ms, step_count=self.local_step, batch_loss=ev.loss, lr=ev.lr,
             samples=ev.samples, epoch=ev.epoch, offset=ev.offset,
         )  # fmt: skip
-        # Until folded: a restarted coordinator may ask for it.
-        self.unfolded = [b for b in self.unfolded if b.step_count > self.folded_step]
-        self.unfolded.append(batch)
-        out.append(SendTiming(kind="batch", body=batch))
+        self.unfolded.append(batch)  # until folded: a restarted coordinator may ask for it
+        self.unsent.append(batch)
+        self.unsent_ms += ev.batch_ms + ev.data_ms
+        assert self.spec is not None
+        window_run = 0 < self.report_at <= self.local_step  # the next round waits for this step
+        if window_run:
+            self.report_at = 0
+        if (
+            window_run
+            or self.unsent_ms >= self.spec.batch_report_ms
+            or len(self.unsent) >= MAX_BATCHES_PER_REPORT
+            or cur is None
+            or cur.exhausted()  # the plan ran out: the coordinator plans the next one by it
+            or self.throttled
+        ):
+            out.extend(self._unsent_report())
+
+    def _unsent_report(self) -> list[Command]:
+        """The batches not reported yet, as one frame (one ``batch`` frame when alone)."""
+        unsent, self.unsent, self.unsent_ms = self.unsent, [], 0.0
+        if len(unsent) == 1:
+            return [SendTiming(kind="batch", body=unsent[0])]
+        return [SendTiming(kind="batches", body=pb.Timing.BatchRun(batch=unsent))]
 
     def _metrics(self, chunk: Chunk, now: float) -> pb.Metrics:
         m = pb.Metrics(
@@ -335,12 +368,14 @@ class RankMachine:
         self._queue(c.start_epoch.plan, "StartEpoch", out)
 
     def _update(self, c: pb.Control, out: list[Command]) -> None:
+        self.report_at = c.update.report_at_step
         if c.update.HasField("next_plan"):
             self._queue(c.update.next_plan, "Update.next_plan", out)
         self.throttled = False
 
     def _throttle(self, c: pb.Control, out: list[Command]) -> None:
         self.throttled = True
+        out.extend(self._unsent_report() if self.unsent else ())  # it waits now: nothing may wait with it
 
     def _queue(self, plan: pb.EpochPlan, source: str, out: list[Command]) -> None:
         self._add_chunk(plan.epoch, plan.partition_offset, plan.partition_size, source, out)
@@ -431,6 +466,8 @@ class RankMachine:
         if ev.arrays is not None:
             self.steps_since_avg = max(0, self.steps_since_avg - snap.n)
             self.folded_step = acked = snap.step_count
+            # Folded: no longer reported in a resync (pruned here, once per round, not per batch).
+            self.unfolded = [b for b in self.unfolded if b.step_count > acked]
         out.append(ApplyConsensus(cycle=ev.cycle, arrays=ev.arrays, ack_step=acked, moved=self.local_step != snap.step_count))
         # Held until the next consensus: a later Checkpoint{cycle} saves exactly it.
         self.held = (ev.cycle, list(ev.arrays)) if ev.arrays is not None else None
@@ -498,6 +535,7 @@ class RankMachine:
         self.snapshots.clear()  # their rounds died with the old coordinator's reducer
         out.append(AbandonRounds(cycles=dropped))
         batches = [b for b in self.unfolded if b.step_count > self.folded_step]
+        self.unsent, self.unsent_ms = [], 0.0  # they are in the report
         held = self.held_positions()
         report = pb.Timing.Resync(
             coordinator_incarnation=inc,
@@ -517,6 +555,9 @@ class RankMachine:
             f"throttled={self.throttled})"
         )))  # fmt: skip
 
+
+# Commands after which nothing leaves the rank (the rest send a frame, train, save or exit).
+_SILENT = frozenset({Drop, Warn, AbandonRounds})
 
 _HANDLERS: dict[type, Callable[[RankMachine, Any, list], None]] = {
     Admitted: RankMachine._admitted,

@@ -8,6 +8,7 @@ Thousands of ranks or hours of training take seconds, and every run replays from
 seed (``res.events`` is the exact event list the core consumed).
 """
 
+from ._reports import batch_ends
 from ._world import Result, SimConfig, simulate
 
-__all__ = ["SimConfig", "Result", "simulate"]
+__all__ = ["SimConfig", "Result", "simulate", "batch_ends"]

@@ -159,7 +159,7 @@ class RankHello(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_sig: _Optional[bytes] = ..., dataset_len: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., bf16_wire: _Optional[bool] = ..., task: _Optional[str] = ..., agent_token: _Optional[bytes] = ..., restart_count: _Optional[int] = ..., unpinned_slot: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from", "join_running", "global_step", "samples_committed")
+    __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from", "join_running", "global_step", "samples_committed", "batch_report_ms")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,7 @@ class RunSpec(_message.Message):
     JOIN_RUNNING_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_REPORT_MS_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     total_samples: int
     batch_size: int
@@ -194,7 +195,8 @@ class RunSpec(_message.Message):
     join_running: bool
     global_step: int
     samples_committed: int
-    def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ..., join_running: _Optional[bool] = ..., global_step: _Optional[int] = ..., samples_committed: _Optional[int] = ...) -> None: ...
+    batch_report_ms: float
+    def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ..., join_running: _Optional[bool] = ..., global_step: _Optional[int] = ..., samples_committed: _Optional[int] = ..., batch_report_ms: _Optional[float] = ...) -> None: ...
 
 class HelloAck(_message.Message):
     __slots__ = ("accepted", "reason", "run", "deferred", "rank")
@@ -296,14 +298,16 @@ class Control(_message.Message):
         cycle: int
         def __init__(self, cycle: _Optional[int] = ...) -> None: ...
     class Update(_message.Message):
-        __slots__ = ("version", "next_plan", "cycle")
+        __slots__ = ("version", "next_plan", "cycle", "report_at_step")
         VERSION_FIELD_NUMBER: _ClassVar[int]
         NEXT_PLAN_FIELD_NUMBER: _ClassVar[int]
         CYCLE_FIELD_NUMBER: _ClassVar[int]
+        REPORT_AT_STEP_FIELD_NUMBER: _ClassVar[int]
         version: int
         next_plan: EpochPlan
         cycle: int
-        def __init__(self, version: _Optional[int] = ..., next_plan: _Optional[_Union[EpochPlan, _Mapping]] = ..., cycle: _Optional[int] = ...) -> None: ...
+        report_at_step: int
+        def __init__(self, version: _Optional[int] = ..., next_plan: _Optional[_Union[EpochPlan, _Mapping]] = ..., cycle: _Optional[int] = ..., report_at_step: _Optional[int] = ...) -> None: ...
     class SyncNow(_message.Message):
         __slots__ = ("cycle",)
         CYCLE_FIELD_NUMBER: _ClassVar[int]
@@ -492,7 +496,12 @@ class Control(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., request_params: _Optional[_Union[Control.RequestParams, _Mapping]] = ..., update: _Optional[_Union[Control.Update, _Mapping]] = ..., sync_now: _Optional[_Union[Control.SyncNow, _Mapping]] = ..., start_epoch: _Optional[_Union[Control.StartEpoch, _Mapping]] = ..., extend_partition: _Optional[_Union[Control.ExtendPartition, _Mapping]] = ..., declare_dead: _Optional[_Union[Control.DeclareDead, _Mapping]] = ..., rendezvous: _Optional[_Union[Control.Rendezvous, _Mapping]] = ..., throttle: _Optional[_Union[Control.Throttle, _Mapping]] = ..., set_global_step: _Optional[_Union[Control.SetGlobalStep, _Mapping]] = ..., checkpoint: _Optional[_Union[Control.Checkpoint, _Mapping]] = ..., execute_eval: _Optional[_Union[Control.ExecuteEval, _Mapping]] = ..., set_epoch_callback_role: _Optional[_Union[Control.SetEpochCallbackRole, _Mapping]] = ..., shutdown: _Optional[_Union[Control.Shutdown, _Mapping]] = ..., shutdown_with_save: _Optional[_Union[Control.ShutdownWithSave, _Mapping]] = ..., epoch_aggregated: _Optional[_Union[Control.EpochAggregated, _Mapping]] = ..., eval_broadcast: _Optional[_Union[Control.EvalBroadcast, _Mapping]] = ..., save_consensus_model: _Optional[_Union[Control.SaveConsensusModel, _Mapping]] = ..., coord_heartbeat: _Optional[_Union[Control.CoordHeartbeat, _Mapping]] = ..., stage_advisory: _Optional[_Union[Control.StageAdvisory, _Mapping]] = ..., arm_consensus_eval: _Optional[_Union[Control.ArmConsensusEval, _Mapping]] = ..., trim_partition: _Optional[_Union[Control.TrimPartition, _Mapping]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("rank", "batch", "sync_ack", "exiting", "lr_update", "intent", "heartbeat", "snapshot_ready", "eval_result", "checkpoint_result", "epoch_fn_elapsed", "resync", "store_ready", "collective_failed", "seeded", "partition_trimmed", "time_account")
+    __slots__ = ("rank", "batch", "sync_ack", "exiting", "lr_update", "intent", "heartbeat", "snapshot_ready", "eval_result", "checkpoint_result", "epoch_fn_elapsed", "resync", "store_ready", "collective_failed", "seeded", "partition_trimmed", "batches", "time_account")
+    class BatchRun(_message.Message):
+        __slots__ = ("batch",)
+        BATCH_FIELD_NUMBER: _ClassVar[int]
+        batch: _containers.RepeatedCompositeFieldContainer[Timing.Batch]
+        def __init__(self, batch: _Optional[_Iterable[_Union[Timing.Batch, _Mapping]]] = ...) -> None: ...
     class PartitionTrimmed(_message.Message):
         __slots__ = ("command_id", "epoch", "kept", "released")
         COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
@@ -648,6 +657,7 @@ class Timing(_message.Message):
     COLLECTIVE_FAILED_FIELD_NUMBER: _ClassVar[int]
     SEEDED_FIELD_NUMBER: _ClassVar[int]
     PARTITION_TRIMMED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     TIME_ACCOUNT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     batch: Timing.Batch
@@ -665,8 +675,9 @@ class Timing(_message.Message):
     collective_failed: CollectiveFailed
     seeded: Timing.Seeded
     partition_trimmed: Timing.PartitionTrimmed
+    batches: Timing.BatchRun
     time_account: TimeAccount
-    def __init__(self, rank: _Optional[int] = ..., batch: _Optional[_Union[Timing.Batch, _Mapping]] = ..., sync_ack: _Optional[_Union[Timing.SyncAck, _Mapping]] = ..., exiting: _Optional[_Union[Timing.Exiting, _Mapping]] = ..., lr_update: _Optional[_Union[Timing.LrUpdate, _Mapping]] = ..., intent: _Optional[_Union[Timing.Intent, _Mapping]] = ..., heartbeat: _Optional[_Union[Timing.Heartbeat, _Mapping]] = ..., snapshot_ready: _Optional[_Union[Timing.SnapshotReady, _Mapping]] = ..., eval_result: _Optional[_Union[Timing.EvalResult, _Mapping]] = ..., checkpoint_result: _Optional[_Union[Timing.CheckpointResult, _Mapping]] = ..., epoch_fn_elapsed: _Optional[_Union[Timing.EpochFnElapsed, _Mapping]] = ..., resync: _Optional[_Union[Timing.Resync, _Mapping]] = ..., store_ready: _Optional[_Union[StoreReady, _Mapping]] = ..., collective_failed: _Optional[_Union[CollectiveFailed, _Mapping]] = ..., seeded: _Optional[_Union[Timing.Seeded, _Mapping]] = ..., partition_trimmed: _Optional[_Union[Timing.PartitionTrimmed, _Mapping]] = ..., time_account: _Optional[_Union[TimeAccount, _Mapping]] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., batch: _Optional[_Union[Timing.Batch, _Mapping]] = ..., sync_ack: _Optional[_Union[Timing.SyncAck, _Mapping]] = ..., exiting: _Optional[_Union[Timing.Exiting, _Mapping]] = ..., lr_update: _Optional[_Union[Timing.LrUpdate, _Mapping]] = ..., intent: _Optional[_Union[Timing.Intent, _Mapping]] = ..., heartbeat: _Optional[_Union[Timing.Heartbeat, _Mapping]] = ..., snapshot_ready: _Optional[_Union[Timing.SnapshotReady, _Mapping]] = ..., eval_result: _Optional[_Union[Timing.EvalResult, _Mapping]] = ..., checkpoint_result: _Optional[_Union[Timing.CheckpointResult, _Mapping]] = ..., epoch_fn_elapsed: _Optional[_Union[Timing.EpochFnElapsed, _Mapping]] = ..., resync: _Optional[_Union[Timing.Resync, _Mapping]] = ..., store_ready: _Optional[_Union[StoreReady, _Mapping]] = ..., collective_failed: _Optional[_Union[CollectiveFailed, _Mapping]] = ..., seeded: _Optional[_Union[Timing.Seeded, _Mapping]] = ..., partition_trimmed: _Optional[_Union[Timing.PartitionTrimmed, _Mapping]] = ..., batches: _Optional[_Union[Timing.BatchRun, _Mapping]] = ..., time_account: _Optional[_Union[TimeAccount, _Mapping]] = ...) -> None: ...
 
 class StoreReady(_message.Message):
     __slots__ = ("generation", "addr")

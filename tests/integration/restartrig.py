@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from flodl.core import BATCH_RECORDS
 from faults import kill_quietly
 from runlocal import ROOT, assert_exact_coverage, free_port
 
@@ -91,7 +92,7 @@ def resume_gap(journal: list[dict]) -> tuple[float, float | None]:
     i = next(k for k, r in enumerate(journal) if r.get("type") == "_restart")
     before = max(r["now"] for r in journal[:i] if "now" in r)
     after = [r for r in journal[i + 1 :] if "now" in r]
-    batch = next((r["now"] for r in after if r["type"] == "BatchDone"), None)
+    batch = next((r["now"] for r in after if r["type"] in BATCH_RECORDS), None)
     return after[0]["now"] - before, None if batch is None else batch - before
 
 

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from flodl.core import batches_in
 from restartrig import RestartRun, check_restarted_run, resume_gap, wait_for
 from runlocal import read_journal
 
@@ -25,7 +26,7 @@ DIGITS = ("--slowdown", "1,1,2", "--base-ms", "3", "--", sys.executable, "-m", "
 
 
 def _batches(run: RestartRun) -> int:
-    return sum(1 for r in read_journal(run.journal) if r.get("type") == "BatchDone")
+    return sum(batches_in(r) for r in read_journal(run.journal))
 
 
 @pytest.mark.parametrize("policy, kill_at", [("cadence", 50), ("sync", 120)])

@@ -33,9 +33,10 @@ class AsyncMachine(CoreMachine):
         prejoin=st.booleans(),
         anchor=st.integers(1, 4),
         max_batch_diff=st.sampled_from([None, None, 2]),
+        report_ms=st.sampled_from([0.0, 25.0]),
     )
-    def setup(self, ws, total, bs, epochs, prejoin, anchor, max_batch_diff):
-        CoreMachine.setup(self, ws, total, bs, epochs, prejoin, False, "async", anchor, max_batch_diff)
+    def setup(self, ws, total, bs, epochs, prejoin, anchor, max_batch_diff, report_ms):
+        CoreMachine.setup(self, ws, total, bs, epochs, prejoin, False, "async", anchor, max_batch_diff, report_ms)
         self.model = AsyncLedger(ws)
 
 

@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from flodl.core import (
     BatchDone,
+    BatchesDone,
     ChunkDone,
     CoordinatorRestarted,
     ForgetRank,
@@ -68,7 +69,10 @@ class Ledger:
             self.committed.add((epoch, p))
 
     def event(self, ev) -> None:
-        if isinstance(ev, BatchDone) and ev.rank not in self.gone and ev.step_count > self.last[ev.rank]:
+        if isinstance(ev, BatchesDone):  # one frame of several batches: each as if alone
+            for b in ev.each():
+                self.event(b)
+        elif isinstance(ev, BatchDone) and ev.rank not in self.gone and ev.step_count > self.last[ev.rank]:
             self.last[ev.rank] = ev.step_count
             for p in range(ev.offset, ev.offset + ev.samples):
                 assert self.owner.get((ev.epoch, p)) == ev.rank, "a rank trained a position it does not own"
@@ -86,6 +90,12 @@ class Ledger:
             self.round = None  # the open round died with the old process
         elif isinstance(ev, RankResynced) and ev.rank not in self.gone:
             self._fold(ev.rank, ev.folded_step)  # a consensus the rank applied holds its steps up to it
+            # Batches it had not reported yet (coalesced reports) or whose frames died with the
+            # old process, as the core ingests them: in step order, each as a BatchDone.
+            for step_count, epoch, offset, samples, *_ in sorted(ev.batches):
+                if step_count > ev.folded_step:
+                    self.event(BatchDone(now=ev.now, rank=ev.rank, batch_ms=0.0, data_ms=0.0, step_count=step_count,
+                                         loss=0.0, samples=samples, epoch=epoch, offset=offset))  # fmt: skip
 
     def _fold(self, rank: int, step: int) -> None:
         self.folded[rank] = max(self.folded[rank], step)
@@ -147,12 +157,14 @@ class CoreMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["sync", "cadence"]),
         anchor=st.integers(1, 4),
         max_batch_diff=st.sampled_from([None, 1, 3]),
+        report_ms=st.sampled_from([0.0, 25.0]),  # a frame per batch, or ~3 batches a frame (11 ms each)
     )
-    def setup(self, ws, total, bs, epochs, prejoin, race, policy, anchor, max_batch_diff):
+    def setup(self, ws, total, bs, epochs, prejoin, race, policy, anchor, max_batch_diff, report_ms=0.0):
         self.c = Cluster(
             world_size=ws, total=total, batch_size=bs, epochs=epochs,
             liveness_timeout_s=5.0, reduce_stall_s=1e9, defer_chunks=True, defer_acks=True,
             race_throttle=race, policy=policy, anchor=anchor, max_batch_diff=max_batch_diff,
+            batch_report_ms=report_ms,
         )
         self.model = Ledger(ws, streams=policy != "sync")
         self.seen = 0

@@ -25,10 +25,10 @@ WORK = ("start_epoch", "extend_partition", "request_params", "update", "throttle
 
 
 class ElasticWorld(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(["sync", "cadence", "async"]))
-    def form(self, policy):
+    @initialize(policy=st.sampled_from(["sync", "cadence", "async"]), report_ms=st.sampled_from([0.0, 25.0]))
+    def form(self, policy, report_ms):
         self.c = Cluster(policy=policy, world_size=4, min_ranks=2, join_timeout_s=0.0, total=96, batch_size=8,
-                         epochs=2, agent_reports_exit=True, anchor=2)  # fmt: skip
+                         epochs=2, agent_reports_exit=True, anchor=2, batch_report_ms=report_ms)  # fmt: skip
         self.c.hello(0)
         self.c.hello(1)
         self.c.advance(0.01)

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from flodl.core import Notice, replay
-from flodl.sim import SimConfig, simulate
+from flodl.sim import SimConfig, batch_ends, simulate
 
 # The 1,2,4 rig: three ranks at 10, 20 and 40 ms per batch, 5 % jitter, 0.5 ms links.
 RIG = dict(ms_per_batch=(10, 20, 40), jitter=0.05, latency_s=0.0005, batch_size=16)
@@ -124,13 +124,13 @@ def _boundary_waits_ms(res):
     """Per rank and epoch boundary: the idle time between its last batch of an epoch and
     its first of the next (the gap less that batch's own time), in ms."""
     last, waits = {}, []
-    for ev in res.events:
-        if type(ev).__name__ == "BatchDone":
-            prev = last.get(ev.rank)
-            if prev is not None and prev[1] != ev.epoch:
-                waits.append((ev.now - prev[0]) * 1e3 - ev.batch_ms)
-            last[ev.rank] = (ev.now, ev.epoch)
+    for ev, end in batch_ends(res.events):
+        prev = last.get(ev.rank)
+        if prev is not None and prev[1] != ev.epoch:
+            waits.append((end - prev[0]) * 1e3 - ev.batch_ms - ev.data_ms)
+        last[ev.rank] = (end, ev.epoch)
     return waits
+
 
 
 @pytest.mark.parametrize("seed", [0, 1])

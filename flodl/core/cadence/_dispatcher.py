@@ -675,6 +675,10 @@ class CadenceDispatcher:
     def after_round(self, st: CoordinatorState, out: list[Command]) -> None:
         self._wake(st, out)
 
+    def window_end_step(self, st: CoordinatorState, rank: int) -> int:
+        """The rank's step at which its window is run (the gate's ``windows_done``)."""
+        return st.cadence.window_mark.get(rank, 0) + st.cadence.elche.batch_counts[rank]
+
     def on_epoch_aggregated(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
         """The ranks already stream into ``epoch + 1``: the callbacks of this aggregation
         run inside their current windows, so that is where the slack goes (``_slack``);

@@ -17,6 +17,7 @@ import pytest
 
 from flodl.core import (
     BatchDone,
+    BatchesDone,
     ChunkDone,
     CoordinatorRestarted,
     RankResynced,
@@ -36,7 +37,7 @@ from flodl.core import timing_event
 
 from .cluster import Cluster
 
-_RANK_EVENTS = (BatchDone, ChunkDone, SyncAcked)  # frames a dead coordinator loses
+_RANK_EVENTS = (BatchDone, BatchesDone, ChunkDone, SyncAcked)  # frames a dead coordinator loses
 
 
 class CrashCluster(Cluster):
@@ -209,7 +210,7 @@ def test_lost_batch_reports_are_recovered_and_committed_once(policy):
     journal = c.crash()
     for _ in range(4):  # the ranks train on; every report is lost
         c.pump_once()
-    lost = sum(isinstance(ev, BatchDone) for ev in c.outage)
+    lost = sum(isinstance(ev, (BatchDone, BatchesDone)) for ev in c.outage)
     assert lost > 0
     c.restart(journal)
     c.resync_all()

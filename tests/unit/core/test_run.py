@@ -216,7 +216,7 @@ def test_run_finished_summary_shape_is_json_safe():
         "accuracy", "wall_s", "discarded_samples", "ranks", "coverage", "epochs", "evals",
     }
     assert s["evals"] == []  # no eval intent was raised
-    assert set(s["ranks"][0]) == {"rank", "host", "phase", "reason", "samples", "batches", "steps", "param_digest"}
+    assert set(s["ranks"][0]) == {"rank", "host", "phase", "reason", "samples", "batches", "batch_frames", "steps", "param_digest"}
     assert set(s["epochs"][0]) == {"epoch", "avg_loss", "epoch_ms", "per_rank_throughput"}
     assert s["ranks"][1]["param_digest"] == "digest-1" and s["ranks"][1]["phase"] == "LEFT"
     assert s["wall_s"] == c.state.now - c.state.run.formed_at
