@@ -12,6 +12,10 @@ neighbours) -- medians of ``--repeats`` replays:
 * ``formation_ms``: the step that forms the world (it also dispatches epoch 0);
 * ``epoch_dispatch_ms``: the step that aggregates epoch 0 (and, but under Async, which
   streamed into it already, dispatches epoch 1);
+* ``formation_build_ms`` / ``epoch_dispatch_build_ms``: reading every ``Send``'s
+  ``control`` those two steps returned -- what the shell pays on top when it sends them
+  (a command to every rank is built when first read; the code before built it in the
+  step, so its figure is ~0);
 * ``peak_mib``: tracemalloc's peak over one more replay (the core's state and commands);
 * ``sim_s`` / ``sim_cpu_s``: the simulation's wall and CPU seconds (the ranks' side too).
 
@@ -49,7 +53,7 @@ import time
 import tracemalloc
 from typing import Any, Optional
 
-from flodl.core import HeartbeatSeen, Notice, initial_state, step
+from flodl.core import HeartbeatSeen, Notice, Send, initial_state, step
 from flodl.sim import SimConfig, simulate
 
 SPEEDS = (1.0, 2.0, 4.0)
@@ -90,6 +94,7 @@ def replay_timed(config: Any, events: list) -> dict[str, Any]:
     beats = 0
     formation: Optional[float] = None
     boundary: Optional[float] = None
+    builds: dict[str, float] = {}
     clock = time.thread_time  # CPU time: the machine may be shared, the core's work is what counts
     gc.collect()
     for ev in events:
@@ -104,15 +109,28 @@ def replay_timed(config: Any, events: list) -> dict[str, Any]:
             kinds = {c.kind for c in cmds if isinstance(c, Notice)}
             if formation is None and "world_formed" in kinds:
                 formation = dt
+                builds["formation"] = _build_s(cmds, clock)
             elif "epoch" in kinds:
                 boundary = dt
+                builds["boundary"] = _build_s(cmds, clock)
     return {
         "core_s": total,
         "heartbeat_us": heartbeat / beats * 1e6 if beats else None,
         "formation_ms": formation * 1e3 if formation is not None else None,
         "epoch_dispatch_ms": boundary * 1e3 if boundary is not None else None,
+        "formation_build_ms": builds["formation"] * 1e3 if "formation" in builds else None,
+        "epoch_dispatch_build_ms": builds["boundary"] * 1e3 if "boundary" in builds else None,
         "ok": bool(st.run.ok),
     }
+
+
+def _build_s(cmds: list, clock: Any) -> float:
+    """CPU seconds to read every ``Send``'s control (built then, if it was not yet)."""
+    t0 = clock()
+    for c in cmds:
+        if isinstance(c, Send):
+            c.control
+    return clock() - t0
 
 
 def peak_mib(config: Any, events: list) -> float:
@@ -127,7 +145,7 @@ def peak_mib(config: Any, events: list) -> float:
 
 
 def _median(rows: list[dict], key: str) -> Any:
-    vals = [r[key] for r in rows if r[key] is not None]
+    vals = [r[key] for r in rows if r.get(key) is not None]
     return round(statistics.median(vals), 3) if vals else None
 
 
@@ -142,6 +160,8 @@ def summarise(rows: list[dict], events: int, peak: Optional[float]) -> dict[str,
         "heartbeat_us": _median(rows, "heartbeat_us"),
         "formation_ms": _median(rows, "formation_ms"),
         "epoch_dispatch_ms": _median(rows, "epoch_dispatch_ms"),
+        "formation_build_ms": _median(rows, "formation_build_ms"),
+        "epoch_dispatch_build_ms": _median(rows, "epoch_dispatch_build_ms"),
         "peak_mib": peak,
     }
 

@@ -127,11 +127,31 @@ def trigger(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) ->
     st.index.open_round(rs.ranks)
     out.append(OpenRound(rs.cycle, rs.ranks, tuple(st.unfolded(r) for r in rs.ranks)))
     dispatcher.on_trigger(st, list(rs.ranks), out)
-    for r in rs.ranks:  # built in place: a round asks every rank (``CoordinatorState.control``)
-        st.control(out, r).request_params.cycle = rs.cycle
+    # Built when sent: a round asks every rank (``CoordinatorState.send_built``).
+    st.send_built_each(out, rs.ranks, "request_params", _request_params, (rs.cycle,))
     if not dispatcher.progressive:
-        for r in rs.ranks:
-            st.control(out, r).throttle.SetInParent()
+        st.send_built_each(out, rs.ranks, "throttle", _throttle)
+
+
+def _request_params(ctl: pb.Control, cycle: int) -> None:
+    ctl.request_params.cycle = cycle
+
+
+def _throttle(ctl: pb.Control) -> None:
+    ctl.throttle.SetInParent()
+
+
+def _update(ctl: pb.Control, version: int, cycle: int, report_at_step: int, plan: Optional[pb.EpochPlan]) -> None:
+    upd = ctl.update
+    upd.version, upd.cycle = version, cycle
+    upd.report_at_step = report_at_step
+    if plan is not None:
+        upd.next_plan.CopyFrom(plan)
+
+
+def _set_global_step(ctl: pb.Control, global_step: int, committed: int) -> None:
+    gs = ctl.set_global_step
+    gs.global_step, gs.samples_committed = global_step, committed
 
 
 def on_refused(st: CoordinatorState, ev: ContributionRefused) -> None:
@@ -256,13 +276,10 @@ def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> 
     rs.global_step += rs.window_steps
     alive = [r for r in rs.ranks if st.ranks[r].phase is ACTIVE]
     plans = dispatcher.on_round_finished(st, alive, out)
-    for r in alive:  # built in place: a round answers every rank (``CoordinatorState.control``)
-        upd = st.control(out, r).update
-        upd.version, upd.cycle = rs.version, rs.cycle
-        upd.report_at_step = dispatcher.window_end_step(st, r)
-        if r in plans:
-            upd.next_plan.CopyFrom(plans[r])
+    # Built when sent (``CoordinatorState.send_built``): a round answers every rank. The
+    # plans are the dispatcher's fresh messages, held by nothing else; the window's end
+    # is read now (it moves with the next trigger).
+    version, cycle, end = rs.version, rs.cycle, dispatcher.window_end_step
+    st.send_built_zip(out, alive, "update", _update, [(version, cycle, end(st, r), plans.get(r)) for r in alive])
     committed = _coverage.committed_samples(st.coverage)  # the ranks' LR schedules follow it
-    for r in alive:
-        gs = st.control(out, r).set_global_step
-        gs.global_step, gs.samples_committed = rs.global_step, committed
+    st.send_built_each(out, alive, "set_global_step", _set_global_step, (rs.global_step, committed))

@@ -1,14 +1,15 @@
 """Commands: what the core asks the shell to do. Data, never callbacks.
 
-The shell executes them in order. ``Send`` carries a ready protobuf ``Control`` (the
-core numbers ``command_id``); broadcasts are expanded by the core into one ``Send``
-per addressed rank, so "who got what" is visible in tests.
+The shell executes them in order. ``Send`` carries a protobuf ``Control`` (the core
+numbers ``command_id``) -- ready, or as a recipe built when first read
+(``Send.built``: a command to every rank of a large world); broadcasts are expanded
+by the core into one ``Send`` per addressed rank, so "who got what" is visible in tests.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import FrozenInstanceError, dataclass, field
+from typing import Any, Callable, Iterable
 
 from flodl.wire import pb
 
@@ -35,16 +36,102 @@ class Command:
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class Send(Command):
-    """Deliver ``control`` to ``rank``. A failure comes back as a ``SendFailed`` event."""
+_new = object.__new__
+_set = object.__setattr__
 
+
+class Send(Command):
+    """Deliver ``control`` to ``rank``. A failure comes back as a ``SendFailed`` event.
+
+    ``Send(rank, control)`` carries a ready ``Control``. ``Send.built(rank, command_id,
+    kind, build, args)`` carries the recipe instead: ``control`` is built on first read
+    as ``build(pb.Control(command_id=command_id), *args)`` and kept. A dispatch, a round
+    or a heartbeat addresses every rank: built eagerly, its N messages were most of the
+    step's cost at thousands of ranks, and the shell builds each one once anyway, when
+    it sends it. ``args`` must be values nothing changes later (numbers, tuples, a
+    message nobody else holds), so a recipe read late builds what an eager one would.
+    Frozen, compared by ``(rank, control)`` like the dataclass it replaces."""
+
+    __slots__ = ("rank", "_body")  # _body: a Control, or (command_id, kind, build, args)
+    __match_args__ = ("rank", "control")
     rank: int
-    control: pb.Control
+    _body: Any
+
+    def __init__(self, rank: int, control: pb.Control) -> None:
+        _set(self, "rank", rank)
+        _set(self, "_body", control)
+
+    @classmethod
+    def built(cls, rank: int, command_id: int, kind: str, build: Callable[..., None], args: tuple) -> "Send":
+        s = _new(cls)
+        _set(s, "rank", rank)
+        _set(s, "_body", (command_id, kind, build, args))
+        return s
+
+    @classmethod
+    def each(cls, ranks: Iterable[int], first_id: int, kind: str, build: Callable[..., None], args: tuple) -> list["Send"]:
+        """``Send.built`` to each of ``ranks``, numbered from ``first_id`` in order."""
+        sends = []
+        cid = first_id
+        for rank in ranks:
+            s = _new(cls)
+            _set(s, "rank", rank)
+            _set(s, "_body", (cid, kind, build, args))
+            sends.append(s)
+            cid += 1
+        return sends
+
+    @classmethod
+    def each_of(cls, ranks: Iterable[int], first_id: int, kind: str, build: Callable[..., None],
+                args: Iterable[tuple]) -> list["Send"]:  # fmt: skip
+        """``Send.built`` to each of ``ranks`` with its own ``args`` (zipped), numbered in order."""
+        sends = []
+        cid = first_id
+        for rank, a in zip(ranks, args):
+            s = _new(cls)
+            _set(s, "rank", rank)
+            _set(s, "_body", (cid, kind, build, a))
+            sends.append(s)
+            cid += 1
+        return sends
+
+    @property
+    def control(self) -> pb.Control:
+        body = self._body
+        if type(body) is tuple:
+            command_id, _, build, args = body
+            ctl = pb.Control(command_id=command_id)
+            build(ctl, *args)
+            _set(self, "_body", ctl)
+            return ctl
+        return body
 
     @property
     def kind(self) -> str:
-        return self.control.WhichOneof("cmd") or ""
+        body = self._body
+        if type(body) is tuple:
+            return body[1]
+        return body.WhichOneof("cmd") or ""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Send) or other.__class__ is not self.__class__:
+            return NotImplemented
+        return self.rank == other.rank and self.control == other.control
+
+    # A Control is unhashable: so was the dataclass.
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Send(rank={self.rank!r}, control={self.control!r})"
+
+    def __reduce__(self) -> tuple:
+        return (Send, (self.rank, self.control))
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,6 +152,8 @@ def freeze(cov: CoverageState, epoch: int) -> None:
     re-trained positions already committed: it is counted as a duplicate now."""
     ec = cov.epochs[epoch]
     for rank, items in cov.pending.items():
+        if not items:  # (most ranks, at an epoch's end: every window folded)
+            continue
         stale = [it for it in items if it[0] == epoch]
         if stale:
             cov.pending[rank] = [it for it in items if it[0] != epoch]

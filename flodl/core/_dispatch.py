@@ -73,6 +73,7 @@ __all__ = [
     "announce_role",
     "role_to_tell",
     "send_plan",
+    "send_plans",
     "check_batch",
     "record_batch",
 ]
@@ -120,13 +121,28 @@ def role_to_tell(st: CoordinatorState) -> Optional[int]:
 
 def send_plan(st: CoordinatorState, out: list[Command], rank: int, epoch: int, offset: int, size: int,
               role: Optional[int] = None) -> None:  # fmt: skip
-    """``StartEpoch{plan, epoch_callback_role}`` to ``rank``, built in place (a dispatch
-    sends one per rank: ``CoordinatorState.control``)."""
-    start = st.control(out, rank).start_epoch
+    """``StartEpoch{plan, epoch_callback_role}`` to ``rank``, built when the shell sends
+    it (a dispatch sends one per rank: ``CoordinatorState.send_built``)."""
+    st.send_built(out, rank, "start_epoch", _start_epoch, (epoch, offset, size, role))
+
+
+def send_plans(st: CoordinatorState, out: list[Command], epoch: int, plans: dict[int, tuple[int, int]],
+               role: Optional[int] = None) -> None:  # fmt: skip
+    """``send_plan`` to each rank of ``plans`` (``rank -> (offset, size)``), in its order."""
+    st.send_built_zip(out, list(plans), "start_epoch", _start_epoch,
+                      [(epoch, off, size, role) for off, size in plans.values()])  # fmt: skip
+
+
+def _start_epoch(ctl: pb.Control, epoch: int, offset: int, size: int, role: Optional[int]) -> None:
+    start = ctl.start_epoch
     plan = start.plan
     plan.epoch, plan.partition_offset, plan.partition_size = epoch, offset, size
     if role is not None:
         start.epoch_callback_role = role
+
+
+def _set_role(ctl: pb.Control, role: int) -> None:
+    ctl.set_epoch_callback_role.rank = role
 
 
 def announce_role(st: CoordinatorState, out: list[Command], told: Container[int] = ()) -> None:
@@ -135,9 +151,10 @@ def announce_role(st: CoordinatorState, out: list[Command], told: Container[int]
     role = role_to_tell(st)
     if role is None:
         return
-    for r in st.alive_ranks():
+    args = (role,)
+    for r in st.index.alive():
         if r not in told:
-            st.control(out, r).set_epoch_callback_role.rank = role
+            st.send_built(out, r, "set_epoch_callback_role", _set_role, args)
     st.dispatch.announced_role = role
     st.roles.dirty = False
 
@@ -262,16 +279,17 @@ class SyncDispatcher:
         role = role_to_tell(st)
         _coverage.open_epoch(st.coverage, epoch, sum(size for _, size in plans.values()))
         assigned = d.assigned.setdefault(epoch, {})
-        rank_epoch, planned = d.rank_epoch, set()
+        rank_epoch, ranks, args = d.rank_epoch, [], []
         for r in st.index.alive():
-            off, size = plans.get(r, (0, 0))
-            if size == 0:
+            plan = plans.get(r)
+            if plan is None or plan[1] == 0:
                 continue
-            send_plan(st, out, r, epoch, off, size, role)
-            assigned[r] = [(off, size)]
+            ranks.append(r)
+            args.append((epoch, plan[0], plan[1], role))
+            assigned[r] = [plan]
             rank_epoch[r] = epoch
-            planned.add(r)
-        announce_role(st, out, told=planned)  # a rank whose share is 0 got no plan
+        st.send_built_zip(out, ranks, "start_epoch", _start_epoch, args)  # one StartEpoch each (``send_plan``)
+        announce_role(st, out, told=set(ranks))  # a rank whose share is 0 got no plan
         d.reported.setdefault(epoch, {})
         d.last_dispatched = epoch
         d.dispatched_at.setdefault(epoch, st.now)

@@ -112,7 +112,22 @@ _PLANE = {"bus": pb.PLANE_BUS, "collective": pb.PLANE_COLLECTIVE}
 
 
 def transition(rec: RankRecord, trigger: str) -> None:
-    rec.phase = next_phase(MEMBERSHIP, rec.phase, trigger, f"rank {rec.rank}")
+    new = MEMBERSHIP.get((rec.phase, trigger))  # (a world forms N of these: no name unless it fails)
+    rec.phase = new if new is not None else next_phase(MEMBERSHIP, rec.phase, trigger, f"rank {rec.rank}")
+
+
+def form_all(st: CoordinatorState) -> None:
+    """The world forms: every JOINING slot moves on "form" (ACTIVE), all at once -- the
+    records written quietly and the rank index told once (``RankIndex.moved``), the
+    same views as N ``transition`` calls at a fraction of their cost."""
+    joining = sorted(st.index.phases[JOINING])
+    if not joining:
+        return
+    new = next_phase(MEMBERSHIP, JOINING, "form", "the forming world")
+    recs = [st.ranks[r] for r in joining]
+    for rec in recs:
+        rec.set_quietly("phase", new)
+    st.index.moved(recs, JOINING)
 
 
 def _sig(b: bytes) -> str:
@@ -434,8 +449,11 @@ def beacon(st: CoordinatorState, now: float, out: list[Command]) -> None:
         return
     st.beats += 1
     st.last_beacon = now
-    for r in targets:
-        st.control(out, r).coord_heartbeat.beat = st.beats
+    st.send_built_each(out, targets, "coord_heartbeat", _beat, (st.beats,))  # built when sent
+
+
+def _beat(ctl: pb.Control, beat: int) -> None:
+    ctl.coord_heartbeat.beat = beat
 
 
 def stale_exit_report(st: CoordinatorState, rank: int, restart_count: int) -> bool:

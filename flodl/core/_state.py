@@ -46,8 +46,10 @@ keep it: an assignment to a ``RankRecord``'s ``phase``, ``last_step``, ``folded_
 ``last_seen`` tells it, so any writer (a mid-run join included) keeps it exact. It is
 derived: equality ignores it; ``index_drift`` recomputes it (``flodl.core.view_drift``).
 
-``send`` is the single place a ``Send`` is made: it refuses (``LocalViolation``) to
-address a rank that is not JOINING or ACTIVE, so "no command to a DEAD or LEFT rank"
+``send`` (and its forms for a command to many ranks, ``send_built`` /
+``send_built_each`` / ``send_built_zip``, whose Control is built when first read) is
+the single place a ``Send`` is made: it refuses (``LocalViolation``) to address a rank
+that is not JOINING or ACTIVE, so "no command to a DEAD or LEFT rank"
 is enforced where commands are born, not hoped for downstream.
 """
 
@@ -55,7 +57,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, is_dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from flodl.wire import pb
 
@@ -132,6 +134,11 @@ class RankRecord:
     # set (as plain writes) before it is there to be told.
     index: Optional[RankIndex] = field(default=None, compare=False, repr=False)
 
+    def set_quietly(self, name: str, value: Any) -> None:
+        """Write without telling the index: only for a caller that tells it itself, at
+        once for many records (``RankIndex.moved``)."""
+        object.__setattr__(self, name, value)
+
     def __setattr__(self, name: str, value: Any) -> None:
         index = getattr(self, "index", None) if name in INDEXED_FIELDS else None
         if index is None:
@@ -205,6 +212,9 @@ class CoverageState:
 class MetricsState:
     # epoch -> rank -> [ChunkDone], in arrival order.
     chunks: dict[int, dict[int, list[Any]]] = field(default_factory=dict)
+    # epoch -> rank -> its running sums over those chunks (``_metrics._add``), kept as
+    # they arrive so that the epoch-boundary step does not walk every chunk.
+    sums: dict[int, dict[int, list[Any]]] = field(default_factory=dict)
     last_aggregated: Optional[int] = None
     history: list[dict[str, Any]] = field(default_factory=list)
     late_chunks: int = 0
@@ -301,6 +311,13 @@ class CadenceState:
     wakeable: set[int] = field(default_factory=set)
     open_windows: list[int] = field(default_factory=list)
     in_open: set[int] = field(default_factory=set)
+    # Ranks taken out of ``wakeable`` / of ``open_windows`` since the last ``rearm``: what
+    # it puts back (with the ranks the index released), not every ACTIVE rank; and the
+    # ranks a wake found leaving the run's tail (``_boundary``), out of ``wakeable``
+    # until a rearm or until nobody trains (``cadence._views``).
+    dropped_wake: set[int] = field(default_factory=set)
+    dropped_open: set[int] = field(default_factory=set)
+    parked: set[int] = field(default_factory=set)
     alive_counts: Optional[tuple[int, list[int], int, bool]] = None  # (+ calibrated or speed-hinted)
 
     def __eq__(self, other: object) -> bool:
@@ -500,6 +517,44 @@ class CoordinatorState:
         self.next_command_id += 1
         out.append(Send(rank, ctl))
         return ctl
+
+    def send_built(self, out: list[Command], rank: int, kind: str, build: Callable[..., None], args: tuple = ()) -> None:
+        """Append ``Send.built(rank, next id, kind, build, args)``: its Control is built
+        when first read, as ``build(pb.Control(command_id=id), *args)`` -- what a command
+        to every one of thousands of ranks (a dispatch, a round, a heartbeat) sends, so
+        that the step does not build N messages the shell builds again when it sends them
+        (``Send``). ``args``: values nothing changes later."""
+        rec = self.ranks[rank] if 0 <= rank < len(self.ranks) else None
+        if rec is None or (rec.phase is not ACTIVE and rec.phase is not JOINING):
+            self._check_addressable(rank)
+        cid = self.next_command_id
+        self.next_command_id = cid + 1
+        out.append(Send.built(rank, cid, kind, build, args))
+
+    def send_built_each(self, out: list[Command], ranks: Sequence[int], kind: str, build: Callable[..., None],
+                        args: tuple = ()) -> None:  # fmt: skip
+        """``send_built`` to each of ``ranks`` in order, with the same ``args``: every rank
+        is checked addressable before anything is appended."""
+        recs = self.ranks
+        for r in ranks:
+            phase = recs[r].phase if 0 <= r < len(recs) else None
+            if phase is not ACTIVE and phase is not JOINING:
+                self._check_addressable(r)
+        cid = self.next_command_id
+        out.extend(Send.each(ranks, cid, kind, build, args))
+        self.next_command_id = cid + len(ranks)
+
+    def send_built_zip(self, out: list[Command], ranks: list[int], kind: str, build: Callable[..., None],
+                       args: list[tuple]) -> None:  # fmt: skip
+        """``send_built`` to each of ``ranks`` in order, ``args[i]`` for ``ranks[i]``."""
+        recs = self.ranks
+        for r in ranks:
+            phase = recs[r].phase if 0 <= r < len(recs) else None
+            if phase is not ACTIVE and phase is not JOINING:
+                self._check_addressable(r)
+        cid = self.next_command_id
+        out.extend(Send.each_of(ranks, cid, kind, build, args))
+        self.next_command_id = cid + len(ranks)
 
     def _check_addressable(self, rank: int) -> None:
         phase = self.ranks[rank].phase if 0 <= rank < len(self.ranks) else None

@@ -358,9 +358,7 @@ def _advance(st: CoordinatorState, out: list[Command], policy: Policy) -> None:
     move, _ = _run.next_move(st)
     assert move is not None
     if move == "form":
-        for rec in st.ranks:
-            if rec.phase is JOINING:  # a VACANT slot of an elastic world stays open capacity
-                _membership.transition(rec, "form")
+        _membership.form_all(st)  # a VACANT slot of an elastic world stays open capacity
         _run.form(st, out)
     elif move == "fail_formation":
         reason = _run.formation_failure(st)

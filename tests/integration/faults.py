@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 
 def rank_pid(trace_dir: Path, rank: int) -> int | None:
     """The pid of the rank process started with this trace dir (scans /proc environ)."""
-    want = {f"FLODL_TRACE_DIR={trace_dir}".encode(), f"FLODL_RANK={rank}".encode()}
+    return pid_with_env(f"FLODL_TRACE_DIR={trace_dir}", f"FLODL_RANK={rank}")
+
+
+def pid_with_env(*assignments: str) -> int | None:
+    """The pid of a rank process (an example task) whose environment holds every
+    ``NAME=value`` given (scans /proc environ)."""
+    want = {a.encode() for a in assignments}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -55,3 +62,37 @@ def kill_quietly(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+class LineWatch:
+    """Reads a process's text output on a thread (so the pipe never fills) and lets a test
+    wait for a line to appear -- an event, not a clock."""
+
+    def __init__(self, stream) -> None:
+        self._lines: list[str] = []
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            with self._cond:
+                self._lines.append(line)
+                self._cond.notify_all()
+        with self._cond:
+            self._lines.append("")  # EOF marker: nothing more will come
+            self._cond.notify_all()
+
+    def wait_for(self, text: str, timeout: float) -> bool:
+        """True once a line holding ``text`` was seen; False at EOF or after ``timeout`` s."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: any(text in line for line in self._lines) or (self._lines and self._lines[-1] == ""),
+                timeout,
+            ) and any(text in line for line in self._lines)
+
+    def text(self, timeout: float) -> str:
+        """All of the output, once the stream ended (within ``timeout`` s)."""
+        self._thread.join(timeout)
+        with self._cond:
+            return "".join(self._lines)

@@ -28,6 +28,19 @@ def run_local(tmp_path: Path, *args: str, timeout: float = 240, port: int | None
     return proc, data, trace
 
 
+def output_of(proc: subprocess.Popen, timeout: float, before=None) -> str:
+    """Run ``before()`` (a fault to inject, say) then wait up to ``timeout`` s for the
+    process's combined output; a process still running when either fails is killed."""
+    try:
+        if before is not None:
+            before()
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return out
+
+
 def traced_counts(trace: Path) -> dict[int, Counter]:
     """epoch -> Counter(sample id -> times trained), from every rank's own trace file."""
     per_epoch: dict[int, Counter] = {}
@@ -57,6 +70,21 @@ def assert_exact_coverage(summary: dict, trace: Path, epochs: int, expected: int
     for e, counts in seen.items():
         assert len(counts) == expected, f"epoch {e}: {len(counts)} distinct samples"
         assert set(counts.values()) == {1}, f"epoch {e}: some sample trained twice"
+
+
+def assert_committed_once_despite_a_death(summary: dict, trace: Path, expected: int, untold: int) -> None:
+    """A run in which a rank died: every epoch committed exactly once (summary), every
+    sample traced at least once, and any sample traced twice was trained by the dead
+    process and never committed: what the coordinator discarded (``discarded_samples``)
+    plus ``untold``, what it trained and the coordinator never heard of (the caller's
+    bound: the batch it traced as it died, or what its last report frame had not carried)."""
+    for c in summary["coverage"]:
+        assert (c["expected"], c["trained"], c["duplicates"], c["missing"]) == (expected, expected, 0, 0), c
+    seen = traced_counts(trace)
+    for e, counts in seen.items():
+        assert len(counts) == expected, f"epoch {e}: a sample was never trained"
+    extra = sum(n - 1 for counts in seen.values() for n in counts.values())
+    assert extra <= summary["discarded_samples"] + untold, (extra, summary["discarded_samples"], untold)
 
 
 def read_journal(path: Path) -> list[dict]:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from runlocal import ROOT, assert_exact_coverage, free_port, run_local
+from runlocal import ROOT, assert_exact_coverage, free_port, output_of, run_local
 
 pytestmark = pytest.mark.integration
 
@@ -47,11 +47,7 @@ def test_a_quorum_unmet_at_the_hard_cap_fails_the_run_naming_why(tmp_path):
         ],  # fmt: skip
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    try:
-        out, _ = coord.communicate(timeout=90)
-    finally:
-        if coord.poll() is None:
-            coord.kill()
+    out = output_of(coord, timeout=90)
     assert coord.returncode == 1, out[-3000:]
     data = json.loads(summary.read_text())
     reason = data["reason"]

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from faults import strike_after
-from runlocal import ROOT, assert_exact_coverage, free_port, traced_counts
+from runlocal import ROOT, assert_committed_once_despite_a_death, assert_exact_coverage, free_port, output_of
 
 pytestmark = pytest.mark.integration
 
@@ -116,12 +116,7 @@ def _killed_and_restarted(tmp_path, slowdown, *args):
         *args,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    try:
-        strike_after(trace, 1, 64, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out = output_of(proc, timeout=300, before=lambda: strike_after(trace, 1, 64, signal.SIGKILL))
     assert proc.returncode == 0, out[-4000:]
     data = json.loads(summary.read_text())
     assert data["ok"] is True, data["reason"]
@@ -130,15 +125,7 @@ def _killed_and_restarted(tmp_path, slowdown, *args):
     back = data["ranks"][1]
     assert back["phase"] == "LEFT" and back["steps"] > 0, back  # the new process trained, then left cleanly
     assert "restarting it in" in out and "rank_joined" in out
-    for c in data["coverage"]:
-        assert (c["expected"], c["trained"], c["duplicates"], c["missing"]) == (DIGITS_TRAIN, DIGITS_TRAIN, 0, 0), c
-    seen = traced_counts(trace)
-    for e, counts in seen.items():
-        assert len(counts) == DIGITS_TRAIN, f"epoch {e}: a sample was never trained"
-    extra = sum(n - 1 for counts in seen.values() for n in counts.values())
-    # Trained twice only by the killed process, in a window never folded (or the one batch
-    # it traced before its frame could leave).
-    assert extra <= data["discarded_samples"] + BATCH, (extra, data["discarded_samples"])
+    assert_committed_once_despite_a_death(data, trace, DIGITS_TRAIN, BATCH)
     digests = {r["param_digest"] for r in data["ranks"]}
     assert len(digests) == 1 and "" not in digests, data["ranks"]
     return data, out

@@ -79,7 +79,7 @@ from typing import Optional
 
 from .. import _coverage, _dispatch
 from ._dispatcher import CadenceDispatcher, _held, new_pool, offer_chunk
-from ._views import absorb_released, rearm
+from ._views import absorb_released, drop_wake, rearm
 from .._commands import Command, Notice
 from .._phases import TRAINING
 from .._state import CoordinatorState
@@ -145,6 +145,7 @@ def wake(st: CoordinatorState, out: list[Command]) -> None:
     if st.run.phase is not TRAINING or st.dispatch.last_dispatched is None:
         return
     cad = st.cadence
+    assert cad is not None
     absorb_released(st)
     for r in sorted(cad.wakeable):
         if source_epoch(st) is None:
@@ -152,6 +153,7 @@ def wake(st: CoordinatorState, out: list[Command]) -> None:
         _dispatch_next(st, r, out)
         if _held(st, r) is not None:  # served (one chunk in flight) or held: out until released
             cad.wakeable.discard(r)
+            drop_wake(cad, r)
 
 
 class _Streams:

@@ -72,9 +72,9 @@ from ._dispatcher import (
     window_steps,
     windows_done,
 )
-from ._views import absorb_released, counts_changed, counts_view, rearm
+from ._views import absorb_released, counts_changed, counts_view, drop_wake, rearm
 from .._commands import Command
-from .._phases import PENDING, TRAINING
+from .._phases import ACTIVE, PENDING, TRAINING
 from .._state import CadenceState, CoordinatorState
 
 __all__ = ["CADENCE", "BOUNDARY_STREAMS"]
@@ -97,14 +97,47 @@ class _BoundaryStreams:
         cad = st.cadence
         assert cad is not None
         absorb_released(st)
+        parked: list[int] = []
         if cad.final_plan is not None and training(cad) == 0:
-            rearm(st)  # the tail was left to a rank that trains no more: it is anyone's now
+            # The tail was left to a rank that trains no more: it is anyone's now. The
+            # ranks parked for leaving it are looked at below, in order, only until one
+            # trains again (from then on every one of them leaves it again: parked).
+            rearm(st, unpark=False)
+            parked = sorted(cad.parked)
+        self._look(st, sorted(cad.wakeable), parked, out)
+
+    def _look(self, st: CoordinatorState, woken: list[int], parked: list[int], out: list[Command]) -> None:
+        """Look at ``woken`` and ``parked`` merged in rank order, as one walk over every
+        rank of both would: each leaves ``wakeable``; one that leaves the tail is parked.
+        A parked rank leaves the tail exactly while some rank trains (what else it
+        depends on moves only with a rearm, which unparks it), so once one trains the
+        rest of ``parked`` is skipped: the tail's wakes cost what they serve, not O(N)."""
+        cad = st.cadence
+        assert cad is not None
         waiting: Optional[float] = None  # the ms until the gate can fire, worked out once
-        # Only ``wakeable`` ranks (``_views``); each looked at leaves it (one that leaves
-        # the tail comes back with the rearm above).
-        for r in sorted(cad.wakeable):
+        i = j = 0
+        while i < len(woken) or j < len(parked):
+            if j < len(parked) and (i == len(woken) or parked[j] < woken[i]):
+                r = parked[j]
+                j += 1
+                if r not in cad.parked:
+                    continue  # woken since by another path (it is in ``woken``), or unparked
+                if training(cad) > 0:
+                    j = len(parked)  # every parked rank leaves the tail again: they stay parked
+                    continue
+                cad.parked.discard(r)
+                if st.ranks[r].phase is not ACTIVE:
+                    continue  # a rearm would not have put it back
+            else:
+                r = woken[i]
+                i += 1
+                cad.parked.discard(r)
             cad.wakeable.discard(r)
-            if leaves_the_tail(st, r) or _async._dispatch_next(st, r, out):
+            if leaves_the_tail(st, r):
+                cad.parked.add(r)
+                continue
+            drop_wake(cad, r)
+            if _async._dispatch_next(st, r, out):
                 continue
             if st.config.run_ahead and at_reduce_barrier(st, r):
                 if waiting is None:

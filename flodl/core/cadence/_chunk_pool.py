@@ -120,7 +120,7 @@ class ChunkPool:
         self._reclaimed: deque[Range] = deque()
         # ``remaining()`` is asked per rank on every chunk: its two sums are kept as the
         # cursors, span ends and reclaimed ranges move (``check_sums`` recomputes them).
-        self._unassigned = sum(self.residue(r) for r in range(ws))  # every span's residue
+        self._unassigned = sum(max(0, s) for s in sizes)  # every span's residue (cursors at their starts)
         self._reclaimed_samples = 0
         # Steals look for the largest residue: a lazy max-heap of (-residue, -rank) (ties
         # -> highest rank), built at the first steal; a stale entry is dropped when seen.

@@ -106,7 +106,7 @@ from ._lr_meta import LrEventMeta
 from ._overshoot import OvershootBudget
 from .._phases import ACTIVE, PENDING, TRAINING
 from .._state import CadenceState, CoordinatorState
-from ._views import absorb_released, counts_changed, counts_view, may_block, rearm
+from ._views import absorb_released, counts_changed, counts_view, drop_open, drop_wake, may_block, rearm
 from ._window import WindowLedger
 
 __all__ = [
@@ -218,6 +218,7 @@ def windows_done(st: CoordinatorState) -> tuple[bool, str]:
                 return False, f"rank {r} ran {steps}/{counts[r]} batches of its window and has work left"
         heapq.heappop(heap)
         cad.in_open.discard(r)
+        drop_open(cad, r)
     if not st.any_unfolded():
         return False, "no rank has stepped since the last average"
     return True, "every active rank ran its window, is throttled, or has no work left"
@@ -312,7 +313,7 @@ def start_window(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int
     if epoch not in st.cadence.pools:
         return {}
     _pin(st, epoch)
-    sizes = {r: _capped(st, r, chunk_batches(st, r, epoch)) for r in ranks}
+    sizes = _window_sizes(st, epoch, ranks)
     taken: dict[int, tuple[int, int]] = {}
     for r in ranks:
         if sizes[r] > 0:
@@ -320,6 +321,29 @@ def start_window(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int
             if got is not None:
                 taken[r] = got
     return taken
+
+
+def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int, int]:
+    """``_capped(chunk_batches(rank))`` for each rank, the inputs they share (the pool's
+    remaining, the counts view, the pinned plan) read once: nothing moves them before the
+    first take, and a dispatch sizes every rank of a world of thousands."""
+    cad = st.cadence
+    pool = cad.pools[epoch]
+    bs, plan = st.config.batch_size, cad.final_plan
+    _, counts, counts_total, calibrated = counts_view(st)
+    remaining = _batches(pool.remaining(), bs) * bs
+    final_alloc = plan.alloc if plan is not None and plan.epoch == epoch else None
+    recs, marks, own, over, on = st.ranks, cad.window_mark, cad.elche.batch_counts, cad.overshoot, cad.overshoot_on
+    barrier_paced, total = cad.barrier_paced, pool.total
+    sizes: dict[int, int] = {}
+    for r in ranks:
+        steps = max(0, recs[r].last_step - marks.get(r, 0))  # window_steps
+        budget = over.budget_for(own[r], overshoot=on)  # _budget
+        n = compute_chunk_batches(r, remaining_samples=remaining, counts=counts, counts_total=counts_total,
+                                  batch_size=bs, barrier_paced=barrier_paced, calibrated=calibrated,
+                                  total_samples=total, steps=steps, budget=budget, final_alloc=final_alloc)  # fmt: skip
+        sizes[r] = min(n, max(1, budget - steps)) if budget > 0 and n > 0 else n  # _capped
+    return sizes
 
 
 def _send_plan(st: CoordinatorState, rank: int, epoch: int, got: tuple[int, int], out: list[Command],
@@ -383,6 +407,7 @@ def wake(st: CoordinatorState, out: list[Command]) -> None:
         _dispatch_next(st, r, out)
         if _held(st, r) is not None:  # served (one chunk in flight) or held: out until released
             cad.wakeable.discard(r)
+            drop_wake(cad, r)
 
 
 def _note_barrier(st: CoordinatorState) -> None:
@@ -533,8 +558,7 @@ class CadenceDispatcher:
         counts_changed(st)
         rearm(st)
         taken = start_window(st, epoch, alive)
-        for r, got in taken.items():
-            _send_plan(st, r, epoch, got, out, role)
+        _dispatch.send_plans(st, out, epoch, taken, role)  # one StartEpoch each, in rank order
         _dispatch.announce_role(st, out, told=taken)
         wake(st, out)
 

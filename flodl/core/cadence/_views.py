@@ -28,8 +28,11 @@ views in ``CadenceState`` make each O(1) amortised (O(log N) where a heap orders
 
 ``rearm`` is for what can release many ranks at once -- a trigger (window marks move), a
 finished round (counts, budgets, throttles), a dispatch or an opened epoch, a death or a
-refused window (a pool refills): every ACTIVE rank goes back into both views, O(N) once
-per such event. ``flodl.core.view_drift`` recomputes the views from scratch (the
+refused window (a pool refills): every ACTIVE rank goes back into both views. Both
+already hold every ACTIVE rank but those a wake or the gate took out since
+(``dropped_wake`` / ``dropped_open``), those parked for leaving the run's tail
+(``parked``, ``_boundary``) and those the index released, so a rearm puts back only
+these: it costs what changed since the last one, not O(N log N) per death. ``flodl.core.view_drift`` recomputes the views from scratch (the
 stateful property tests assert it after every step).
 """
 
@@ -40,7 +43,7 @@ import heapq
 from .._phases import ACTIVE
 from .._state import CadenceState, CoordinatorState
 
-__all__ = ["counts_view", "counts_changed", "may_block", "absorb_released", "rearm"]
+__all__ = ["counts_view", "counts_changed", "may_block", "absorb_released", "drop_wake", "drop_open", "rearm"]
 
 
 def _cad(st: CoordinatorState) -> CadenceState:
@@ -85,12 +88,38 @@ def absorb_released(st: CoordinatorState) -> None:
             may_block(cad, r)
 
 
-def rearm(st: CoordinatorState) -> None:
+def drop_wake(cad: CadenceState, rank: int) -> None:
+    """A wake took ``rank`` out of ``wakeable``: the next ``rearm`` puts it back."""
+    cad.dropped_wake.add(rank)
+
+
+def drop_open(cad: CadenceState, rank: int) -> None:
+    """The gate took ``rank`` out of ``open_windows``: the next ``rearm`` puts it back."""
+    cad.dropped_open.add(rank)
+
+
+def rearm(st: CoordinatorState, *, unpark: bool = True) -> None:
     """Something that can release many ranks at once happened (module doc): every ACTIVE
-    rank may be served and may block the gate."""
+    rank may be served and may block the gate.
+
+    Both views already hold every ACTIVE rank but those taken out since the last rearm
+    (``dropped_wake`` / ``dropped_open``, and ``parked``) and those that became ACTIVE
+    since (the index's ``released``): only these go back, so a rearm costs what changed,
+    not O(N log N) -- it runs on every death, and a run's end is N of them.
+    ``unpark=False``: the parked ranks stay out of ``wakeable`` (``_boundary``'s wake
+    looks at them itself, in order, only while nobody trains)."""
     cad = _cad(st)
-    st.index.drain_released()
-    alive = st.index.alive()
-    cad.wakeable.update(alive)
-    cad.in_open.update(alive)
-    cad.open_windows = sorted(cad.in_open)  # a sorted list is a heap
+    released = st.index.drain_released()
+    back_wake = cad.dropped_wake | released
+    if unpark:
+        back_wake |= cad.parked
+        cad.parked = set()
+    back_open = cad.dropped_open | released
+    cad.dropped_wake, cad.dropped_open = set(), set()
+    ranks = st.ranks
+    # (Unsorted: a set's order is a function of its history, so a replay pushes the same
+    # heap; and the heap's order never changes which rank it yields first.)
+    cad.wakeable.update(r for r in back_wake if ranks[r].phase is ACTIVE)
+    for r in back_open:
+        if ranks[r].phase is ACTIVE:
+            may_block(cad, r)

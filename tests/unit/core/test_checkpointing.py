@@ -220,6 +220,18 @@ def test_epochs_aggregated_at_one_consensus_each_get_their_own_checkpoint_of_one
     assert len(set(versions)) == saves  # one save per consensus, one meta per epoch
 
 
+def _trained_and_uncovered(c: Cluster, point, epochs: int) -> tuple[dict[int, Counter], dict[int, Counter]]:
+    """What the resumed run's ranks trained, per epoch and position, and what the resume
+    point left uncovered from its epoch on (each position once)."""
+    got: dict[int, Counter] = {}
+    for r in c.ranks:
+        for e, off, n, _ in r.trained:
+            got.setdefault(e, Counter()).update(range(off, off + n))
+    want = {e: Counter(p for off, n in point.uncovered(e) for p in range(off, off + n))
+            for e in range(point.epoch, epochs)}  # fmt: skip
+    return got, want
+
+
 @pytest.mark.parametrize("policy", ["cadence", "async"])
 def test_a_resume_from_the_first_of_two_epochs_at_one_consensus_skips_what_the_weights_hold(policy):
     """The earlier epoch's checkpoint holds all of the next epoch (recorded as covered):
@@ -235,11 +247,7 @@ def test_a_resume_from_the_first_of_two_epochs_at_one_consensus_skips_what_the_w
     c.join_all()
     fin = c.run()
     assert fin.ok, fin.reason
-    got: dict[int, Counter] = {}
-    for r in c.ranks:
-        for e, off, n, _ in r.trained:
-            got.setdefault(e, Counter()).update(range(off, off + n))
-    want = {e: Counter(p for off, n in point.uncovered(e) for p in range(off, off + n)) for e in range(point.epoch, 8)}
+    got, want = _trained_and_uncovered(c, point, 8)
     assert got == {e: w for e, w in want.items() if w}  # each uncovered position once, nothing the weights hold
     assert [row["epoch"] for row in fin.summary["epochs"]] == list(range(8))
     held = [row["epoch"] for row in fin.summary["epochs"] if row["avg_loss"] is None]
@@ -384,11 +392,7 @@ def test_a_resumed_run_trains_exactly_the_uncovered_positions(policy):
     c = _resumed(policy, point, total, epochs)
     fin = c.run()
     assert fin.ok, fin.reason
-    got: dict[int, Counter] = {}
-    for r in c.ranks:
-        for e, off, n, _ in r.trained:
-            got.setdefault(e, Counter()).update(range(off, off + n))
-    want = {e: Counter(p for off, n in point.uncovered(e) for p in range(off, off + n)) for e in range(1, epochs)}
+    got, want = _trained_and_uncovered(c, point, epochs)
     assert got == want  # each uncovered position once, none of the covered ones
     s = fin.summary
     assert [row["epoch"] for row in s["coverage"]] == [0, 1, 2, 3]
