@@ -9,6 +9,7 @@ by the core into one ``Send`` per addressed rank, so "who got what" is visible i
 from __future__ import annotations
 
 from dataclasses import FrozenInstanceError, dataclass, field
+from itertools import repeat
 from typing import Any, Callable, Iterable
 
 from flodl.wire import pb
@@ -71,15 +72,7 @@ class Send(Command):
     @classmethod
     def each(cls, ranks: Iterable[int], first_id: int, kind: str, build: Callable[..., None], args: tuple) -> list["Send"]:
         """``Send.built`` to each of ``ranks``, numbered from ``first_id`` in order."""
-        sends = []
-        cid = first_id
-        for rank in ranks:
-            s = _new(cls)
-            _set(s, "rank", rank)
-            _set(s, "_body", (cid, kind, build, args))
-            sends.append(s)
-            cid += 1
-        return sends
+        return cls.each_of(ranks, first_id, kind, build, repeat(args))
 
     @classmethod
     def each_of(cls, ranks: Iterable[int], first_id: int, kind: str, build: Callable[..., None],

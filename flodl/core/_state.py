@@ -535,11 +535,7 @@ class CoordinatorState:
                         args: tuple = ()) -> None:  # fmt: skip
         """``send_built`` to each of ``ranks`` in order, with the same ``args``: every rank
         is checked addressable before anything is appended."""
-        recs = self.ranks
-        for r in ranks:
-            phase = recs[r].phase if 0 <= r < len(recs) else None
-            if phase is not ACTIVE and phase is not JOINING:
-                self._check_addressable(r)
+        self._check_all_addressable(ranks)
         cid = self.next_command_id
         out.extend(Send.each(ranks, cid, kind, build, args))
         self.next_command_id = cid + len(ranks)
@@ -547,14 +543,17 @@ class CoordinatorState:
     def send_built_zip(self, out: list[Command], ranks: list[int], kind: str, build: Callable[..., None],
                        args: list[tuple]) -> None:  # fmt: skip
         """``send_built`` to each of ``ranks`` in order, ``args[i]`` for ``ranks[i]``."""
-        recs = self.ranks
-        for r in ranks:
-            phase = recs[r].phase if 0 <= r < len(recs) else None
-            if phase is not ACTIVE and phase is not JOINING:
-                self._check_addressable(r)
+        self._check_all_addressable(ranks)
         cid = self.next_command_id
         out.extend(Send.each_of(ranks, cid, kind, build, args))
         self.next_command_id = cid + len(ranks)
+
+    def _check_all_addressable(self, ranks: Sequence[int]) -> None:
+        recs = self.ranks
+        for r in ranks:  # the common case (ACTIVE, JOINING) read inline: this runs per rank of a dispatch
+            phase = recs[r].phase if 0 <= r < len(recs) else None
+            if phase is not ACTIVE and phase is not JOINING:
+                self._check_addressable(r)
 
     def _check_addressable(self, rank: int) -> None:
         phase = self.ranks[rank].phase if 0 <= rank < len(self.ranks) else None
