@@ -185,7 +185,7 @@ class Timeline:
         self._acc_loss += ev.loss * samples
 
     def _on_batches(self, ev: BatchesDone, t: float) -> None:
-        for b in ev.each():  # a frame of several batches: each as if alone
+        for b in ev.batches:  # a frame of several batches: each as if alone
             self._on_batch(b, t)
 
     def _on_sync_acked(self, ev: SyncAcked, t: float) -> None:

@@ -118,9 +118,6 @@ class BatchesDone(Event):
         if not all(type(b) is BatchDone for b in self.batches):
             object.__setattr__(self, "batches", tuple(_batch_done(b) for b in self.batches))
 
-    def each(self) -> tuple[BatchDone, ...]:
-        return self.batches
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SyncAcked(Event):

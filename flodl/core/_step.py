@@ -468,7 +468,7 @@ def _check_batches(st: CoordinatorState, ev: BatchesDone) -> None:
         raise RankViolation(f"rank {ev.rank}: a batches frame of {len(ev.batches)} batches "
                             f"(1 to {MAX_BATCHES_PER_FRAME})")  # fmt: skip
     prev = -1
-    for b in ev.each():
+    for b in ev.batches:
         if b.step_count <= prev:
             raise RankViolation(f"rank {ev.rank}: batches out of step order ({b.step_count} after {prev})")
         prev = b.step_count
@@ -482,7 +482,7 @@ def _on_batch_frame(st: CoordinatorState, ev: BatchDone, out: list[Command]) -> 
 
 def _on_batches(st: CoordinatorState, ev: BatchesDone, out: list[Command]) -> None:
     st.ranks[ev.rank].batch_frames += 1
-    for b in ev.each():
+    for b in ev.batches:
         _on_batch(st, b, out)
 
 

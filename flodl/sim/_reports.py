@@ -18,7 +18,7 @@ def batch_ends(events: Iterable[Event]) -> Iterator[tuple[BatchDone, float]]:
         if type(ev) is BatchDone:
             yield ev, ev.now
         elif type(ev) is BatchesDone:
-            each = ev.each()
+            each = ev.batches
             ends, after = [], 0.0
             for b in reversed(each):
                 ends.append(ev.now - after / 1e3)

@@ -70,7 +70,7 @@ class Ledger:
 
     def event(self, ev) -> None:
         if isinstance(ev, BatchesDone):  # one frame of several batches: each as if alone
-            for b in ev.each():
+            for b in ev.batches:
                 self.event(b)
         elif isinstance(ev, BatchDone) and ev.rank not in self.gone and ev.step_count > self.last[ev.rank]:
             self.last[ev.rank] = ev.step_count

@@ -123,4 +123,4 @@ def test_the_journal_record_round_trips():
     rec = json.loads(json.dumps(to_record(ev)))
     back = from_record(rec)
     assert back == ev and all(type(b) is BatchDone for b in back.batches)
-    assert [b.step_count for b in back.each()] == [7, 8] and back.each()[1].sync_divergence == 0.3
+    assert [b.step_count for b in back.batches] == [7, 8] and back.batches[1].sync_divergence == 0.3
