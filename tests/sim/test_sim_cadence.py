@@ -155,3 +155,22 @@ def test_six_unequal_ranks_cross_epoch_boundaries_without_waiting(seed):
     # run-ahead fills them.
     assert held.efficiency >= 0.88, held.efficiency
     assert res.efficiency > held.efficiency, (res.efficiency, held.efficiency)
+
+
+def test_the_last_window_is_trained_in_parallel_to_the_end():
+    # 48 ranks at the 1,2,4 pace (100, 200, 400 ms a batch), batch size 1, two epochs: the
+    # last epoch's final-window plan is pinned at a trigger and again when that round
+    # finishes (a rank that got nothing at the trigger gets its window in the Update).
+    # The second pin split only the batches still in the pool and then took what each
+    # rank had run since the trigger off its share: nearly every share came out 0, and
+    # the batches left were trained by one rank at a time (``leaves_the_tail``), one
+    # per round trip -- seconds here, ~100 s at 1,024 ranks (bench/control_scale.py).
+    n = 48
+    res = simulate(SimConfig(ms_per_batch=tuple((100.0, 200.0, 400.0)[i % 3] for i in range(n)),
+                             total_samples=17 * n, batch_size=1, epochs=2, policy="cadence", jitter=0.02,
+                             reduce_s_per_rank=0.005, core_overrides={"anchor": 4, "final_eval": False}))  # fmt: skip
+    assert res.finished.ok
+    _exact(res, 17 * n)
+    ends = sorted(t for _, t in batch_ends(res.events))
+    tail = ends[-1] - ends[int(0.99 * len(ends))]
+    assert tail < 1.0, f"the last 1% of batches took {tail:.2f}s (slowest batch 0.4s)"  # (old: 3.0s)

@@ -236,17 +236,43 @@ def _pinnable(st: CoordinatorState) -> bool:
 
 
 def _pin(st: CoordinatorState, epoch: int) -> None:
-    """Pin the final-window plan for the window about to start (once per window)."""
+    """Pin the final-window plan for the window about to start, or again mid-window (a
+    round finished, membership moved): the split counts what each rank already ran or
+    holds of this window (``_window_run``), so every batch left gets an owner."""
     cad = st.cadence
     pool = cad.pools[epoch]
+    bs = st.config.batch_size
+    remaining = _batches(pool.remaining(), bs)
+    barrier = ends_at_a_barrier(st, epoch)
+    alive = [rec.phase is ACTIVE for rec in st.ranks]
+    # (the O(world) walk only where a plan is pinned: outside the final window it is None)
+    ran = _window_run(st, alive) if barrier and 0 < remaining < counts_view(st)[2] + len(st.ranks) else None
     cad.final_plan = refresh_final_window_plan(
         None,
         epoch=epoch,
-        remaining_batches=_batches(pool.remaining(), st.config.batch_size),
+        remaining_batches=remaining,
         counts=cad.elche.batch_counts,
-        alive=[rec.phase is ACTIVE for rec in st.ranks],
-        barrier_paced=ends_at_a_barrier(st, epoch),
+        alive=alive,
+        barrier_paced=barrier,
+        ran=ran,
     )
+
+
+def _window_run(st: CoordinatorState, alive: list[bool]) -> list[int]:
+    """Per rank, the batches of the current window it ran (its window steps) or holds (the
+    untrained part of its chunk in flight): what its final-window share already covers."""
+    cad, bs = st.cadence, st.config.batch_size
+    ran = [0] * len(st.ranks)
+    for r, up in enumerate(alive):
+        if not up:
+            continue
+        n = window_steps(st, r)
+        chunk = cad.in_flight.get(r)
+        if chunk is not None:
+            pool = cad.pools.get(chunk[0])
+            n += _batches(pool.in_flight(r) if pool is not None else chunk[2], bs)
+        ran[r] = n
+    return ran
 
 
 def ends_at_a_barrier(st: CoordinatorState, epoch: int) -> bool:
