@@ -173,6 +173,20 @@ def test_window_cap_scales_down_and_suppresses_growth():
     assert grow is None and "cap" in reason
 
 
+def test_window_cap_spreads_its_rounding_remainder_over_many_ranks():
+    # 1,024 ranks at the 1,2,4 pace, anchor 8: counts 32/16/8 sum 19,128 > an epoch of
+    # 17,408 batches, so the cap scales them to 29/14/7 (floors) and 329 batches are left.
+    # All of them went to one rank (358 instead of 29): every round then waited ~33 s for it.
+    ws = 1024
+    el = ElChe(ws, 8, max_total_batches=17408)
+    ms = [(100.0, 200.0, 400.0)[r % 3] for r in range(ws)]
+    el.report_timing([10 * m for m in ms], [10] * ws, 0.0)
+    assert el.window_cap_binding and sum(el.batch_counts) == 17408
+    exact = [c * 17408 / 19128 for c in (32, 16, 8)]
+    for r, c in enumerate(el.batch_counts):
+        assert math.floor(exact[r % 3]) <= c <= math.ceil(exact[r % 3]), (r, c)
+
+
 def test_window_cap_floor_of_one_beats_the_cap():
     el = ElChe(3, 4, max_total_batches=2)
     el.report_timing([10.0, 10.0, 10.0], [1, 1, 1], 0.0)
