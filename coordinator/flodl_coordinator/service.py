@@ -101,6 +101,7 @@ from .journal import Journal, JournalError
 from .metrics import RunBook, journal_stats
 from .output import ModelOutput
 from .reducer import BusReducer, RoundRefused
+from .runmarks import RunMarks
 from .settings import Settings, SettingsError
 from .status import StatusBoard
 from .timeline import FINAL_PAGE_SPANS, Timeline
@@ -188,7 +189,7 @@ class CoordinatorService:
         # When the run's first batch came and when it finished, in seconds since this
         # process started (the launcher's start-up and teardown times, in the summary).
         self._born = time.monotonic() - process_age_s()
-        self._first_batch_at: float | None = None
+        self.marks = RunMarks(self._born)  # the summary's timeline_s (runmarks.py)
         self._finished_at: float | None = None
         # /metrics' own book (flodl_coordinator.metrics); this process is restart N+1 of a recovered run.
         restarts = self.recovered.restarts + 1 if self.recovered else 0
@@ -311,6 +312,7 @@ class CoordinatorService:
                     if self._links_down:
                         self._links_expired(self.clock())
                     self._feed(Tick(now=self.clock()))
+                    self.marks.watch_commits(self.state, time.monotonic())
                     self._publish_status()
                     for dl in (self._drop_log, *self._hello_logs.values()):
                         dl.flush(self.clock())
@@ -442,11 +444,10 @@ class CoordinatorService:
             summary["agent_errors"] = list(self.agent_errors)
         if self.relay_restarts:
             summary["relay_restarts"] = list(self.relay_restarts)
-        summary["timeline_s"] = {
-            k: round(t - self._born, 3)
-            for k, t in (("first_batch", self._first_batch_at), ("run_finished", self._finished_at))
-            if t is not None
-        }
+        if self._finished_at is not None:
+            self.marks.mark("run_finished", self._finished_at)
+        summary["timeline_s"] = self.marks.timeline()
+        log.info("%s", self.marks.describe())
         summary.setdefault("bus", {})
         summary["bus"].update(
             rounds=self.reducer.rounds_completed, bytes_in=self.reducer.bytes_in, bytes_out=self.reducer.bytes_out
@@ -535,8 +536,7 @@ class CoordinatorService:
                 self.status.book.time_account(rank, env.sender.incarnation, t.time_account)
             event = t.WhichOneof("event")
             if event == "batch" or event == "batches":  # (one batch, or several to a frame)
-                if self._first_batch_at is None:
-                    self._first_batch_at = time.monotonic()
+                self.marks.batch(time.monotonic())
             elif event == "checkpoint_result":
                 self.checkpointing.on_result(rank, t.checkpoint_result)
             elif event == "eval_result":
@@ -1058,6 +1058,10 @@ class CoordinatorService:
     def _notice(self, cmd: Notice) -> None:
         decisions.debug(json.dumps({"kind": cmd.kind, **cmd.data}, sort_keys=True, default=str))
         self.status.notice(cmd)
+        if cmd.kind == "shutdown" or (cmd.kind == "epoch" and cmd.data.get("epoch") == self.config.num_epochs - 1):
+            t = time.monotonic()
+            self.marks.watch_commits(self.state, t)  # (a last round that committed over 1 % at once)
+            self.marks.mark("shutdown" if cmd.kind == "shutdown" else "epochs_done", t)
         if cmd.kind == "checkpoint_abandoned":
             self.checkpointing.on_abandoned(cmd)
         # Per-window decisions are frequent: the operator log gets them at DEBUG.

@@ -39,6 +39,12 @@ def test_fake_ranks_train_a_cadence_run_to_the_end(serve):
         time.sleep(0.01)
     assert svc.finished is not None and svc.finished.ok, svc.finished
     assert dict(svc.dropped) == {}
+    # The end of the run is on the summary's timeline, in order (runmarks.py).
+    t = svc.marks.timeline()
+    marks = ["first_batch", "committed_99pct", "last_batch", "epochs_done", "shutdown"]
+    assert [k for k in t if k in marks] == marks, t
+    assert t["first_batch"] <= min(t["committed_99pct"], t["last_batch"]), t
+    assert max(t["committed_99pct"], t["last_batch"]) <= t["epochs_done"] <= t["shutdown"], t
     assert out["requests"] and all(arrival >= sent > 0 for _c, arrival, sent in out["requests"])
     assert 0.0 <= out["idle_s"] and out["train_s"] > 0
 
