@@ -35,6 +35,11 @@ Batch reports: a rank sends its batches several to a frame (the coordinator's
 CPU-second. ``--peer-report-ms 0`` runs saturated and paced again with a frame per batch
 (rows ``saturated@0ms``, ``paced@0ms``): the peer in the same sitting.
 
+The end of a run: ``end_tail_s`` (from the moment 99 % of the batches were trained to
+the last one), ``end_shutdown_s`` (to the last Shutdown a rank heard) and ``end_exit_s``
+(to the coordinator's exit; ``end_exit_s_each``: every run's, since a stall at the end is
+an outlier a median hides); each run's summary ``timeline_s`` names the coordinator's marks.
+
 Ranks run ``--gens`` to a generator process, each serving its ranks from one poller.
 Every figure is the median of ``--repeats`` runs (3; ``--quick``: 1 run, N = 16, 64,
 shorter epochs). Prints one JSON object. The generators share the machine with the
@@ -207,7 +212,7 @@ class Sampler(threading.Thread):
 
 
 def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, batches_per_rank: int,
-              policy: str, timeout_s: float, report_ms: float | None = None) -> dict:
+              policy: str, timeout_s: float, report_ms: float | None = None, log_level: str = "WARNING") -> dict:
     """One run: coordinator (+ relays) + fake ranks to the end; what they measured."""
     total = max(n, int(batches_per_rank * n / epochs))  # batch size 1: samples = batches
     tmp = tempfile.mkdtemp(prefix="flodl-scale-")
@@ -215,7 +220,7 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
     coord_cmd = [
         sys.executable, "-m", "flodl_coordinator", "serve", "--bind", "tcp://127.0.0.1:0", "--session", SESSION,
         "--world-size", str(n), "--batch-size", "1", "--epochs", str(epochs), "--policy", policy,
-        "--total-samples", str(total), "--log-level", "WARNING", "--no-final-eval", "--summary", summary,
+        "--total-samples", str(total), "--log-level", log_level, "--no-final-eval", "--summary", summary,
         "--form-timeout-s", str(timeout_s), "--liveness-timeout-s", "30",
     ]  # fmt: skip
     if report_ms is not None:
@@ -253,6 +258,7 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
                 raise SystemExit(f"a generator failed (exit {p.returncode})")
             outs.append(json.loads(out))
         rc = coord.wait(timeout=60)
+        coord_exit = time.monotonic()
     finally:
         sampler.stop()
         for p in (*relays, coord):
@@ -268,6 +274,8 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
         summ = {"ok": False, "reason": f"no summary (coordinator exit code {rc})"}
     t0 = min(o["first_batch"] for o in outs if o["first_batch"] is not None)
     t1 = max(o["last_batch"] for o in outs)
+    exits = [o[k] for o in outs for k in ("first_exit", "last_exit") if o.get(k) is not None]
+    t99 = _batch_quantile([o["batch_end_hist"] for o in outs], 0.99)
     cpu, cpu_s, rss = sampler.over(t0, t1)
     inside = [s for s in sampler.samples if t0 <= s[0] <= t1]
     span_sampled = inside[-1][0] - inside[0][0] if len(inside) > 1 else float("nan")
@@ -301,6 +309,13 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
         # frame, ``batch_report_ms``) change, where the per-frame cost cannot show it.
         "cpu_us_per_batch": 1e6 * cpu_s / max(1.0, sum(o["batches"] for o in outs) * span_sampled / max(1e-9, t1 - t0)),
         "rss_mib": rss,
+        # The end of the run, from the moment 99 % of its batches were trained ("training
+        # done"): to the last batch (the tail), to the last Shutdown a rank heard, and to
+        # the coordinator's exit. A healthy run: about a slow batch and a round.
+        "end_tail_s": t1 - t99,
+        "end_shutdown_s": max(exits) - t99 if exits else float("nan"),
+        "end_exit_s": coord_exit - t99,
+        "timeline_s": summ.get("timeline_s", {}),  # the coordinator's own marks (runmarks.py)
     }
 
 
@@ -329,6 +344,23 @@ def decision_latencies(requests: list) -> list[float]:
     return out
 
 
+def _batch_quantile(hists: list[dict], q: float) -> float:
+    """When the ranks had trained ``q`` of all their batches (CLOCK_MONOTONIC seconds),
+    from the generators' ``batch_end_hist`` (to the end of the bucket it falls in)."""
+    from scale_ranks import END_BUCKET_S  # (beside this file; it imports numpy and zmq)
+
+    merged: dict[int, int] = {}
+    for h in hists:
+        for k, v in h.items():
+            merged[int(k)] = merged.get(int(k), 0) + v
+    total, seen = sum(merged.values()), 0
+    for k in sorted(merged):
+        seen += merged[k]
+        if seen >= q * total:
+            return (k + 1) * END_BUCKET_S
+    return float("nan")
+
+
 def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
@@ -342,6 +374,8 @@ def _median(runs: list[dict]) -> dict:
            for r in runs if not r.get("ok", True)]
     if bad:
         out["failed_runs"] = bad
+    if "end_exit_s" in runs[0]:  # each run's: a stall at the end is an outlier a median hides
+        out["end_exit_s_each"] = [round(r["end_exit_s"], 2) for r in runs]
     drops = [r["dropped_frames"] for r in runs if r.get("dropped_frames")]
     if drops:
         out["dropped_frames"] = drops
@@ -366,6 +400,8 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: raw,saturated,paced,relayed")
     ap.add_argument("--batch-report-ms", type=float, default=None,
                     help="the coordinator's batch_report_ms (default: its own default)")
+    ap.add_argument("--coordinator-log-level", default="WARNING",
+                    help="the coordinator's --log-level (its log: coordinator.log in the run's kept tmp dir)")
     ap.add_argument("--peer-report-ms", type=float, default=None,
                     help="also run saturated and paced with this batch_report_ms (rows NAME@Xms): a peer in the same run")
     args = ap.parse_args()
@@ -393,14 +429,15 @@ def main() -> None:
                 row["saturated" + suffix] = _median([
                     run_flodl(n, [0.0], gens=gens, hosts=0, epochs=1, policy=args.policy,
                               batches_per_rank=max(20, args.saturated_batches // n), timeout_s=timeout,
-                              report_ms=report_ms)
+                              report_ms=report_ms, log_level=args.coordinator_log_level)
                     for _ in range(args.repeats)])  # fmt: skip
             for name, hosts in (("paced", 0), ("relayed", args.hosts)):
                 if name in skip or (name == "relayed" and not hosts) or (suffix and name == "relayed"):
                     continue
                 row[name + suffix] = _median([
                     run_flodl(n, ms, gens=gens, hosts=hosts, epochs=2, policy=args.policy,
-                              batches_per_rank=paced_batches, timeout_s=timeout, report_ms=report_ms)
+                              batches_per_rank=paced_batches, timeout_s=timeout, report_ms=report_ms,
+                              log_level=args.coordinator_log_level)
                     for _ in range(args.repeats)])  # fmt: skip
         if "raw" in row:
             raw = row["raw"]

@@ -22,6 +22,8 @@ SPEC_JSON``) it prints one JSON object with what its ranks measured:
 * ``requests``: (cycle, arrival, the rank's last frame sent before it) of every
   ``RequestParams``: ``control_scale.py`` finds each round's trigger from them.
 * ``sent`` / ``received``: frames to and from the coordinator.
+* ``first_exit`` / ``last_exit``: when its ranks heard their Shutdown; ``batch_end_hist``:
+  batch ends per 50 ms (``control_scale.py`` finds the run's tail from them).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ BATCH, BEAT = 0, 1  # timer kinds
 # A rank with no pace trains instantly but reports this batch time (ms): cadence plans
 # windows from reported times, and a 0 ms rank would get degenerate one-batch windows.
 SATURATED_MS = 1.0
+END_BUCKET_S = 0.05  # batch ends are counted per 50 ms (``batch_end_hist``: where the run's tail is)
 
 
 class FakeRank:
@@ -91,6 +94,8 @@ class FakeRank:
         self.sent = self.received = 0
         self.done = False
         self.exit_reason = ""
+        self.exited_at: float | None = None  # when its Shutdown came
+        self.ends: list[float] = []  # when each batch ended
         self.drops: dict[str, int] = {}
 
     # -- frames ---------------------------------------------------------------------
@@ -151,7 +156,7 @@ class FakeRank:
                 self.send("timing", pb.Timing(rank=self.rank, eval_result=res))
             elif t is Exit:
                 self.send("timing", pb.Timing(rank=self.rank, exiting=pb.Timing.Exiting(steps=self.m.local_step)))
-                self.done, self.exit_reason = True, c.reason
+                self.done, self.exit_reason, self.exited_at = True, c.reason, time.monotonic()
             elif t is AbandonRounds:
                 pass
             # Drop / Warn / RunEpochFn / FormGroup / SaveCheckpoint: nothing to do for a fake rank.
@@ -165,6 +170,7 @@ class FakeRank:
                 return self.busy_until
             b, self.in_hand = self.in_hand, None
             self.lag_s += now - self.busy_until
+            self.ends.append(now)
             self.train_s += now - self.busy_since
             self.last_batch_end = now
             self.execute(self.m.handle(BatchTrained(epoch=b.epoch, offset=b.offset, samples=b.count,
@@ -188,6 +194,17 @@ class FakeRank:
             self.in_hand, self.busy_since, self.busy_until = act, now, now + self.ms / 1e3
             return self.busy_until
         return None
+
+
+def _end_hist(ranks: list[FakeRank]) -> dict[str, int]:
+    """Batch ends per ``END_BUCKET_S`` of CLOCK_MONOTONIC (system-wide: the generators'
+    histograms add up): ``{bucket index: batches}``."""
+    hist: dict[str, int] = {}
+    for rk in ranks:
+        for t in rk.ends:
+            k = str(int(t / END_BUCKET_S))
+            hist[k] = hist.get(k, 0) + 1
+    return hist
 
 
 def serve_ranks(spec: dict) -> dict:
@@ -262,11 +279,14 @@ def serve_ranks(spec: dict) -> dict:
         "lag_s": sum(rk.lag_s for rk in ranks),
         "first_batch": min((rk.first_batch for rk in ranks if rk.first_batch is not None), default=None),
         "last_batch": max(rk.last_batch_end for rk in ranks),
+        "first_exit": min((rk.exited_at for rk in ranks if rk.exited_at is not None), default=None),
+        "last_exit": max((rk.exited_at for rk in ranks if rk.exited_at is not None), default=None),
         "latency_us": [x for rk in ranks for x in rk.latency_us],
         "requests": [r for rk in ranks for r in rk.requests],
         "batches": sum(rk.m.local_step for rk in ranks),
         "sent": sum(rk.sent for rk in ranks),
         "received": sum(rk.received for rk in ranks),
+        "batch_end_hist": _end_hist(ranks),
         "drops": {k: sum(rk.drops.get(k, 0) for rk in ranks) for k in {k for rk in ranks for k in rk.drops}},
     }
 
