@@ -14,7 +14,9 @@ normally exactly one window.
   alive ranks' counts (equal before calibration), every alive rank put at the epoch,
   then callback slack (``_slack.stage``: a rank that runs a callback at this boundary
   gets a shorter first window), then ``start_window``: the final-window plan is pinned
-  (in an epoch whose end is a barrier, ``ends_at_a_barrier``),
+  (in an epoch whose end is a barrier, ``ends_at_a_barrier``; pinned again mid-window --
+  a round finished, membership moved -- it splits the whole window, what each rank already
+  ran or holds of it counted, so every batch left has an owner),
   every rank's chunk is sized (``compute_chunk_batches``) *before any take*, then
   taken; each goes out as ``StartEpoch``.
 * **Streaming** (``_dispatch_next``, §8.5): when a rank's chunk is done it gets its next
