@@ -541,6 +541,14 @@ class FinalWindowPlan:
     alloc: tuple[int, ...]
     pinned_counts: tuple[int, ...]
     pinned_alive: tuple[bool, ...]
+    # Per rank, the window steps that are not its share: those it had run when the plan
+    # was pinned and the batches it then held (a run-ahead chunk taken before the pin:
+    # ``alloc`` splits only what the pool had left). Empty: none (a plan built by hand).
+    base: tuple[int, ...] = ()
+
+    def share_steps(self, rank: int, window_steps: int) -> int:
+        """The steps of the rank's window that count against its ``alloc``."""
+        return max(0, window_steps - self.base[rank]) if self.base else window_steps
 
 
 def refresh_final_window_plan(

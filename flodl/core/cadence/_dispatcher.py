@@ -84,6 +84,7 @@ last batch); chunk sizing sees the remainder rounded up to whole batches.
 from __future__ import annotations
 
 import heapq
+from dataclasses import replace
 from typing import Optional, Protocol
 
 from flodl.wire import pb
@@ -108,6 +109,8 @@ from .._phases import ACTIVE, PENDING, TRAINING
 from .._state import CadenceState, CoordinatorState
 from ._views import absorb_released, counts_changed, counts_view, drop_open, drop_wake, may_block, rearm
 from ._window import WindowLedger
+
+_INF = float("inf")
 
 __all__ = [
     "CadenceDispatcher",
@@ -239,7 +242,7 @@ def _pin(st: CoordinatorState, epoch: int) -> None:
     """Pin the final-window plan for the window about to start (once per window)."""
     cad = st.cadence
     pool = cad.pools[epoch]
-    cad.final_plan = refresh_final_window_plan(
+    plan = refresh_final_window_plan(
         None,
         epoch=epoch,
         remaining_batches=_batches(pool.remaining(), st.config.batch_size),
@@ -247,6 +250,17 @@ def _pin(st: CoordinatorState, epoch: int) -> None:
         alive=[rec.phase is ACTIVE for rec in st.ranks],
         barrier_paced=ends_at_a_barrier(st, epoch),
     )
+    if plan is not None:
+        # The plan splits what the pool has left; steps a rank runs from what it holds
+        # already (a run-ahead chunk) are not its share. Counted as its share, they let
+        # every rank "leave the tail" at once to the one still training, which then
+        # trained the rest of the run alone, a chunk at a time (seen at 256 ranks).
+        bs, base = st.config.batch_size, [window_steps(st, r) for r in range(len(st.ranks))]
+        for r, (e, _off, _n) in cad.in_flight.items():
+            held = cad.pools[e].in_flight(r) if e in cad.pools else 0
+            base[r] += _batches(held, bs)
+        plan = replace(plan, base=tuple(base))
+    cad.final_plan = plan
 
 
 def ends_at_a_barrier(st: CoordinatorState, epoch: int) -> bool:
@@ -266,6 +280,7 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
     if pool is None:
         return 0
     bs, plan = st.config.batch_size, cad.final_plan
+    final = plan is not None and plan.epoch == epoch
     view = counts_view(st)
     return compute_chunk_batches(
         rank,
@@ -276,9 +291,9 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
         barrier_paced=cad.barrier_paced,  # Async: probe / proportional chunks
         calibrated=view[3],
         total_samples=pool.total,
-        steps=window_steps(st, rank),
+        steps=plan.share_steps(rank, window_steps(st, rank)) if final else window_steps(st, rank),
         budget=_budget(st, rank),
-        final_alloc=plan.alloc if plan is not None and plan.epoch == epoch else None,
+        final_alloc=plan.alloc if final else None,
     )
 
 
@@ -339,9 +354,10 @@ def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[in
     for r in ranks:
         steps = max(0, recs[r].last_step - marks.get(r, 0))  # window_steps
         budget = over.budget_for(own[r], overshoot=on)  # _budget
+        sized = steps if final_alloc is None else plan.share_steps(r, steps)
         n = compute_chunk_batches(r, remaining_samples=remaining, counts=counts, counts_total=counts_total,
                                   batch_size=bs, barrier_paced=barrier_paced, calibrated=calibrated,
-                                  total_samples=total, steps=steps, budget=budget, final_alloc=final_alloc)  # fmt: skip
+                                  total_samples=total, steps=sized, budget=budget, final_alloc=final_alloc)  # fmt: skip
         sizes[r] = min(n, max(1, budget - steps)) if budget > 0 and n > 0 else n  # _capped
     return sizes
 
@@ -612,10 +628,14 @@ class CadenceDispatcher:
 
     def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
         cad, r = st.cadence, ev.rank
-        cad.ledger.record_batch(r, ev.batch_ms, ev.data_ms)
+        # A plan wait is a window's fixed cost, except in the run's last window (a final
+        # plan is pinned): the tail's waits end the run, no longer window amortises them.
+        cad.ledger.record_batch(r, ev.batch_ms, ev.data_ms, ev.wait_ms if cad.final_plan is None else 0.0)
         cad.ledger.record_batch_loss(r, ev.loss)
         if ev.lr > 0.0:
             cad.last_lr[r] = ev.lr
+        if 0.0 < ev.wait_ms < _INF:
+            cad.last_wait_ms[r] = ev.wait_ms  # its latest turnaround: what a run-ahead chunk must outlast
         pool = cad.pools.get(ev.epoch)
         if pool is not None and ev.samples > 0:
             pool.mark_completed(r, ev.samples)
