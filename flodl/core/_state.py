@@ -127,6 +127,8 @@ class RankRecord:
     batches: int = 0
     samples: int = 0
     batch_frames: int = 0  # frames that reported batches (batches / batch_frames: the coalescing)
+    train_ms: float = 0.0  # batch_ms + data_ms summed: the time the rank trained
+    wait_ms: float = 0.0  # BatchDone.wait_ms summed: the time it sat idle waiting for a plan
     param_digest: str = ""
     divergence: Optional[float] = None  # from the latest SyncAcked
     # The state's RankIndex (``_rank_index``), told of every write to an indexed field.
@@ -295,6 +297,7 @@ class CadenceState:
     window_mark: dict[int, int] = field(default_factory=dict)
     throttled: set[int] = field(default_factory=set)
     last_lr: dict[int, float] = field(default_factory=dict)  # rank -> latest BatchDone.lr > 0
+    last_wait_ms: dict[int, float] = field(default_factory=dict)  # rank -> latest BatchDone.wait_ms > 0
     last_sync_ms: float = 0.0  # what the last finished round delayed training (ms; see _feedback)
     barrier_at: Optional[float] = None  # open round: when every rank reached its window end
     exposed_s: float = 0.0  # total time rounds delayed the next window (summary)

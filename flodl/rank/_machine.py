@@ -20,6 +20,10 @@ clock: the only time is the ``now`` the shell passes to ``next_action`` (a chunk
    resync report sent meanwhile (a shell that handles frames while its device works,
    like the simulator) neither loses nor doubles it. ``WAIT_PLAN`` / ``WAIT_THROTTLE`` tell the shell to block (servicing
    frames, heartbeating) until ``has_plan`` / ``not throttled``.
+   From the first ``WAIT_PLAN`` of a rank that has trained until it pops its next chunk
+   it is *waiting for a plan*; that time (by the ``now`` the shell passes) goes out as
+   the next batch's ``wait_ms``: the coordinator's window growth amortises it, and the
+   summary shows it. A throttle's wait is not a plan wait (the policy holds the rank).
    ``TrimPartition{epoch, keep}`` (Sync, a rank joined mid-epoch): of the positions of
    ``epoch`` still held, in training order (the batch in hand first: it cannot be given
    back), the first ``keep`` stay and the rest leave the plans; the answer
@@ -159,6 +163,10 @@ class RankMachine:
         self.unsent: list[pb.Timing.Batch] = []
         self.unsent_ms = 0.0
         self.report_at = 0  # Update.report_at_step: the step that ends this rank's window
+        # Plan wait: since when the trained rank has had nothing to train (None: it has),
+        # and the wait not yet told -- the next batch's ``wait_ms``.
+        self.waiting_since: float | None = None
+        self.wait_ms = 0.0
         self.finished: list[pb.Metrics] = []  # chunks of epochs not seen aggregated
         self.restarts = 0
         # Elastic membership: admitted into a running world, no seed consensus loaded yet.
@@ -226,9 +234,14 @@ class RankMachine:
             return WAIT_PLAN
         if self.current is None:
             if not self.plans:
+                if self.waiting_since is None and self.local_step > 0:  # not before its first plan
+                    self.waiting_since = now
                 return WAIT_PLAN
             self.current = self.plans.popleft()
             self.current.started = now
+            if self.waiting_since is not None:
+                self.wait_ms += max(0.0, now - self.waiting_since) * 1e3
+                self.waiting_since = None
         cur = self.current
         if cur.exhausted():
             self.current = None
@@ -295,8 +308,9 @@ class RankMachine:
             cur.data_ms += ev.data_ms
         batch = pb.Timing.Batch(
             batch_ms=ev.batch_ms, data_ms=ev.data_ms, step_count=self.local_step, batch_loss=ev.loss, lr=ev.lr,
-            samples=ev.samples, epoch=ev.epoch, offset=ev.offset,
+            samples=ev.samples, epoch=ev.epoch, offset=ev.offset, wait_ms=self.wait_ms,
         )  # fmt: skip
+        self.wait_ms = 0.0
         self.unfolded.append(batch)  # until folded: a restarted coordinator may ask for it
         self.unsent.append(batch)
         self.unsent_ms += ev.batch_ms + ev.data_ms

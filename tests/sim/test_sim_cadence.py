@@ -161,10 +161,11 @@ def test_the_last_window_is_trained_in_parallel_to_the_end():
     # 48 ranks at the 1,2,4 pace (100, 200, 400 ms a batch), batch size 1, two epochs: the
     # last epoch's final-window plan is pinned at a trigger and again when that round
     # finishes (a rank that got nothing at the trigger gets its window in the Update).
-    # The second pin split only the batches still in the pool and then took what each
-    # rank had run since the trigger off its share: nearly every share came out 0, and
-    # the batches left were trained by one rank at a time (``leaves_the_tail``), one
-    # per round trip -- seconds here, ~100 s at 1,024 ranks (bench/control_scale.py).
+    # The second pin splits only the batches still in the pool; counted against those
+    # shares, the steps each rank had run since the trigger made nearly every share 0
+    # (``FinalWindowPlan.share_steps`` now counts from the pin), and the batches left
+    # were trained by one rank at a time (``leaves_the_tail``), one per round trip --
+    # seconds here, ~60-115 s at 1,024 ranks (bench/control_scale.py).
     n = 48
     res = simulate(SimConfig(ms_per_batch=tuple((100.0, 200.0, 400.0)[i % 3] for i in range(n)),
                              total_samples=17 * n, batch_size=1, epochs=2, policy="cadence", jitter=0.02,

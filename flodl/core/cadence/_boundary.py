@@ -173,7 +173,7 @@ def leaves_the_tail(st: CoordinatorState, rank: int) -> bool:
     plan = cad.final_plan
     if plan is None or rank in cad.in_flight or st.dispatch.rank_epoch.get(rank) != plan.epoch:
         return False
-    if window_steps(st, rank) < plan.alloc[rank]:
+    if plan.share_steps(rank, window_steps(st, rank)) < plan.alloc[rank]:
         return False
     return training(cad) > 0  # the rank itself has nothing in flight
 
@@ -240,7 +240,18 @@ def run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, out: list[Comm
     if ends_at_a_barrier(st, epoch) and left < counts_view(st)[2] + len(st.ranks):  # the final-window regime
         return False  # the run's last window is next: its final-window plan splits what is left
     ms = cad.elche.smoothed_ms_per_batch(rank)
-    n = int(waiting_ms // ms) if (ms and waiting_ms > 0.0) else 1
+    # Every chunk costs the rank a turnaround (its last report to the coordinator, the
+    # plan back) with nothing to train: a chunk shorter than that idles the rank more
+    # than it trains it (at 256 ranks, 100 ms turnarounds on 40 ms batches). So a chunk
+    # lasts the wait it fills *and* the rank's last turnaround (its latest plan wait):
+    # it is still training when the trigger's window reaches it. Not more: a batch
+    # handed out here and trained after the trigger counts in the next window, and
+    # the run's final-window plan sizes each rank's share by those steps.
+    turnaround = cad.last_wait_ms.get(rank, 0.0)
+    if ms:
+        n = int((max(0.0, waiting_ms) + turnaround) // ms) + 1
+    else:
+        n = 1  # no pace yet: one batch, as it always was
     n = max(1, min(n, room, left))
     got = _take(st, rank, epoch, n)
     if got is None:

@@ -541,6 +541,14 @@ class FinalWindowPlan:
     alloc: tuple[int, ...]
     pinned_counts: tuple[int, ...]
     pinned_alive: tuple[bool, ...]
+    # Per rank, the window steps that are not its share: those it had run when the plan
+    # was pinned and the batches it then held (a run-ahead chunk taken before the pin:
+    # ``alloc`` splits only what the pool had left). Empty: none (a plan built by hand).
+    base: tuple[int, ...] = ()
+
+    def share_steps(self, rank: int, window_steps: int) -> int:
+        """The steps of the rank's window that count against its ``alloc``."""
+        return max(0, window_steps - self.base[rank]) if self.base else window_steps
 
 
 def refresh_final_window_plan(
@@ -551,7 +559,6 @@ def refresh_final_window_plan(
     counts: Sequence[int],
     alive: Sequence[bool],
     barrier_paced: bool,
-    ran: Optional[Sequence[int]] = None,
 ) -> Optional[FinalWindowPlan]:
     """The final-window plan to use now, or None outside the final-window regime (pass
     ``remaining_batches=0`` when the epoch has no pool).
@@ -560,14 +567,6 @@ def refresh_final_window_plan(
     under the same counts **and the same alive set** is kept (the live remainder has since
     drained as ranks took their slots); otherwise it is re-pinned from the live values.
     Pin it once per window, before sizing the first rank.
-
-    ``ran[r]``: batches rank r already ran or holds in this window (its window steps plus
-    its chunk in flight). A rank's share is then what is left of ``alloc[r]`` after them
-    (the sizing subtracts its window steps), so the split is of ``rem + sum(ran)``: a plan
-    re-pinned mid-window (a round finished, a rank died) hands out all of ``rem``. Split
-    ``rem`` alone, every rank that had run its part would get nothing and ``rem`` would be
-    left unowned, trained fragment by fragment by whichever rank still trains (1,024 paced
-    ranks: 170 of them, one at a time, tens of seconds at the end of the run).
     """
     if not barrier_paced:
         return None
@@ -580,6 +579,5 @@ def refresh_final_window_plan(
     if plan is not None and plan.epoch == epoch and plan.pinned_counts == counts_t:
         if plan.pinned_alive == alive_t:
             return plan
-    held = sum(ran[r] for r in range(ws) if alive[r]) if ran is not None else 0
-    alloc = tuple(final_window_alloc(rem + held, counts, alive))
+    alloc = tuple(final_window_alloc(rem, counts, alive))
     return FinalWindowPlan(epoch, alloc, counts_t, alive_t)

@@ -14,9 +14,7 @@ normally exactly one window.
   alive ranks' counts (equal before calibration), every alive rank put at the epoch,
   then callback slack (``_slack.stage``: a rank that runs a callback at this boundary
   gets a shorter first window), then ``start_window``: the final-window plan is pinned
-  (in an epoch whose end is a barrier, ``ends_at_a_barrier``; pinned again mid-window --
-  a round finished, membership moved -- it splits the whole window, what each rank already
-  ran or holds of it counted, so every batch left has an owner),
+  (in an epoch whose end is a barrier, ``ends_at_a_barrier``),
   every rank's chunk is sized (``compute_chunk_batches``) *before any take*, then
   taken; each goes out as ``StartEpoch``.
 * **Streaming** (``_dispatch_next``, §8.5): when a rank's chunk is done it gets its next
@@ -86,6 +84,7 @@ last batch); chunk sizing sees the remainder rounded up to whole batches.
 from __future__ import annotations
 
 import heapq
+from dataclasses import replace
 from typing import Optional, Protocol
 
 from flodl.wire import pb
@@ -110,6 +109,8 @@ from .._phases import ACTIVE, PENDING, TRAINING
 from .._state import CadenceState, CoordinatorState
 from ._views import absorb_released, counts_changed, counts_view, drop_open, drop_wake, may_block, rearm
 from ._window import WindowLedger
+
+_INF = float("inf")
 
 __all__ = [
     "CadenceDispatcher",
@@ -238,43 +239,28 @@ def _pinnable(st: CoordinatorState) -> bool:
 
 
 def _pin(st: CoordinatorState, epoch: int) -> None:
-    """Pin the final-window plan for the window about to start, or again mid-window (a
-    round finished, membership moved): the split counts what each rank already ran or
-    holds of this window (``_window_run``), so every batch left gets an owner."""
+    """Pin the final-window plan for the window about to start (once per window)."""
     cad = st.cadence
     pool = cad.pools[epoch]
-    bs = st.config.batch_size
-    remaining = _batches(pool.remaining(), bs)
-    barrier = ends_at_a_barrier(st, epoch)
-    alive = [rec.phase is ACTIVE for rec in st.ranks]
-    # (the O(world) walk only where a plan is pinned: outside the final window it is None)
-    ran = _window_run(st, alive) if barrier and 0 < remaining < counts_view(st)[2] + len(st.ranks) else None
-    cad.final_plan = refresh_final_window_plan(
+    plan = refresh_final_window_plan(
         None,
         epoch=epoch,
-        remaining_batches=remaining,
+        remaining_batches=_batches(pool.remaining(), st.config.batch_size),
         counts=cad.elche.batch_counts,
-        alive=alive,
-        barrier_paced=barrier,
-        ran=ran,
+        alive=[rec.phase is ACTIVE for rec in st.ranks],
+        barrier_paced=ends_at_a_barrier(st, epoch),
     )
-
-
-def _window_run(st: CoordinatorState, alive: list[bool]) -> list[int]:
-    """Per rank, the batches of the current window it ran (its window steps) or holds (the
-    untrained part of its chunk in flight): what its final-window share already covers."""
-    cad, bs = st.cadence, st.config.batch_size
-    ran = [0] * len(st.ranks)
-    for r, up in enumerate(alive):
-        if not up:
-            continue
-        n = window_steps(st, r)
-        chunk = cad.in_flight.get(r)
-        if chunk is not None:
-            pool = cad.pools.get(chunk[0])
-            n += _batches(pool.in_flight(r) if pool is not None else chunk[2], bs)
-        ran[r] = n
-    return ran
+    if plan is not None:
+        # The plan splits what the pool has left; steps a rank runs from what it holds
+        # already (a run-ahead chunk) are not its share. Counted as its share, they let
+        # every rank "leave the tail" at once to the one still training, which then
+        # trained the rest of the run alone, a chunk at a time (seen at 256 ranks).
+        bs, base = st.config.batch_size, [window_steps(st, r) for r in range(len(st.ranks))]
+        for r, (e, _off, _n) in cad.in_flight.items():
+            held = cad.pools[e].in_flight(r) if e in cad.pools else 0
+            base[r] += _batches(held, bs)
+        plan = replace(plan, base=tuple(base))
+    cad.final_plan = plan
 
 
 def ends_at_a_barrier(st: CoordinatorState, epoch: int) -> bool:
@@ -294,6 +280,7 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
     if pool is None:
         return 0
     bs, plan = st.config.batch_size, cad.final_plan
+    final = plan is not None and plan.epoch == epoch
     view = counts_view(st)
     return compute_chunk_batches(
         rank,
@@ -304,9 +291,9 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
         barrier_paced=cad.barrier_paced,  # Async: probe / proportional chunks
         calibrated=view[3],
         total_samples=pool.total,
-        steps=window_steps(st, rank),
+        steps=plan.share_steps(rank, window_steps(st, rank)) if final else window_steps(st, rank),
         budget=_budget(st, rank),
-        final_alloc=plan.alloc if plan is not None and plan.epoch == epoch else None,
+        final_alloc=plan.alloc if final else None,
     )
 
 
@@ -367,9 +354,10 @@ def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[in
     for r in ranks:
         steps = max(0, recs[r].last_step - marks.get(r, 0))  # window_steps
         budget = over.budget_for(own[r], overshoot=on)  # _budget
+        sized = steps if final_alloc is None else plan.share_steps(r, steps)
         n = compute_chunk_batches(r, remaining_samples=remaining, counts=counts, counts_total=counts_total,
                                   batch_size=bs, barrier_paced=barrier_paced, calibrated=calibrated,
-                                  total_samples=total, steps=steps, budget=budget, final_alloc=final_alloc)  # fmt: skip
+                                  total_samples=total, steps=sized, budget=budget, final_alloc=final_alloc)  # fmt: skip
         sizes[r] = min(n, max(1, budget - steps)) if budget > 0 and n > 0 else n  # _capped
     return sizes
 
@@ -640,10 +628,14 @@ class CadenceDispatcher:
 
     def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
         cad, r = st.cadence, ev.rank
-        cad.ledger.record_batch(r, ev.batch_ms, ev.data_ms)
+        # A plan wait is a window's fixed cost, except in the run's last window (a final
+        # plan is pinned): the tail's waits end the run, no longer window amortises them.
+        cad.ledger.record_batch(r, ev.batch_ms, ev.data_ms, ev.wait_ms if cad.final_plan is None else 0.0)
         cad.ledger.record_batch_loss(r, ev.loss)
         if ev.lr > 0.0:
             cad.last_lr[r] = ev.lr
+        if 0.0 < ev.wait_ms < _INF:
+            cad.last_wait_ms[r] = ev.wait_ms  # its latest turnaround: what a run-ahead chunk must outlast
         pool = cad.pools.get(ev.epoch)
         if pool is not None and ev.samples > 0:
             pool.mark_completed(r, ev.samples)

@@ -422,29 +422,6 @@ def test_final_window_plan_pins_and_repins():
     assert refresh_final_window_plan(plan, remaining_batches=13, **async_kw) is None
 
 
-def test_final_window_repinned_mid_window_leaves_no_batch_unowned():
-    # Re-pinned mid-window (a round finished, a rank died), the split covers what each
-    # rank already ran or holds of the window (``ran``): the shares the sizing hands out
-    # (alloc - ran) then cover the pool's remaining. Split over the remaining alone (the
-    # old pin), every rank that had run its part got 0 and those batches had no owner:
-    # at 1,024 paced ranks 170 of them were trained one at a time at the end of the run.
-    counts, alive = [8, 4, 2] * 4, [True] * 12
-    kw = dict(epoch=1, counts=counts, alive=alive, barrier_paced=True)
-    first = refresh_final_window_plan(None, remaining_batches=50, **kw)
-    assert sum(first.alloc) == 50
-    ran = [a - 1 for a in first.alloc]  # every rank ran all but one batch of its share
-    again = refresh_final_window_plan(None, remaining_batches=12, ran=ran, **kw)
-    assert again.alloc == first.alloc  # the same window, the same split
-    shares = [max(0, a - n) for a, n in zip(again.alloc, ran)]
-    assert sum(shares) >= 12
-    # A rank that holds more than its new share gets nothing more; the others' shares
-    # still cover what is left (a short take comes back for the rest).
-    ran = [0] * 12
-    ran[0] = 40
-    late = refresh_final_window_plan(None, remaining_batches=10, ran=ran, **kw)
-    assert sum(max(0, a - n) for a, n in zip(late.alloc, ran)) >= 10
-
-
 def test_chunk_sizing_probe_proportional_and_budget_cap():
     base = dict(batch_size=1, total_samples=1000)
     n, why = explain_chunk_batches(
