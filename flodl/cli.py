@@ -675,6 +675,10 @@ def _report(args, settings, command: RankCommand, summary_path: str, rc: int, wa
         summary["time_to_first_batch_s"] = round(coord_started + timeline["first_batch"], 3)
     if "run_finished" in timeline:
         summary["teardown_s"] = round(wall - coord_started - timeline["run_finished"], 3)
+    if "run_finished" in timeline and "committed_99pct" in timeline:
+        # 99 % of the samples committed -> the run over: about a round and a round trip,
+        # unless the run waited at its end (the timeline's marks say on what).
+        summary["end_of_run_s"] = round(timeline["run_finished"] - timeline["committed_99pct"], 3)
     summary.setdefault("task", command.label)
     summary["slowdown"] = args.slowdown
     summary.setdefault("plane", settings.plane)
@@ -698,7 +702,7 @@ def _print_summary(s: dict) -> None:
     print(f"task: {s.get('task')}  policy: {s.get('policy')}  plane: {s.get('plane')}  ranks: {ranks}  slowdown: {s.get('slowdown')}")
     print(f"wall: {_num(s.get('wall_s'), 2)} s   samples/s: {_num(s.get('samples_per_s'), 1)}   averages: {s.get('averages')}")
     print(f"launcher: {s.get('launcher_wall_s')} s   time to first batch: {s.get('time_to_first_batch_s')} s   "
-          f"teardown: {s.get('teardown_s')} s")
+          f"teardown: {s.get('teardown_s')} s   end of run: {s.get('end_of_run_s')} s")
     print(f"accuracy: {acc if acc is None else round(acc, 4)}")
     for r in s.get("ranks", []):
         if r.get("phase") == "VACANT":

@@ -34,3 +34,7 @@ def test_three_unequal_ranks_train_digits_exactly_once_and_agree(tmp_path):
     assert 0 < summary["time_to_first_batch_s"] < summary["launcher_wall_s"], summary
     assert 0 <= summary["teardown_s"] < summary["launcher_wall_s"] - summary["time_to_first_batch_s"], summary
     assert "time to first batch:" in proc.stdout
+    # The end of the run is named: 99 % committed comes before the end, which follows soon.
+    assert timeline["first_batch"] < timeline["committed_99pct"] <= timeline["run_finished"], timeline
+    assert 0 <= summary["end_of_run_s"] < summary["launcher_wall_s"], summary
+    assert "end of run:" in proc.stdout
