@@ -218,7 +218,10 @@ def windows_done(st: CoordinatorState) -> tuple[bool, str]:
         if st.ranks[r].phase is ACTIVE and r not in cad.throttled:
             steps = window_steps(st, r)
             if steps < counts[r] and not quiesced(st, r):
-                return False, f"rank {r} ran {steps}/{counts[r]} batches of its window and has work left"
+                why = f"rank {r} ran {steps}/{counts[r]} batches of its window and has work left"
+                if r in cad.parked:  # waiting on the coordinator, not training: say so
+                    why += f" (parked: the last window's tail is left to the {len(cad.in_flight)} rank(s) training)"
+                return False, why
         heapq.heappop(heap)
         cad.in_open.discard(r)
         drop_open(cad, r)

@@ -145,6 +145,21 @@ def test_gate_quiesced_zero_step_tail_rank_does_not_block():
     assert cadence_gate(st) == (False, "rank 2 ran 0/4 batches of its window and has work left")
 
 
+def test_gate_names_a_rank_parked_at_the_tail_as_waiting_not_training():
+    # The gate waits for a rank that ran its final-window share and was parked (the tail
+    # left to a rank still training): the status then says it waits on that, rather than
+    # reading as a rank that is slow (a 115 s end-of-run stall read "rank 3 ran 23/29").
+    st = _state(2, 4)
+    st.cadence.elche.report_timing([10, 20], [2, 2], 0)
+    _pool(st, 0, 100)
+    st.cadence.in_flight = {1: (0, 50, 4)}
+    _steps(st, [7, 3])
+    st.cadence.parked.add(0)
+    ok, why = cadence_gate(st)
+    assert not ok and why == ("rank 0 ran 7/8 batches of its window and has work left "
+                              "(parked: the last window's tail is left to the 1 rank(s) training)")  # fmt: skip
+
+
 def test_gate_missing_pool_is_not_quiesced_and_idle_window_never_fires():
     st = _state(2, 4)
     _steps(st, [4, 0])
