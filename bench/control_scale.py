@@ -350,7 +350,8 @@ def decision_latencies(requests: list) -> list[float]:
 
 def _batch_quantile(hists: list[dict], q: float) -> float:
     """When the ranks had trained ``q`` of all their batches (CLOCK_MONOTONIC seconds),
-    from the generators' ``batch_end_hist`` (to the end of the bucket it falls in)."""
+    from the generators' ``batch_end_hist``: the start of the 50 ms bucket it falls in (a
+    tail measured from there is at most one bucket long, never negative)."""
     from scale_ranks import END_BUCKET_S  # (beside this file; it imports numpy and zmq)
 
     merged: dict[int, int] = {}
@@ -361,7 +362,7 @@ def _batch_quantile(hists: list[dict], q: float) -> float:
     for k in sorted(merged):
         seen += merged[k]
         if seen >= q * total:
-            return (k + 1) * END_BUCKET_S
+            return k * END_BUCKET_S
     return float("nan")
 
 
