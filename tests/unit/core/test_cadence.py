@@ -789,3 +789,29 @@ def test_a_rank_runs_ahead_of_the_barrier_while_another_trains_by_at_most_one_wi
     assert st.rounds.cycle == 1 and st.rounds.ranks == (0, 1)  # rank 1 ran its window: the round fires
     res = c.run()
     assert res.ok and [{k: e[k] for k in EXACT} for e in res.summary["coverage"]] == [EXACT]
+
+
+def test_a_rank_still_running_ahead_at_the_trigger_gets_the_rest_of_its_window_queued():
+    # Rank 0 ran its window and holds a run-ahead chunk it has not trained when rank 1's
+    # last batch fires the round. It is in flight, so it used to get its next window
+    # only once that chunk was done: a turnaround with nothing to train, every window.
+    # Now the trigger queues the rest of its window behind the chunk (whose batch is the
+    # window's first step), before its RequestParams.
+    c = CheckedCluster(world_size=2, total=100, batch_size=1, epochs=1, policy="cadence", anchor=4,
+                       probe_batches=None, guard="none", run_ahead=True)  # fmt: skip
+    c.join_all()
+    st = c.state
+    _drain(c, 0)
+    for _ in range(4):
+        c.train_one(0)
+    _drain(c, 0)  # its window is run: the run-ahead chunk arrives (one batch: no pace known yet)
+    assert 0 in st.cadence.in_flight and window_steps(st, 0) == 4
+    _drain(c, 1)
+    while st.rounds.cycle == 0 and c.train_one(1):
+        _drain(c, 1)
+    assert st.rounds.cycle == 1
+    kinds = [(ctl.WhichOneof("cmd"), ctl) for ctl in c.ranks[0].inbox]
+    assert [k for k, _ in kinds] == ["start_epoch", "request_params"]
+    assert _plan(kinds[0][1])[2] == 3  # its window of 4, less the batch it holds
+    res = c.run()
+    assert res.ok and [{k: e[k] for k in EXACT} for e in res.summary["coverage"]] == [EXACT]
