@@ -67,6 +67,7 @@ from ._dispatcher import (
     _batches,
     _budget,
     _send_plan,
+    _take_window,
     _take,
     ends_at_a_barrier,
     window_steps,
@@ -257,10 +258,10 @@ def run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, out: list[Comm
     else:
         n = 1  # no pace yet: one batch, as it always was
     n = max(1, min(n, room, left))
-    got = _take(st, rank, epoch, n)
-    if got is None:
+    ranges = _take_window(st, rank, epoch, n)
+    if not ranges:
         return False
-    _send_plan(st, rank, epoch, got, out)
+    _send_plan(st, rank, epoch, ranges[0], out, extra=ranges[1:])
     return True
 
 

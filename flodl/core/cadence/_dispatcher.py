@@ -324,14 +324,18 @@ def _take(st: CoordinatorState, rank: int, epoch: int, batches: int) -> Optional
 
 
 def start_window(
-    st: CoordinatorState, epoch: int, ranks: list[int], ahead: Optional[dict[int, int]] = None
+    st: CoordinatorState, epoch: int, ranks: list[int], ahead: Optional[dict[int, int]] = None,
+    extra: Optional[dict[int, list[tuple[int, int]]]] = None,
 ) -> dict[int, tuple[int, int]]:
     """Pin the plan, size every rank in ``ranks`` before any take, then take (§8.4/§8.6).
 
     A rank that already ran part of its window gets only the rest (never crosses the
     reduce, as in streaming). ``ahead``: ranks still training a chunk of ``epoch`` (a
     run-ahead chunk, at a trigger), with the batches they hold: those are this window's
-    first steps, so each gets the rest of its window behind them, or nothing."""
+    first steps, so each gets the rest of its window behind them, or nothing. ``extra``
+    (a dict to fill): a take that came back short is topped up to the window's size
+    with more takes of the epoch, ``extra[rank]`` (``_take_window``), sent behind the
+    plan as ``ExtendPartition`` commands; without it a short take is all the rank gets now."""
     if epoch not in st.cadence.pools:
         return {}
     _pin(st, epoch)
@@ -339,10 +343,36 @@ def start_window(
     taken: dict[int, tuple[int, int]] = {}
     for r in ranks:
         if sizes[r] > 0:
-            got = _take(st, r, epoch, sizes[r])
-            if got is not None:
-                taken[r] = got
+            if extra is None:
+                got = _take(st, r, epoch, sizes[r])
+                if got is not None:
+                    taken[r] = got
+                continue
+            ranges = _take_window(st, r, epoch, sizes[r])
+            if ranges:
+                taken[r] = ranges[0]
+                if len(ranges) > 1:
+                    extra[r] = ranges[1:]
     return taken
+
+
+def _take_window(st: CoordinatorState, rank: int, epoch: int, batches: int) -> list[tuple[int, int]]:
+    """Take ``batches`` of ``epoch`` for the rank, in as many contiguous takes as it takes.
+    A take is one contiguous range (its own span, then a reclaimed hole or another's
+    residue), so a window larger than what is left of the rank's span comes back short;
+    handed out one take at a time, each of the rest would cost the rank a turnaround
+    with nothing to train (at 256 ranks, most of the plan waits). Each range is its
+    assignment as a take is (``_take``)."""
+    bs = st.config.batch_size
+    ranges: list[tuple[int, int]] = []
+    left = batches
+    while left > 0:
+        got = _take(st, rank, epoch, left)
+        if got is None:
+            break
+        ranges.append(got)
+        left -= _batches(got[1], bs)
+    return ranges
 
 
 def _ahead(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int, int]:
@@ -395,8 +425,16 @@ def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int], ahead: dic
 
 
 def _send_plan(st: CoordinatorState, rank: int, epoch: int, got: tuple[int, int], out: list[Command],
-               role: Optional[int] = None) -> None:  # fmt: skip
+               role: Optional[int] = None, extra: tuple[tuple[int, int], ...] | list = ()) -> None:  # fmt: skip
     _dispatch.send_plan(st, out, rank, epoch, got[0], got[1], role)
+    _send_extensions(st, rank, epoch, extra, out)
+
+
+def _send_extensions(st: CoordinatorState, rank: int, epoch: int, ranges, out: list[Command]) -> None:
+    """The rest of a plan, right behind it: the rank appends each to that plan."""
+    for off, size in ranges:
+        st.send(out, rank, extend_partition=pb.Control.ExtendPartition(epoch=epoch, partition_offset=off,
+                                                                       partition_size=size))  # fmt: skip
 
 
 # -- streaming ----------------------------------------------------------------------------
@@ -435,10 +473,10 @@ def offer_chunk(st: CoordinatorState, rank: int, epoch: int, pool: ChunkPool, ou
     left = max(1, _budget(st, rank) - window_steps(st, rank))  # never cross the reduce
     n = chunk_batches(st, rank, epoch)
     n = min(n, left) if n > 0 else min(left, _batches(pool.remaining(), st.config.batch_size))
-    got = _take(st, rank, epoch, n)
-    if got is None:
+    ranges = _take_window(st, rank, epoch, n)
+    if not ranges:
         return False
-    _send_plan(st, rank, epoch, got, out)
+    _send_plan(st, rank, epoch, ranges[0], out, extra=ranges[1:])
     return True
 
 
@@ -615,8 +653,11 @@ class CadenceDispatcher:
         _slack.stage(st, epoch, out)  # a callback holder's first window is shorter
         counts_changed(st)
         rearm(st)
-        taken = start_window(st, epoch, alive)
+        extra: dict[int, list[tuple[int, int]]] = {}
+        taken = start_window(st, epoch, alive, extra=extra)
         _dispatch.send_plans(st, out, epoch, taken, role)  # one StartEpoch each, in rank order
+        for r, ranges in extra.items():
+            _send_extensions(st, r, epoch, ranges, out)
         _dispatch.announce_role(st, out, told=taken)
         wake(st, out)
 
@@ -710,8 +751,9 @@ class CadenceDispatcher:
             if epoch is not None:
                 ahead = _ahead(st, epoch, training)
                 ready = [r for r in ranks if held[r] is None or r in ahead]
-                for r, got in start_window(st, epoch, ready, ahead).items():
-                    _send_plan(st, r, epoch, got, out)
+                extra: dict[int, list[tuple[int, int]]] = {}
+                for r, got in start_window(st, epoch, ready, ahead, extra).items():
+                    _send_plan(st, r, epoch, got, out, extra=extra.get(r, ()))
         if self.streams is not None:
             self.streams.wake(st, out)  # whoever that epoch could not serve streams on
 
