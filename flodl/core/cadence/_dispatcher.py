@@ -35,8 +35,8 @@ normally exactly one window.
   throttled) gets its next window now, via ``start_window``, as a ``StartEpoch`` sent
   just before its ``RequestParams``: it has work queued when it snapshots and trains
   while the round is open. So does one still training a run-ahead chunk of the
-  window's epoch (``_ahead``): the rest of its window, queued behind that chunk (whose
-  batches are the window's first steps) -- the one case of two chunks in flight; it
+  window's epoch (``_ahead``): the rest of its window, as ``ExtendPartition`` ranges of that
+  chunk (whose batches are the window's first steps) -- two windows in flight; it
   would otherwise get its window only once the chunk is done, a turnaround later; the rank applies the consensus delta-preserving
   (``theta <- consensus + (theta - snapshot)``). Folding is by the snapshot, not the
   mark: the ack's ``step_count`` (``_coverage.commit``: batches with step <= it) -- steps
@@ -753,7 +753,11 @@ class CadenceDispatcher:
                 ready = [r for r in ranks if held[r] is None or r in ahead]
                 extra: dict[int, list[tuple[int, int]]] = {}
                 for r, got in start_window(st, epoch, ready, ahead, extra).items():
-                    _send_plan(st, r, epoch, got, out, extra=extra.get(r, ()))
+                    if r in ahead:  # it extends the chunk it holds: a second plan queued would
+                        # be one the rank cannot tell from a coordinator's mistake (hazard 11)
+                        _send_extensions(st, r, epoch, [got, *extra.get(r, ())], out)
+                    else:
+                        _send_plan(st, r, epoch, got, out, extra=extra.get(r, ()))
         if self.streams is not None:
             self.streams.wake(st, out)  # whoever that epoch could not serve streams on
 

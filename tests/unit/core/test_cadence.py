@@ -495,6 +495,12 @@ class CheckedCluster(Cluster):
             assert cad.pools[epoch].in_flight(r) > 0
         return cmds
 
+    def run(self, *a, **kw):
+        res = super().run(*a, **kw)
+        # A healthy run warns nowhere: e.g. a second plan queued at a rank (hazard 11).
+        assert not [w for r in self.ranks for w in r.warnings], [r.warnings for r in self.ranks]
+        return res
+
 
 def test_three_unequal_ranks_exact_coverage_and_elche_summary():
     c = CheckedCluster(world_size=3, total=100, batch_size=4, epochs=3, policy="cadence", anchor=2,
@@ -801,8 +807,9 @@ def test_a_rank_still_running_ahead_at_the_trigger_gets_the_rest_of_its_window_q
     # Rank 0 ran its window and holds a run-ahead chunk it has not trained when rank 1's
     # last batch fires the round. It is in flight, so it used to get its next window
     # only once that chunk was done: a turnaround with nothing to train, every window.
-    # Now the trigger queues the rest of its window behind the chunk (whose batch is the
-    # window's first step), before its RequestParams.
+    # Now the trigger extends the chunk with the rest of its window (whose first step is
+    # that chunk's batch), before its RequestParams: ExtendPartition, not a second
+    # StartEpoch -- two plans queued at a rank mean a coordinator bug (hazard 11), warned.
     c = CheckedCluster(world_size=2, total=100, batch_size=1, epochs=1, policy="cadence", anchor=4,
                        probe_batches=None, guard="none", run_ahead=True)  # fmt: skip
     c.join_all()
@@ -817,7 +824,8 @@ def test_a_rank_still_running_ahead_at_the_trigger_gets_the_rest_of_its_window_q
         _drain(c, 1)
     assert st.rounds.cycle == 1
     kinds = [(ctl.WhichOneof("cmd"), ctl) for ctl in c.ranks[0].inbox]
-    assert [k for k, _ in kinds] == ["start_epoch", "request_params"]
-    assert _plan(kinds[0][1])[2] == 3  # its window of 4, less the batch it holds
+    assert [k for k, _ in kinds] == ["extend_partition", "request_params"]
+    assert kinds[0][1].extend_partition.partition_size == 3  # its window of 4, less the batch it holds
     res = c.run()
+    assert not any(r.warnings for r in c.ranks)
     assert res.ok and [{k: e[k] for k in EXACT} for e in res.summary["coverage"]] == [EXACT]
