@@ -12,7 +12,8 @@ clock: the only time is the ``now`` the shell passes to ``next_action`` (a chunk
 
 1. Plans. ``StartEpoch``/``Update.next_plan`` queue a ``Chunk`` (FIFO; two outstanding
    plans are kept, with a warning: reference hazard 11); ``ExtendPartition`` appends a
-   segment to the chunk in training (same epoch) or is a chunk of its own. A plan
+   segment to the last plan queued of its epoch (the rest of a window, sent right behind
+   its plan), else to the chunk in training of its epoch, else is a chunk of its own. A plan
    beyond the epoch is dropped (``bad_plan``). ``next_action`` pops the next chunk,
    hands out batches (``TrainBatch``) that never straddle a segment, and answers
    ``SendMetrics`` when a chunk runs out -- even while throttled: reporting is not
@@ -408,14 +409,19 @@ class RankMachine:
         self.plans.append(Chunk(epoch=int(epoch), seq=self.chunk_seq, segments=deque([[int(offset), int(size)]])))
 
     def _extend(self, c: pb.Control, out: list[Command]) -> None:
-        m, cur = c.extend_partition, self.current
-        if cur is not None and cur.epoch == m.epoch:
+        m = c.extend_partition
+        # The plan it extends: the last one queued (Cadence sends a window's further
+        # ranges right behind its plan), else the one in training (Sync hands a dead
+        # rank's remainder to the survivors' partitions); of its epoch.
+        last = self.plans[-1] if self.plans else None
+        target = last if last is not None and last.epoch == m.epoch else self.current
+        if target is not None and target.epoch == m.epoch:
             assert self.spec is not None
             if m.partition_offset + m.partition_size > self.spec.total_samples:
                 out.append(Drop(reason="bad_plan", detail="ExtendPartition beyond the epoch"))
                 return
-            cur.segments.append([int(m.partition_offset), int(m.partition_size)])
-        else:  # no plan in training (or another epoch): the extension is a chunk of its own
+            target.segments.append([int(m.partition_offset), int(m.partition_size)])
+        else:  # no plan of its epoch: the extension is a chunk of its own
             self._add_chunk(m.epoch, m.partition_offset, m.partition_size, "ExtendPartition", out)
 
     def _trim(self, c: pb.Control, out: list[Command]) -> None:

@@ -20,7 +20,7 @@ batches) that wait is a large part of every epoch -- 6.5-10 % of the run on a
 * **Oldest epoch first.** Windows handed out at a trigger or in an ``Update`` draw from
   the oldest live epoch with work (a dead rank's reclaimed holes included), else from
   the next (``window_epoch``); an idle rank is woken the same way (``_async.wake``). A
-  rank has one chunk in flight, so its batches of one epoch are all reported before it
+  rank's chunks in flight are of one epoch, so its batches of one epoch are all reported before it
   gets a chunk of another (``check_batch`` follows ``dispatch.rank_epoch``).
 * **Coverage and aggregation do not change.** A position is committed when the round
   that folds its step finishes (``_coverage``, per epoch), and an epoch aggregates --
@@ -67,6 +67,7 @@ from ._dispatcher import (
     _batches,
     _budget,
     _send_plan,
+    _take_window,
     _take,
     ends_at_a_barrier,
     window_steps,
@@ -156,6 +157,10 @@ class _BoundaryStreams:
         if epoch is not None and cad is not None and epoch not in cad.pools:
             _async._open(st, epoch, -1, out)
         return epoch
+
+    def live_window_epoch(self, st: CoordinatorState) -> Optional[int]:
+        epoch = _async.source_epoch(st)
+        return epoch if st.cadence is not None and epoch in st.cadence.pools else None
 
 
 def leaves_the_tail(st: CoordinatorState, rank: int) -> bool:
@@ -253,10 +258,10 @@ def run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, out: list[Comm
     else:
         n = 1  # no pace yet: one batch, as it always was
     n = max(1, min(n, room, left))
-    got = _take(st, rank, epoch, n)
-    if got is None:
+    ranges = _take_window(st, rank, epoch, n)
+    if not ranges:
         return False
-    _send_plan(st, rank, epoch, got, out)
+    _send_plan(st, rank, epoch, ranges[0], out, extra=ranges[1:])
     return True
 
 

@@ -34,7 +34,10 @@ normally exactly one window.
   the gate count. Every participant that is not held (nothing in flight, not
   throttled) gets its next window now, via ``start_window``, as a ``StartEpoch`` sent
   just before its ``RequestParams``: it has work queued when it snapshots and trains
-  while the round is open; the rank applies the consensus delta-preserving
+  while the round is open. So does one still training a run-ahead chunk of the
+  window's epoch (``_ahead``): the rest of its window, as ``ExtendPartition`` ranges of that
+  chunk (whose batches are the window's first steps) -- two windows in flight; it
+  would otherwise get its window only once the chunk is done, a turnaround later; the rank applies the consensus delta-preserving
   (``theta <- consensus + (theta - snapshot)``). Folding is by the snapshot, not the
   mark: the ack's ``step_count`` (``_coverage.commit``: batches with step <= it) -- steps
   after the snapshot are folded by the *next* round. The two differ when a rank trains
@@ -323,25 +326,79 @@ def _take(st: CoordinatorState, rank: int, epoch: int, batches: int) -> Optional
     return got
 
 
-def start_window(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int, tuple[int, int]]:
+def start_window(
+    st: CoordinatorState, epoch: int, ranks: list[int], ahead: Optional[dict[int, int]] = None,
+    extra: Optional[dict[int, list[tuple[int, int]]]] = None,
+) -> dict[int, tuple[int, int]]:
     """Pin the plan, size every rank in ``ranks`` before any take, then take (§8.4/§8.6).
 
     A rank that already ran part of its window gets only the rest (never crosses the
-    reduce, as in streaming)."""
+    reduce, as in streaming). ``ahead``: ranks still training a chunk of ``epoch`` (a
+    run-ahead chunk, at a trigger), with the batches they hold: those are this window's
+    first steps, so each gets the rest of its window behind them, or nothing. ``extra``
+    (a dict to fill): a take that came back short is topped up to the window's size
+    with more takes of the epoch, ``extra[rank]`` (``_take_window``), sent behind the
+    plan as ``ExtendPartition`` commands; without it a short take is all the rank gets now."""
     if epoch not in st.cadence.pools:
         return {}
     _pin(st, epoch)
-    sizes = _window_sizes(st, epoch, ranks)
+    sizes = _window_sizes(st, epoch, ranks, ahead or {})
     taken: dict[int, tuple[int, int]] = {}
     for r in ranks:
         if sizes[r] > 0:
-            got = _take(st, r, epoch, sizes[r])
-            if got is not None:
-                taken[r] = got
+            if extra is None:
+                got = _take(st, r, epoch, sizes[r])
+                if got is not None:
+                    taken[r] = got
+                continue
+            ranges = _take_window(st, r, epoch, sizes[r])
+            if ranges:
+                taken[r] = ranges[0]
+                if len(ranges) > 1:
+                    extra[r] = ranges[1:]
     return taken
 
 
-def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int, int]:
+def _take_window(st: CoordinatorState, rank: int, epoch: int, batches: int) -> list[tuple[int, int]]:
+    """Take ``batches`` of ``epoch`` for the rank, in as many contiguous takes as it takes.
+    A take is one contiguous range (its own span, then a reclaimed hole or another's
+    residue), so a window larger than what is left of the rank's span comes back short;
+    handed out one take at a time, each of the rest would cost the rank a turnaround
+    with nothing to train (at 256 ranks, most of the plan waits). Each range is its
+    assignment as a take is (``_take``)."""
+    bs = st.config.batch_size
+    ranges: list[tuple[int, int]] = []
+    left = batches
+    while left > 0:
+        got = _take(st, rank, epoch, left)
+        if got is None:
+            break
+        ranges.append(got)
+        left -= _batches(got[1], bs)
+    return ranges
+
+
+def _ahead(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int, int]:
+    """Of ``ranks`` (each training a chunk at a trigger), those whose next window may go
+    out now, queued behind it, with the batches they still hold. A rank that ran its
+    window and took a run-ahead chunk would otherwise get its next window only once that
+    chunk is done: one turnaround with nothing to train, every window. Its chunk must be
+    of ``epoch`` (its batches name one epoch at a time, ``check_batch``) and it must not
+    be throttled (it waits for the round). Barrier-paced windows only (Cadence)."""
+    cad = st.cadence
+    if not cad.barrier_paced or not st.config.run_ahead:
+        return {}
+    pool, bs = cad.pools.get(epoch), st.config.batch_size
+    out: dict[int, int] = {}
+    for r in ranks:
+        chunk = cad.in_flight.get(r)
+        if pool is None or chunk is None or chunk[0] != epoch or r in cad.throttled:
+            continue
+        out[r] = _batches(pool.in_flight(r), bs)
+    return out
+
+
+def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int], ahead: dict[int, int]) -> dict[int, int]:
     """``_capped(chunk_batches(rank))`` for each rank, the inputs they share (the pool's
     remaining, the counts view, the pinned plan) read once: nothing moves them before the
     first take, and a dispatch sizes every rank of a world of thousands."""
@@ -357,17 +414,30 @@ def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[in
     for r in ranks:
         steps = max(0, recs[r].last_step - marks.get(r, 0))  # window_steps
         budget = over.budget_for(own[r], overshoot=on)  # _budget
-        sized = steps if final_alloc is None else plan.share_steps(r, steps)
+        held = ahead.get(r, 0)  # the pinned plan's base already leaves them out of its share
+        sized = steps + held if final_alloc is None else plan.share_steps(r, steps)
         n = compute_chunk_batches(r, remaining_samples=remaining, counts=counts, counts_total=counts_total,
                                   batch_size=bs, barrier_paced=barrier_paced, calibrated=calibrated,
                                   total_samples=total, steps=sized, budget=budget, final_alloc=final_alloc)  # fmt: skip
-        sizes[r] = min(n, max(1, budget - steps)) if budget > 0 and n > 0 else n  # _capped
+        if held:  # the rest of its window behind what it holds, never a batch past it
+            rest = budget - steps - held
+            sizes[r] = min(n, rest) if budget > 0 and rest > 0 and n > 0 else 0
+        else:
+            sizes[r] = min(n, max(1, budget - steps)) if budget > 0 and n > 0 else n  # _capped
     return sizes
 
 
 def _send_plan(st: CoordinatorState, rank: int, epoch: int, got: tuple[int, int], out: list[Command],
-               role: Optional[int] = None) -> None:  # fmt: skip
+               role: Optional[int] = None, extra: tuple[tuple[int, int], ...] | list = ()) -> None:  # fmt: skip
     _dispatch.send_plan(st, out, rank, epoch, got[0], got[1], role)
+    _send_extensions(st, rank, epoch, extra, out)
+
+
+def _send_extensions(st: CoordinatorState, rank: int, epoch: int, ranges, out: list[Command]) -> None:
+    """The rest of a plan, right behind it: the rank appends each to that plan."""
+    for off, size in ranges:
+        st.send(out, rank, extend_partition=pb.Control.ExtendPartition(epoch=epoch, partition_offset=off,
+                                                                       partition_size=size))  # fmt: skip
 
 
 # -- streaming ----------------------------------------------------------------------------
@@ -406,10 +476,10 @@ def offer_chunk(st: CoordinatorState, rank: int, epoch: int, pool: ChunkPool, ou
     left = max(1, _budget(st, rank) - window_steps(st, rank))  # never cross the reduce
     n = chunk_batches(st, rank, epoch)
     n = min(n, left) if n > 0 else min(left, _batches(pool.remaining(), st.config.batch_size))
-    got = _take(st, rank, epoch, n)
-    if got is None:
+    ranges = _take_window(st, rank, epoch, n)
+    if not ranges:
         return False
-    _send_plan(st, rank, epoch, got, out)
+    _send_plan(st, rank, epoch, ranges[0], out, extra=ranges[1:])
     return True
 
 
@@ -506,6 +576,10 @@ class EpochStreams(Protocol):
         (opened now if it must be); None: the trigger only wakes idle ranks (Async)."""
         ...
 
+    def live_window_epoch(self, st: CoordinatorState) -> Optional[int]:
+        """``window_epoch`` if it has a pool already; None if it would have to open one."""
+        ...
+
 
 class CadenceDispatcher:
     """Progressive chunk dispatch driven by ElChe (see module doc), one class for Cadence
@@ -549,6 +623,12 @@ class CadenceDispatcher:
             return st.dispatch.last_dispatched
         return self.streams.window_epoch(st, out)
 
+    def _live_window_epoch(self, st: CoordinatorState) -> Optional[int]:
+        """``_window_epoch`` when it has a pool already (None: it would open one)."""
+        if self.streams is None:
+            return st.dispatch.last_dispatched
+        return self.streams.live_window_epoch(st)
+
     def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
         if self.streams is not None and st.dispatch.last_dispatched is not None:
             # Streaming reaches a later epoch here only when nobody streamed into it.
@@ -576,8 +656,11 @@ class CadenceDispatcher:
         _slack.stage(st, epoch, out)  # a callback holder's first window is shorter
         counts_changed(st)
         rearm(st)
-        taken = start_window(st, epoch, alive)
+        extra: dict[int, list[tuple[int, int]]] = {}
+        taken = start_window(st, epoch, alive, extra=extra)
         _dispatch.send_plans(st, out, epoch, taken, role)  # one StartEpoch each, in rank order
+        for r, ranges in extra.items():
+            _send_extensions(st, r, epoch, ranges, out)
         _dispatch.announce_role(st, out, told=taken)
         wake(st, out)
 
@@ -661,12 +744,23 @@ class CadenceDispatcher:
         rearm(st)
         # Everything sent here goes before the RequestParams (the caller's): the round
         # overlaps training.
-        ready = [r for r in ranks if _held(st, r) is None]
-        if ready and st.run.phase is TRAINING and st.dispatch.last_dispatched is not None:
-            epoch = self._window_epoch(st, out)
+        held = {r: _held(st, r) for r in ranks}
+        if st.run.phase is TRAINING and st.dispatch.last_dispatched is not None:
+            training = [r for r in ranks if held[r] == "one chunk in flight"]
+            if any(h is None for h in held.values()):
+                epoch = self._window_epoch(st, out)
+            else:  # only ranks still training: none of them opens an epoch
+                epoch = self._live_window_epoch(st) if training else None
             if epoch is not None:
-                for r, got in start_window(st, epoch, ready).items():
-                    _send_plan(st, r, epoch, got, out)
+                ahead = _ahead(st, epoch, training)
+                ready = [r for r in ranks if held[r] is None or r in ahead]
+                extra: dict[int, list[tuple[int, int]]] = {}
+                for r, got in start_window(st, epoch, ready, ahead, extra).items():
+                    if r in ahead:  # it extends the chunk it holds: a second plan queued would
+                        # be one the rank cannot tell from a coordinator's mistake (hazard 11)
+                        _send_extensions(st, r, epoch, [got, *extra.get(r, ())], out)
+                    else:
+                        _send_plan(st, r, epoch, got, out, extra=extra.get(r, ()))
         if self.streams is not None:
             self.streams.wake(st, out)  # whoever that epoch could not serve streams on
 
