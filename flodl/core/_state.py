@@ -549,6 +549,8 @@ class CoordinatorState:
         self.next_command_id = cid + len(ranks)
 
     def _check_all_addressable(self, ranks: Sequence[int]) -> None:
+        if self.index.phases[ACTIVE].issuperset(ranks):
+            return  # the common case, one C-level pass (the index follows every phase write)
         recs = self.ranks
         for r in ranks:  # the common case (ACTIVE, JOINING) read inline: this runs per rank of a dispatch
             phase = recs[r].phase if 0 <= r < len(recs) else None
