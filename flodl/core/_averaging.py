@@ -56,6 +56,7 @@ The gate and the dispatcher are the policy's (``_policy``): the step passes the 
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any, Callable, Optional
 
 from flodl.wire import pb
@@ -280,6 +281,7 @@ def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> 
     # plans are the dispatcher's fresh messages, held by nothing else; the window's end
     # is read now (it moves with the next trigger).
     version, cycle, end = rs.version, rs.cycle, dispatcher.window_end_step
-    st.send_built_zip(out, alive, "update", _update, [(version, cycle, end(st, r), plans.get(r)) for r in alive])
+    args = list(zip(repeat(version), repeat(cycle), map(end, repeat(st), alive), map(plans.get, alive)))
+    st.send_built_zip(out, alive, "update", _update, args)  # (zipped: a round answers thousands)
     committed = _coverage.committed_samples(st.coverage)  # the ranks' LR schedules follow it
     st.send_built_each(out, alive, "set_global_step", _set_global_step, (rs.global_step, committed))

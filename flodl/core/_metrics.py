@@ -172,8 +172,11 @@ def is_ready(st: CoordinatorState, epoch: int) -> bool:
     if assigned is None or not _coverage.is_complete(st.coverage, epoch):
         return False
     got = st.metrics.chunks.get(epoch, {})
-    for r, ranges in assigned.items():
-        if st.ranks[r].phase is ACTIVE and ranges and not got.get(r):
+    # Asked on every pass of the step once the epoch is complete: only the ranks with no
+    # metrics yet are looked at (a set difference), not every assigned rank.
+    maybe = assigned if not all(got.values()) else assigned.keys() - got.keys()
+    for r in maybe:
+        if st.ranks[r].phase is ACTIVE and assigned[r] and not got.get(r):
             return False
     return True
 
