@@ -93,6 +93,7 @@ from . import _feedback, _slack
 from ._chunk_pool import (
     ChunkPool,
     compute_chunk_batches,
+    compute_chunk_batches_each,
     refresh_final_window_plan,
     reservation_span_sizes,
 )
@@ -289,20 +290,8 @@ def _capped(st: CoordinatorState, rank: int, n: int) -> int:
 
 def _take(st: CoordinatorState, rank: int, epoch: int, batches: int) -> Optional[tuple[int, int]]:
     """Take a chunk for the rank; record it as its assignment and its chunk in flight."""
-    cad, d = st.cadence, st.dispatch
-    got = cad.pools[epoch].take_chunk(rank, batches * st.config.batch_size)
-    if got is None or got[1] == 0:
-        return None
-    off, n = got
-    ranges = d.assigned.setdefault(epoch, {}).setdefault(rank, [])
-    if ranges and ranges[-1][0] + ranges[-1][1] == off:
-        ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
-    else:
-        ranges.append((off, n))
-    d.rank_epoch[rank] = epoch
-    cad.in_flight[rank] = (epoch, off, n)
-    may_block(cad, rank)  # it is not quiesced any more
-    return got
+    got = st.cadence.pools[epoch].take_chunk(rank, batches * st.config.batch_size)
+    return _record_takes(st, epoch, [rank], [got]).get(rank)
 
 
 def start_window(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int, tuple[int, int]]:
@@ -314,12 +303,39 @@ def start_window(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int
         return {}
     _pin(st, epoch)
     sizes = _window_sizes(st, epoch, ranks)
+    takers = [r for r in ranks if sizes[r] > 0]
+    bs = st.config.batch_size
+    got_each = st.cadence.pools[epoch].take_chunks(takers, [sizes[r] * bs for r in takers])
+    return _record_takes(st, epoch, takers, got_each)
+
+
+def _record_takes(st: CoordinatorState, epoch: int, ranks: list[int],
+                  got_each: list[Optional[tuple[int, int]]]) -> dict[int, tuple[int, int]]:  # fmt: skip
+    """``_take``'s books for each of ``ranks`` after the pool's takes, in order (inline:
+    a window start takes for every rank)."""
+    cad, d = st.cadence, st.dispatch
+    per_rank = None
+    rank_epoch, in_flight, in_open, heap = d.rank_epoch, cad.in_flight, cad.in_open, cad.open_windows
     taken: dict[int, tuple[int, int]] = {}
-    for r in ranks:
-        if sizes[r] > 0:
-            got = _take(st, r, epoch, sizes[r])
-            if got is not None:
-                taken[r] = got
+    for r, got in zip(ranks, got_each):
+        if got is None or got[1] == 0:
+            continue
+        off, n = got
+        if per_rank is None:
+            per_rank = d.assigned.setdefault(epoch, {})
+        ranges = per_rank.get(r)
+        if ranges is None:
+            per_rank[r] = [(off, n)]
+        elif ranges and ranges[-1][0] + ranges[-1][1] == off:
+            ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
+        else:
+            ranges.append((off, n))
+        rank_epoch[r] = epoch
+        in_flight[r] = (epoch, off, n)
+        if r not in in_open:  # may_block: it is not quiesced any more
+            heapq.heappush(heap, r)
+            in_open.add(r)
+        taken[r] = got
     return taken
 
 
@@ -334,16 +350,14 @@ def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[in
     remaining = _batches(pool.remaining(), bs) * bs
     final_alloc = plan.alloc if plan is not None and plan.epoch == epoch else None
     recs, marks, own, over, on = st.ranks, cad.window_mark, cad.elche.batch_counts, cad.overshoot, cad.overshoot_on
-    barrier_paced, total = cad.barrier_paced, pool.total
-    sizes: dict[int, int] = {}
-    for r in ranks:
-        steps = max(0, recs[r].last_step - marks.get(r, 0))  # window_steps
-        budget = over.budget_for(own[r], overshoot=on)  # _budget
-        n = compute_chunk_batches(r, remaining_samples=remaining, counts=counts, counts_total=counts_total,
-                                  batch_size=bs, barrier_paced=barrier_paced, calibrated=calibrated,
-                                  total_samples=total, steps=steps, budget=budget, final_alloc=final_alloc)  # fmt: skip
-        sizes[r] = min(n, max(1, budget - steps)) if budget > 0 and n > 0 else n  # _capped
-    return sizes
+    steps = [max(0, recs[r].last_step - marks.get(r, 0)) for r in ranks]  # window_steps
+    look = over.look_ahead(on)  # _budget (``OvershootBudget.budget_for``) of each rank
+    budgets = [own[r] + look if own[r] > 0 else 0 for r in ranks]
+    ns = compute_chunk_batches_each(ranks, steps, budgets, remaining_samples=remaining, counts=counts,
+                                    counts_total=counts_total, batch_size=bs, barrier_paced=cad.barrier_paced,
+                                    calibrated=calibrated, total_samples=pool.total, final_alloc=final_alloc)  # fmt: skip
+    return {r: (min(n, max(1, b - s)) if b > 0 and n > 0 else n)  # _capped
+            for r, n, s, b in zip(ranks, ns, steps, budgets)}  # fmt: skip
 
 
 def _send_plan(st: CoordinatorState, rank: int, epoch: int, got: tuple[int, int], out: list[Command],
