@@ -385,6 +385,24 @@ def _held(st: CoordinatorState, rank: int) -> Optional[str]:
     return None
 
 
+def _unheld(st: CoordinatorState, ranks: list[int]) -> list[int]:
+    """``[r for r in ranks if _held(st, r) is None]``, the rules inline (a trigger and a
+    finished round ask it of every participant)."""
+    cad = st.cadence
+    recs, in_flight, throttled, marks = st.ranks, cad.in_flight, cad.throttled, cad.window_mark
+    own, look = cad.elche.batch_counts, cad.overshoot.look_ahead(cad.overshoot_on)
+    out = []
+    for r in ranks:
+        rec = recs[r]
+        if rec.phase is not ACTIVE or r in in_flight or r in throttled:
+            continue
+        budget = own[r] + look if own[r] > 0 else 0  # _budget
+        if budget > 0 and rec.last_step - marks.get(r, 0) >= budget and rec.last_step > rec.folded_step:
+            continue  # the reduce barrier (window_steps >= budget > 0, unfolded steps)
+        out.append(r)
+    return out
+
+
 def _dispatch_next(st: CoordinatorState, rank: int, out: list[Command]) -> bool:
     """Stream the rank its next chunk unless held or its epoch is drained."""
     if _held(st, rank) is not None:
@@ -652,7 +670,7 @@ class CadenceDispatcher:
         rearm(st)
         # Everything sent here goes before the RequestParams (the caller's): the round
         # overlaps training.
-        ready = [r for r in ranks if _held(st, r) is None]
+        ready = _unheld(st, ranks)
         if ready and st.run.phase is TRAINING and st.dispatch.last_dispatched is not None:
             epoch = self._window_epoch(st, out)
             if epoch is not None:
@@ -675,7 +693,7 @@ class CadenceDispatcher:
         cad.averages[epoch] = cad.averages.get(epoch, 0) + 1
         if not self.atomic_dispatch:
             return {}  # nobody waits for the Update
-        ready = [r for r in ranks if _held(st, r) is None]
+        ready = _unheld(st, ranks)
         if not ready:
             return {}
         source = self._window_epoch(st, out)
