@@ -40,6 +40,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from itertools import compress
+from operator import itemgetter, sub
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -574,7 +576,7 @@ def final_window_alloc(rem: int, counts: Sequence[int], alive: Sequence[bool]) -
     """
     ws = len(counts)
     alloc = [0] * ws
-    total = sum(counts[r] for r in range(ws) if alive[r])
+    total = sum(compress(counts, alive))
     if rem <= 0 or total == 0:
         return alloc
     if rem >= total:
@@ -590,14 +592,21 @@ def final_window_alloc(rem: int, counts: Sequence[int], alive: Sequence[bool]) -
         for i in range(crumb):
             alloc[order[i % len(order)]] += 1
         return alloc
-    frac: list[tuple[int, float]] = []
-    for r in range(ws):
-        if alive[r]:
-            exact = rem * counts[r] / total
-            alloc[r] = math.floor(exact)
-            frac.append((r, exact - alloc[r]))
-    frac.sort(key=lambda rf: -rf[1])
-    for i in range(rem - sum(alloc)):
+    # (Comprehensions, and only the largest remainders ranked: the run's last window
+    # splits a world of thousands.)
+    live = list(compress(range(ws), alive))
+    exact = [rem * counts[r] / total for r in live]
+    floors = list(map(math.floor, exact))
+    for r, f in zip(live, floors):
+        alloc[r] = f
+    frac = list(zip(live, map(sub, exact, floors)))
+    left = rem - sum(floors)
+    # Largest remainder first, ties in rank order (a stable sort, descending).
+    if 0 < left <= len(frac):
+        frac = heapq.nlargest(left, frac, key=itemgetter(1))
+    else:
+        frac.sort(key=itemgetter(1), reverse=True)
+    for i in range(left):
         alloc[frac[i % len(frac)][0]] += 1
     return consolidate_lone_ones(alloc, alive)
 
@@ -632,11 +641,11 @@ def refresh_final_window_plan(
     if not barrier_paced:
         return None
     ws = len(counts)
-    total = sum(counts[r] for r in range(ws) if alive[r])
+    total = sum(compress(counts, alive))
     rem = remaining_batches
     if rem == 0 or total == 0 or rem >= total + ws:
         return None
-    counts_t, alive_t = tuple(counts), tuple(bool(a) for a in alive)
+    counts_t, alive_t = tuple(counts), tuple(map(bool, alive))
     if plan is not None and plan.epoch == epoch and plan.pinned_counts == counts_t:
         if plan.pinned_alive == alive_t:
             return plan

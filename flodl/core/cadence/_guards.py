@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import filterfalse
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Protocol, Sequence, Union
 
@@ -131,7 +132,7 @@ class DivergenceReport:
 
     def max_relative_delta(self) -> float:
         """``d_raw``: worst-case replica drift, ``max(0, max deltas)``; NaN ignored."""
-        return max([0.0, *(d for d in self.deltas if not math.isnan(d))])
+        return max(0.0, max(filterfalse(math.isnan, self.deltas), default=0.0))  # (C-level: N deltas)
 
 
 class Guard(Protocol):
