@@ -84,6 +84,7 @@ last batch); chunk sizing sees the remainder rounded up to whole batches.
 from __future__ import annotations
 
 import heapq
+from itertools import repeat
 from typing import Optional, Protocol
 
 from flodl.wire import pb
@@ -313,29 +314,28 @@ def _record_takes(st: CoordinatorState, epoch: int, ranks: list[int],
                   got_each: list[Optional[tuple[int, int]]]) -> dict[int, tuple[int, int]]:  # fmt: skip
     """``_take``'s books for each of ``ranks`` after the pool's takes, in order (inline:
     a window start takes for every rank)."""
+    taken = {r: got for r, got in zip(ranks, got_each) if got is not None and got[1] != 0}
+    if not taken:
+        return taken
     cad, d = st.cadence, st.dispatch
-    per_rank = None
-    rank_epoch, in_flight, in_open, heap = d.rank_epoch, cad.in_flight, cad.in_open, cad.open_windows
-    taken: dict[int, tuple[int, int]] = {}
-    for r, got in zip(ranks, got_each):
-        if got is None or got[1] == 0:
-            continue
-        off, n = got
-        if per_rank is None:
-            per_rank = d.assigned.setdefault(epoch, {})
+    per_rank = d.assigned.setdefault(epoch, {})
+    fresh = []
+    for r, got in taken.items():
         ranges = per_rank.get(r)
         if ranges is None:
-            per_rank[r] = [(off, n)]
-        elif ranges and ranges[-1][0] + ranges[-1][1] == off:
-            ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
+            fresh.append(r)
+        elif ranges and ranges[-1][0] + ranges[-1][1] == got[0]:
+            ranges[-1] = (ranges[-1][0], ranges[-1][1] + got[1])
         else:
-            ranges.append((off, n))
-        rank_epoch[r] = epoch
-        in_flight[r] = (epoch, off, n)
-        if r not in in_open:  # may_block: it is not quiesced any more
-            heapq.heappush(heap, r)
-            in_open.add(r)
-        taken[r] = got
+            ranges.append(got)
+    # The rest in bulk (the same entries, in rank order, as one rank at a time).
+    per_rank.update((r, [taken[r]]) for r in fresh)
+    d.rank_epoch.update(zip(taken, repeat(epoch)))
+    cad.in_flight.update((r, (epoch, off, n)) for r, (off, n) in taken.items())
+    in_open = cad.in_open
+    for r in [r for r in taken if r not in in_open]:  # may_block: it is not quiesced any more
+        heapq.heappush(cad.open_windows, r)
+        in_open.add(r)
     return taken
 
 
@@ -435,6 +435,10 @@ def wake(st: CoordinatorState, out: list[Command]) -> None:
     absorb_released(st)
     if not cad.wakeable or not any(pool.remaining() for pool in cad.pools.values()):
         return  # nobody could be given anything: they stay wakeable
+    busy = cad.wakeable.intersection(cad.in_flight)
+    if busy:  # held (one chunk in flight), whatever the others take: out at once, in bulk
+        cad.wakeable -= busy  # (after a window start that is every rank)
+        cad.dropped_wake |= busy  # drop_wake
     for r in sorted(cad.wakeable):
         _dispatch_next(st, r, out)
         if _held(st, r) is not None:  # served (one chunk in flight) or held: out until released

@@ -259,7 +259,8 @@ class ElChe:
         return self.anchor * self.slow_ms() if self.calibrated else 0.0
 
     def has_speed_hint(self) -> bool:
-        return any(c != self.batch_counts[0] for c in self.batch_counts)
+        counts = self.batch_counts  # (not all equal: counted in C, asked per dispatch)
+        return bool(counts) and counts.count(counts[0]) != len(counts)
 
     def total_batches(self) -> int:
         return sum(self.batch_counts)
