@@ -126,7 +126,9 @@ def trigger(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) ->
     rs.refused = {}
     rs.opened_at = st.now
     st.index.open_round(rs.ranks)
-    out.append(OpenRound(rs.cycle, rs.ranks, tuple(st.unfolded(r) for r in rs.ranks)))
+    recs = st.ranks  # (``unfolded``, inline: a round opens for every rank)
+    steps = tuple([max(0, recs[r].last_step - recs[r].folded_step) for r in rs.ranks])
+    out.append(OpenRound(rs.cycle, rs.ranks, steps))
     dispatcher.on_trigger(st, list(rs.ranks), out)
     # Built when sent: a round asks every rank (``CoordinatorState.send_built``).
     st.send_built_each(out, rs.ranks, "request_params", _request_params, (rs.cycle,))

@@ -60,10 +60,10 @@ def on_chunk(st: CoordinatorState, ev: ChunkDone) -> None:
         st.count_ignored("ChunkDone for an aggregated epoch")
         return
     mine = st.metrics.chunks.setdefault(ev.epoch, {}).setdefault(ev.rank, [])
-    if any(c.chunk_seq == ev.chunk_seq for c in mine):
+    if ev.chunk_seq in mine:
         st.count_ignored("duplicate ChunkDone")
         return
-    mine.append(ev)
+    mine.append(ev.chunk_seq)
     sums = st.metrics.sums.setdefault(ev.epoch, {})
     acc = sums.get(ev.rank)
     if acc is None:

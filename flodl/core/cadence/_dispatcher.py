@@ -108,7 +108,7 @@ from ._lr_meta import LrEventMeta
 from ._overshoot import OvershootBudget
 from .._phases import ACTIVE, PENDING, TRAINING
 from .._state import CadenceState, CoordinatorState
-from ._views import absorb_released, counts_changed, counts_view, drop_open, drop_wake, may_block, rearm
+from ._views import absorb_released, counts_changed, counts_view, drop_wake, may_block, rearm
 from ._window import WindowLedger
 
 __all__ = [
@@ -212,15 +212,20 @@ def windows_done(st: CoordinatorState) -> tuple[bool, str]:
     cad = st.cadence
     absorb_released(st)
     counts, heap = cad.elche.batch_counts, cad.open_windows
+    # (window_steps, quiesced and drop_open inline: after a finished round the gate pops
+    # every rank that ran its window, thousands in one step.)
+    recs, throttled, marks = st.ranks, cad.throttled, cad.window_mark
+    in_open, dropped, pop = cad.in_open, cad.dropped_open, heapq.heappop
     while heap:
         r = heap[0]
-        if st.ranks[r].phase is ACTIVE and r not in cad.throttled:
-            steps = window_steps(st, r)
+        rec = recs[r]
+        if rec.phase is ACTIVE and r not in throttled:
+            steps = max(0, rec.last_step - marks.get(r, 0))
             if steps < counts[r] and not quiesced(st, r):
                 return False, f"rank {r} ran {steps}/{counts[r]} batches of its window and has work left"
-        heapq.heappop(heap)
-        cad.in_open.discard(r)
-        drop_open(cad, r)
+        pop(heap)
+        in_open.discard(r)
+        dropped.add(r)
     if not st.any_unfolded():
         return False, "no rank has stepped since the last average"
     return True, "every active rank ran its window, is throttled, or has no work left"
@@ -668,8 +673,8 @@ class CadenceDispatcher:
 
     def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None:
         cad = st.cadence
-        for r in ranks:  # the next window starts here
-            cad.window_mark[r] = st.ranks[r].last_step
+        recs = st.ranks  # the next window starts here
+        cad.window_mark.update([(r, recs[r].last_step) for r in ranks])
         cad.barrier_at = None
         rearm(st)
         # Everything sent here goes before the RequestParams (the caller's): the round
