@@ -592,8 +592,7 @@ def final_window_alloc(rem: int, counts: Sequence[int], alive: Sequence[bool]) -
         for i in range(crumb):
             alloc[order[i % len(order)]] += 1
         return alloc
-    # (Comprehensions, and only the largest remainders ranked: the run's last window
-    # splits a world of thousands.)
+    # (Comprehensions and a C-level sort: the run's last window splits a world of thousands.)
     live = list(compress(range(ws), alive))
     exact = [rem * counts[r] / total for r in live]
     floors = list(map(math.floor, exact))
@@ -601,11 +600,7 @@ def final_window_alloc(rem: int, counts: Sequence[int], alive: Sequence[bool]) -
         alloc[r] = f
     frac = list(zip(live, map(sub, exact, floors)))
     left = rem - sum(floors)
-    # Largest remainder first, ties in rank order (a stable sort, descending).
-    if 0 < left <= len(frac):
-        frac = heapq.nlargest(left, frac, key=itemgetter(1))
-    else:
-        frac.sort(key=itemgetter(1), reverse=True)
+    frac.sort(key=itemgetter(1), reverse=True)  # largest remainder first, ties in rank order (stable)
     for i in range(left):
         alloc[frac[i % len(frac)][0]] += 1
     return consolidate_lone_ones(alloc, alive)
