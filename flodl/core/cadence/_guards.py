@@ -126,7 +126,7 @@ class DivergenceReport:
     post_norm: Optional[float] = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "deltas", tuple(float(d) for d in self.deltas))
+        object.__setattr__(self, "deltas", tuple(map(float, self.deltas)))
         if self.pre_norms is not None:
             object.__setattr__(self, "pre_norms", tuple(float(p) for p in self.pre_norms))
 
