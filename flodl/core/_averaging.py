@@ -282,8 +282,8 @@ def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> 
     # Built when sent (``CoordinatorState.send_built``): a round answers every rank. The
     # plans are the dispatcher's fresh messages, held by nothing else; the window's end
     # is read now (it moves with the next trigger).
-    version, cycle, end = rs.version, rs.cycle, dispatcher.window_end_step
-    args = list(zip(repeat(version), repeat(cycle), map(end, repeat(st), alive), map(plans.get, alive)))
+    ends = dispatcher.window_end_steps(st, alive)
+    args = list(zip(repeat(rs.version), repeat(rs.cycle), ends, map(plans.get, alive)))
     st.send_built_zip(out, alive, "update", _update, args)  # (zipped: a round answers thousands)
     committed = _coverage.committed_samples(st.coverage)  # the ranks' LR schedules follow it
     st.send_built_each(out, alive, "set_global_step", _set_global_step, (rs.global_step, committed))

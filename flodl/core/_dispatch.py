@@ -224,6 +224,10 @@ class Dispatcher(Protocol):
 
     def window_end_step(self, st: CoordinatorState, rank: int) -> int: ...
 
+    def window_end_steps(self, st: CoordinatorState, ranks: list[int]) -> list[int]:
+        """``window_end_step`` of each of ``ranks`` (a round's ``Update`` to every rank)."""
+        ...
+
 
 class SyncDispatcher:
     """Equal contiguous partitions per epoch; a lost rank's remainder is split equally."""
@@ -238,6 +242,9 @@ class SyncDispatcher:
 
     def window_end_step(self, st: CoordinatorState, rank: int) -> int:
         return 0  # the barrier follows the partition's end, which a rank reports at once
+
+    def window_end_steps(self, st: CoordinatorState, ranks: list[int]) -> list[int]:
+        return [0] * len(ranks)
 
     def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None:
         pass  # Sync: the rank keeps its partition; the Throttle barrier follows

@@ -720,6 +720,11 @@ class CadenceDispatcher:
         """The rank's step at which its window is run (the gate's ``windows_done``)."""
         return st.cadence.window_mark.get(rank, 0) + st.cadence.elche.batch_counts[rank]
 
+    def window_end_steps(self, st: CoordinatorState, ranks: list[int]) -> list[int]:
+        """``window_end_step`` of each of ``ranks``, in one pass."""
+        marks, counts = st.cadence.window_mark, st.cadence.elche.batch_counts
+        return [marks.get(r, 0) + counts[r] for r in ranks]
+
     def on_epoch_aggregated(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
         """The ranks already stream into ``epoch + 1``: the callbacks of this aggregation
         run inside their current windows, so that is where the slack goes (``_slack``);
