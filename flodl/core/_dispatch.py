@@ -49,7 +49,7 @@ Sync's hooks do nothing; the Cadence engine (``cadence._dispatcher``) registers 
 
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import accumulate, repeat
 from operator import itemgetter
 from typing import Container, Optional, Protocol
 
@@ -90,11 +90,7 @@ def epoch_samples(total: int, splits: int, epoch: int) -> int:
 
 def contiguous_plans(ranks: list[int], sizes: list[int]) -> dict[int, tuple[int, int]]:
     """``rank -> (offset, size)`` with offsets cumulative in rank order."""
-    plans, cursor = {}, 0
-    for r, size in zip(ranks, sizes):
-        plans[r] = (cursor, size)
-        cursor += size
-    return plans
+    return dict(zip(ranks, zip(accumulate(sizes, initial=0), sizes)))  # (in C: a plan per rank)
 
 
 def lost_by_epoch(lost: list[tuple[int, int, int]]) -> dict[int, list[tuple[int, int]]]:

@@ -114,7 +114,9 @@ def aggregate_sums(epoch: int, sums: dict[int, list[Any]], world_size: int) -> d
             scal[r] = acc[5]
     names = sorted({k for per in scal.values() for k in per})
     zeros = dict.fromkeys(names, 0.0)
-    per_rank = [dict(zeros) for _ in range(world_size)]
+    # A rank without scalars shares one map of zeros: read only (``to_pb``), and not a
+    # dict per rank of a world of thousands.
+    per_rank = [zeros] * world_size
     for r, per in scal.items():
         per_rank[r] = {k: (per[k][0] / per[k][1] if per.get(k, [0, 0])[1] else 0.0) for k in names}
     scalars = {}
