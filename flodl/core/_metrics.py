@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-Each ``ChunkDone`` is buffered under its epoch and rank (a repeated ``chunk_seq`` is a
-duplicate and ignored; one for an epoch already aggregated is late and counted).
+Each ``ChunkDone`` is folded into its rank's running sums for its epoch, and its
+``chunk_seq`` kept under the epoch and rank (a repeated ``chunk_seq`` is a duplicate and
+ignored; one for an epoch already aggregated is late and counted).
 
 An epoch is *ready* when every ACTIVE rank that was assigned work in it (a plan or an
 extension) has reported at least one ``ChunkDone`` for it, and its coverage is
