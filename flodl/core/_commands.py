@@ -42,6 +42,7 @@ class Command:
 _new = object.__new__
 _set = object.__setattr__
 _drain = partial(deque, maxlen=0)  # runs an iterator to its end, keeping nothing
+_BULK = 32  # below this many Sends the maps cost more to set up than a plain loop
 
 
 class Send(Command):
@@ -56,13 +57,10 @@ class Send(Command):
     message nobody else holds), so a recipe read late builds what an eager one would.
     Frozen, compared by ``(rank, control)`` like the dataclass it replaces."""
 
-    # _body: a Control, or the recipe (kind, build, args) -- one tuple a broadcast's
-    # Sends share where their args are the same; _cid: the recipe's command_id.
-    __slots__ = ("rank", "_body", "_cid")
+    __slots__ = ("rank", "_body")  # _body: a Control, or (command_id, kind, build, args)
     __match_args__ = ("rank", "control")
     rank: int
     _body: Any
-    _cid: int
 
     def __init__(self, rank: int, control: pb.Control) -> None:
         _set(self, "rank", rank)
@@ -72,42 +70,43 @@ class Send(Command):
     def built(cls, rank: int, command_id: int, kind: str, build: Callable[..., None], args: tuple) -> "Send":
         s = _new(cls)
         _set(s, "rank", rank)
-        _set(s, "_cid", command_id)
-        _set(s, "_body", (kind, build, args))
+        _set(s, "_body", (command_id, kind, build, args))
         return s
 
     @classmethod
     def each(cls, ranks: Iterable[int], first_id: int, kind: str, build: Callable[..., None], args: tuple) -> list["Send"]:
-        """``Send.built`` to each of ``ranks``, numbered from ``first_id`` in order (one
-        recipe shared by all)."""
-        ranks = ranks if type(ranks) is list else list(ranks)
-        return cls._filled(ranks, first_id, repeat((kind, build, args), len(ranks)))
+        """``Send.built`` to each of ``ranks``, numbered from ``first_id`` in order."""
+        return cls.each_of(ranks, first_id, kind, build, repeat(args))
 
     @classmethod
     def each_of(cls, ranks: Iterable[int], first_id: int, kind: str, build: Callable[..., None],
                 args: Iterable[tuple]) -> list["Send"]:  # fmt: skip
         """``Send.built`` to each of ``ranks`` with its own ``args`` (zipped), numbered in order."""
         ranks = ranks if type(ranks) is list else list(ranks)
-        return cls._filled(ranks, first_id, list(zip(repeat(kind), repeat(build), args)))
-
-    @classmethod
-    def _filled(cls, ranks: list[int], first_id: int, recipes: Iterable[tuple]) -> list["Send"]:
+        if len(ranks) < _BULK:  # (a heartbeat, a few ranks: a plain loop is cheaper)
+            sends = []
+            cid = first_id
+            for rank, a in zip(ranks, args):
+                s = _new(cls)
+                _set(s, "rank", rank)
+                _set(s, "_body", (cid, kind, build, a))
+                sends.append(s)
+                cid += 1
+            return sends
         # A dispatch makes thousands: the slots are filled by C-level maps, not a Python
         # loop (a third cheaper per Send); zip's truncation to the shorter is kept.
-        recipes = recipes if type(recipes) is list else list(recipes)
-        n = min(len(ranks), len(recipes))
-        sends = list(map(_new, repeat(cls, n)))
+        bodies = list(zip(range(first_id, first_id + len(ranks)), repeat(kind), repeat(build), args))
+        sends = list(map(_new, repeat(cls, len(bodies))))
         _drain(map(_set_rank, sends, ranks))
-        _drain(map(_set_cid, sends, range(first_id, first_id + n)))
-        _drain(map(_set_body, sends, recipes))
+        _drain(map(_set_body, sends, bodies))
         return sends
 
     @property
     def control(self) -> pb.Control:
         body = self._body
         if type(body) is tuple:
-            _, build, args = body
-            ctl = pb.Control(command_id=self._cid)
+            command_id, _, build, args = body
+            ctl = pb.Control(command_id=command_id)
             build(ctl, *args)
             _set(self, "_body", ctl)
             return ctl
@@ -117,7 +116,7 @@ class Send(Command):
     def kind(self) -> str:
         body = self._body
         if type(body) is tuple:
-            return body[0]
+            return body[1]
         return body.WhichOneof("cmd") or ""
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -143,7 +142,6 @@ class Send(Command):
 
 _set_rank = Send.__dict__["rank"].__set__  # the slots' own setters (frozen: __setattr__ refuses)
 _set_body = Send.__dict__["_body"].__set__
-_set_cid = Send.__dict__["_cid"].__set__
 
 
 @dataclass(frozen=True, slots=True)

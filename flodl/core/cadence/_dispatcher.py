@@ -440,7 +440,8 @@ def wake(st: CoordinatorState, out: list[Command]) -> None:
     absorb_released(st)
     if not cad.wakeable or not any(pool.remaining() for pool in cad.pools.values()):
         return  # nobody could be given anything: they stay wakeable
-    busy = cad.wakeable.intersection(cad.in_flight)
+    in_flight = cad.in_flight
+    busy = {r for r in cad.wakeable if r in in_flight}  # (O(wakeable), not O(in flight))
     if busy:  # held (one chunk in flight), whatever the others take: out at once, in bulk
         cad.wakeable -= busy  # (after a window start that is every rank)
         cad.dropped_wake |= busy  # drop_wake

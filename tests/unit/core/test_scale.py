@@ -145,13 +145,13 @@ def test_an_epoch_aggregates_without_walking_its_chunks(monkeypatch):
     assert c.state.metrics.history[0]["epoch"] == 0
 
 
-def test_a_broadcast_shares_one_recipe_and_each_of_stops_at_the_shorter():
-    """A broadcast's Sends share their (kind, build, args) recipe: one object per Send,
-    not a tuple each besides (the old recipe carried each Send's command_id)."""
-    sends = Send.each([4, 2, 7], 9, "update", _update, (1, 2))
-    assert sends[0]._body is sends[1]._body is sends[2]._body
-    assert [s.control.command_id for s in sends] == [9, 10, 11]
-    assert [s.rank for s in Send.each_of([1, 2, 3], 0, "update", _update, [(1, 1), (2, 2)])] == [1, 2]
+@pytest.mark.parametrize("n", [3, 100])  # a plain loop, and the bulk fill
+def test_send_each_of_numbers_in_order_and_stops_at_the_shorter(n):
+    sends = Send.each(list(range(n, 0, -1)), 9, "update", _update, (1, 2))
+    assert [(s.rank, s.control.command_id) for s in sends] == [(n - i, 9 + i) for i in range(n)]
+    assert sends[0] == Send(n, pb.Control(command_id=9, update=pb.Control.Update(version=1, cycle=2)))
+    short = Send.each_of(range(n), 0, "update", _update, [(1, 1), (2, 2)])
+    assert [(s.rank, s.control.update.version) for s in short] == [(0, 1), (1, 2)]
 
 
 def _old_final_window_alloc(rem, counts, alive):
