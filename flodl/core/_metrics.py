@@ -175,11 +175,12 @@ def is_ready(st: CoordinatorState, epoch: int) -> bool:
     if assigned is None or not _coverage.is_complete(st.coverage, epoch):
         return False
     got = st.metrics.chunks.get(epoch, {})
-    # Asked on every pass of the step once the epoch is complete: only the ranks with no
-    # metrics yet are looked at (a set difference), not every assigned rank.
-    maybe = assigned if not all(got.values()) else assigned.keys() - got.keys()
-    for r in maybe:
-        if st.ranks[r].phase is ACTIVE and assigned[r] and not got.get(r):
+    # Asked on every pass of the step once the epoch is complete: when every assigned rank
+    # has metrics, two C-level passes say so; else the walk stops at the first without.
+    if got.keys() >= assigned.keys() and all(got.values()):
+        return True
+    for r, ranges in assigned.items():
+        if st.ranks[r].phase is ACTIVE and ranges and not got.get(r):
             return False
     return True
 

@@ -212,20 +212,19 @@ def windows_done(st: CoordinatorState) -> tuple[bool, str]:
     cad = st.cadence
     absorb_released(st)
     counts, heap = cad.elche.batch_counts, cad.open_windows
-    # (window_steps, quiesced and drop_open inline: after a finished round the gate pops
-    # every rank that ran its window, thousands in one step.)
-    recs, throttled, marks = st.ranks, cad.throttled, cad.window_mark
-    in_open, dropped, pop = cad.in_open, cad.dropped_open, heapq.heappop
+    # (window_steps and drop_open inline: after a finished round the gate pops every
+    # rank that ran its window, thousands in one step; nothing read before the loop, as
+    # most events stop at the first rank.)
     while heap:
         r = heap[0]
-        rec = recs[r]
-        if rec.phase is ACTIVE and r not in throttled:
-            steps = max(0, rec.last_step - marks.get(r, 0))
+        rec = st.ranks[r]
+        if rec.phase is ACTIVE and r not in cad.throttled:
+            steps = max(0, rec.last_step - cad.window_mark.get(r, 0))
             if steps < counts[r] and not quiesced(st, r):
                 return False, f"rank {r} ran {steps}/{counts[r]} batches of its window and has work left"
-        pop(heap)
-        in_open.discard(r)
-        dropped.add(r)
+        heapq.heappop(heap)
+        cad.in_open.discard(r)
+        cad.dropped_open.add(r)
     if not st.any_unfolded():
         return False, "no rank has stepped since the last average"
     return True, "every active rank ran its window, is throttled, or has no work left"
@@ -296,8 +295,20 @@ def _capped(st: CoordinatorState, rank: int, n: int) -> int:
 
 def _take(st: CoordinatorState, rank: int, epoch: int, batches: int) -> Optional[tuple[int, int]]:
     """Take a chunk for the rank; record it as its assignment and its chunk in flight."""
-    got = st.cadence.pools[epoch].take_chunk(rank, batches * st.config.batch_size)
-    return _record_takes(st, epoch, [rank], [got]).get(rank)
+    cad, d = st.cadence, st.dispatch
+    got = cad.pools[epoch].take_chunk(rank, batches * st.config.batch_size)
+    if got is None or got[1] == 0:
+        return None
+    off, n = got  # (one rank: ``_record_takes``'s books, without its bulk set-up)
+    ranges = d.assigned.setdefault(epoch, {}).setdefault(rank, [])
+    if ranges and ranges[-1][0] + ranges[-1][1] == off:
+        ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
+    else:
+        ranges.append((off, n))
+    d.rank_epoch[rank] = epoch
+    cad.in_flight[rank] = (epoch, off, n)
+    may_block(cad, rank)  # it is not quiesced any more
+    return got
 
 
 def start_window(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int, tuple[int, int]]:
