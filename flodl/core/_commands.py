@@ -41,7 +41,7 @@ class Command:
 
 _new = object.__new__
 _set = object.__setattr__
-_drain = partial(deque, maxlen=0)  # runs an iterator to its end, keeping nothing
+_drain: Callable[[Iterable[Any]], Any] = partial(deque, maxlen=0)  # runs an iterator to its end, keeping nothing
 _BULK = 32  # below this many Sends the maps cost more to set up than a plain loop
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 __all__ = [
     "WindowLedger",
@@ -203,8 +203,8 @@ class WindowLedger:
 
     def movers_delivered_complete(self, alive: Optional[Sequence[bool]] = None) -> bool:
         """Every alive rank that moved this window has a delivered sample."""
-        alive = repeat(True) if alive is None else alive
-        for a, steps, db, dm in zip(alive, self.steps, self.delivered_batches, self.delivered_ms):
+        flags: Iterable[bool] = repeat(True) if alive is None else alive
+        for a, steps, db, dm in zip(flags, self.steps, self.delivered_batches, self.delivered_ms):
             if a and steps > 0 and not (db > 0 and dm > 0.0):  # has_delivered_sample, inline
                 return False
         return True
