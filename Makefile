@@ -40,4 +40,4 @@ proto: setup
 	cp build/proto/flodl/v1/flodl_pb2.py build/proto/flodl/v1/flodl_pb2.pyi flodl/wire/
 
 clean:
-	rm -rf build $(VENV) .pytest_cache demo-summary.json demo-model
+	rm -rf build $(VENV) .pytest_cache demo-summary.json demo-summary.dashboard.html demo-summary.status.json demo-model

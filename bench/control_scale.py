@@ -14,7 +14,8 @@ For each N (16, 64, 256, 1024), in the same invocation:
   default the 1,2,4 pace with 10 ms, 100 ms at 1,024 ranks), direct and through real
   relays (``flodl-worker relay``, ``--hosts`` of them): the ranks' idle share (the part
   of the time between their first and last batch they spent blocked, waiting for a plan
-  or throttled; split by what they waited for), Batch -> command latency p50/p99 (from
+  or throttled; split by what they waited for, and the plan waits by what ended them:
+  ``idle_share_plan_trigger`` / ``_update`` / ``_chunk``, see ``scale_ranks``), Batch -> command latency p50/p99 (from
   the frame that opened an averaging round to each rank's ``RequestParams``:
   ``decision_latencies``), the unblock wait p50/p99 (from a blocked rank's last frame to
   the command that let it go on: it includes waiting for slower ranks, which the policy
@@ -287,6 +288,9 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
         "idle_share": idle / max(1e-9, train + idle),
         "idle_share_plan": sum(o["idle_plan_s"] for o in outs) / max(1e-9, train + idle),
         "idle_share_throttle": sum(o["idle_throttle_s"] for o in outs) / max(1e-9, train + idle),
+        # ... the plan waits by what ended them (scale_ranks: trigger, update, chunk)
+        **{f"idle_share_plan_{k}": sum(o["idle_plan_by"][k] for o in outs) / max(1e-9, train + idle)
+           for k in ("trigger", "update", "chunk")},  # fmt: skip
         "gen_lag_share": lag / max(1e-9, train + idle),
         "latency_p50_us": _pct(lat, 0.50),
         "latency_p99_us": _pct(lat, 0.99),

@@ -23,7 +23,9 @@ never waited; below that it idled, or the machine slowed it). ``round_open_share
 share of the run's wall time during which an averaging round was open (under cadence
 rounds overlap the next window, so this is not idle time); ``exposed_averaging_share`` =
 the share during which every rank had finished its window and waited for the round
-(ElChe's measure). Then the digits task at an equal sample budget (same epochs) for
+(ElChe's measure); ``plan_wait_share`` / ``rank_wait_share`` = the time the ranks (each rank)
+waited for a plan over the time they trained or waited (the summary's, measured by the
+ranks). Then the digits task at an equal sample budget (same epochs) for
 accuracy: every flodl mode (async included) vs DDP, and the gap in points.
 
 Prints one JSON object. Noisy machine: compare the ratios, which are measured against
@@ -110,6 +112,11 @@ def flodl_run(task: str, policy: str, args, extra: list[str] | None = None, solo
             round((s.get("elche") or {}).get("exposed_sync_s", 0.0) / wall, 4) if (s.get("elche") and wall) else None
         ),
         "rank_busy_share": busy,
+        # The ranks' own measure of their idling: the time they waited for a plan over the
+        # time they trained or waited (the summary's, from their batches' wait_ms).
+        "plan_wait_share": s.get("plan_wait_share"),
+        "rank_wait_share": [round(r["wait_s"] / (r["train_s"] + r["wait_s"]), 3) if r.get("train_s") else None
+                            for r in sorted(s.get("ranks", []), key=lambda r: r["rank"])],  # fmt: skip
         "accuracy": s.get("accuracy"),
         "exact_coverage": all(c["duplicates"] == 0 and c["missing"] == 0 for c in s.get("coverage", [])),
         "elche": s.get("elche"),

@@ -19,6 +19,10 @@ SPEC_JSON``) it prints one JSON object with what its ranks measured:
 * ``latency_us``: for each command that unblocked a waiting rank, the time from the last
   frame that rank sent (the Batch, or the chunk's metrics, that left it waiting) to that
   command's arrival: the wait, whatever it waited on.
+* ``idle_plan_by``: the plan waits by what ended them: ``trigger`` (a round opened: its
+  ``RequestParams`` came with the next window), ``update`` (a round finished with the
+  next window in its ``Update``), ``chunk`` (a plan alone: a window streamed in
+  chunks, a run-ahead chunk, the next epoch's first).
 * ``requests``: (cycle, arrival, the rank's last frame sent before it) of every
   ``RequestParams``: ``control_scale.py`` finds each round's trigger from them.
 * ``sent`` / ``received``: frames to and from the coordinator.
@@ -82,6 +86,8 @@ class FakeRank:
         self.blocked_since: float | None = None
         self.blocked_on = ""  # "plan" | "throttle"
         self.idle_by: dict[str, float] = {"plan": 0.0, "throttle": 0.0}
+        self.plan_wait_by: dict[str, float] = {"trigger": 0.0, "update": 0.0, "chunk": 0.0}
+        self.seen_blocked: set[str] = set()  # control kinds received since it blocked
         self.first_batch: float | None = None
         self.last_batch_end = 0.0
         self.train_s = self.idle_s = self.lag_s = 0.0
@@ -124,6 +130,8 @@ class FakeRank:
             self.heartbeat_s = spec.heartbeat_interval_s or 1.0
             self.execute(self.m.handle(Admitted(spec=spec)))
         elif kind == "control":
+            if self.blocked_since is not None:
+                self.seen_blocked.add(env.control.WhichOneof("cmd"))
             if env.control.WhichOneof("cmd") == "request_params":
                 self.requests.append((env.control.request_params.cycle, now, self.last_sent))
             self.execute(self.m.handle(ControlReceived(control=env.control)))
@@ -181,6 +189,11 @@ class FakeRank:
             if self.blocked_since is not None:  # a command unblocked it
                 self.idle_s += now - self.blocked_since
                 self.idle_by[self.blocked_on] += now - self.blocked_since
+                if self.blocked_on == "plan":
+                    seen = self.seen_blocked
+                    why = "trigger" if "request_params" in seen else "update" if "update" in seen else "chunk"
+                    self.plan_wait_by[why] += now - self.blocked_since
+                self.seen_blocked = set()
                 self.latency_us.append((now - self.last_sent) * 1e6)
                 self.blocked_since = None
             if self.first_batch is None:
@@ -259,6 +272,7 @@ def serve_ranks(spec: dict) -> dict:
         "idle_s": sum(rk.idle_s for rk in ranks),
         "idle_plan_s": sum(rk.idle_by["plan"] for rk in ranks),
         "idle_throttle_s": sum(rk.idle_by["throttle"] for rk in ranks),
+        "idle_plan_by": {k: sum(rk.plan_wait_by[k] for rk in ranks) for k in ("trigger", "update", "chunk")},
         "lag_s": sum(rk.lag_s for rk in ranks),
         "first_batch": min((rk.first_batch for rk in ranks if rk.first_batch is not None), default=None),
         "last_batch": max(rk.last_batch_end for rk in ranks),

@@ -705,7 +705,10 @@ def _print_summary(s: dict) -> None:
             print(f"  rank {r.get('rank')}: never joined (open slot)")
             continue
         frames = f" in {r['batch_frames']} report frames" if r.get("batch_frames") else ""
-        print(f"  rank {r.get('rank')}: samples {r.get('samples')}  batches {r.get('batches')}{frames}")
+        waited = f"  trained {r['train_s']} s, waited {r['wait_s']} s for plans" if r.get("train_s") else ""
+        print(f"  rank {r.get('rank')}: samples {r.get('samples')}  batches {r.get('batches')}{frames}{waited}")
+    if s.get("plan_wait_share") is not None:
+        print(f"plan wait: the ranks spent {100 * s['plan_wait_share']:.1f} % of their time waiting for a plan")
     cov = s.get("coverage", [])
     exact = all(c.get("duplicates") == 0 and c.get("missing") == 0 for c in cov) and bool(cov)
     print(f"coverage: {len(cov)} epochs, every sample exactly once: {exact}")

@@ -199,7 +199,9 @@ class CoreConfig:
         doc="cadence: window-pressure growth ceiling",
     )  # fmt: skip
     overhead_target: float = setting(
-        0.05, help="cadence: grow windows while reduce + fill exceed this share of a window",
+        0.05, help="cadence: grow windows while a window's fixed cost -- the exposed reduce, the first "
+        "batch's fill and the time the ranks waited for their next plan (the coordinator's and the "
+        "network's turnaround, measured by the ranks) -- exceeds this share of a window",
     )  # fmt: skip
     max_batch_diff: Optional[int] = setting(
         None, help="cadence: cap on how far a rank's count moves per window, and the Throttle spread "
@@ -225,7 +227,8 @@ class CoreConfig:
     # one consensus: each still gets its own checkpoint (``_checkpointing``).
     run_ahead: bool = setting(
         True, help="cadence: a rank that ran its window while others still train theirs keeps training "
-        "(at most one more window) instead of idling at the reduce barrier; false: it waits there",
+        "(at most one more window) instead of idling at the reduce barrier, in chunks that outlast the "
+        "wait and its last turnaround; false: it waits there",
     )  # fmt: skip
     # -- checkpoints and failure policy (``_checkpointing``) ----------------------------
     checkpoint_every: int = setting(

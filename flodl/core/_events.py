@@ -103,6 +103,7 @@ class BatchDone(Event):
     offset: int
     lr: float = 0.0
     sync_divergence: Optional[float] = None
+    wait_ms: float = 0.0  # idle waiting for a plan before this batch (``Timing.Batch.wait_ms``)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -127,6 +127,8 @@ class RankRecord:
     batches: int = 0
     samples: int = 0
     batch_frames: int = 0  # frames that reported batches (batches / batch_frames: the coalescing)
+    train_ms: float = 0.0  # batch_ms + data_ms summed: the time the rank trained
+    wait_ms: float = 0.0  # BatchDone.wait_ms summed: the time it sat idle waiting for a plan
     param_digest: str = ""
     divergence: Optional[float] = None  # from the latest SyncAcked
     # The state's RankIndex (``_rank_index``), told of every write to an indexed field.
@@ -281,7 +283,9 @@ class CadenceState:
     (its ``RequestParams``): steps since then are its current window -- the round
     overlaps the next window, so the reduce barrier counts from the trigger, not from
     the finish (folding still goes by the acked snapshot step). ``in_flight[r]`` is the
-    chunk ``(epoch, offset, size)`` the rank is training (at most one).
+    chunk ``(epoch, offset, size)`` the rank was handed last and is training or will (at
+    most two in flight: a trigger's window queued behind a run-ahead chunk,
+    ``cadence._dispatcher._ahead``; the pool counts what is left of both).
     ``barrier_at`` is when, during the open round, every rank had reached its window
     end (the round then delays the next one); ``exposed_s`` sums those delays.
     """
@@ -297,6 +301,7 @@ class CadenceState:
     window_mark: dict[int, int] = field(default_factory=dict)
     throttled: set[int] = field(default_factory=set)
     last_lr: dict[int, float] = field(default_factory=dict)  # rank -> latest BatchDone.lr > 0
+    last_wait_ms: dict[int, float] = field(default_factory=dict)  # rank -> latest BatchDone.wait_ms > 0
     last_sync_ms: float = 0.0  # what the last finished round delayed training (ms; see _feedback)
     barrier_at: Optional[float] = None  # open round: when every rank reached its window end
     exposed_s: float = 0.0  # total time rounds delayed the next window (summary)

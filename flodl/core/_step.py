@@ -134,6 +134,7 @@ __all__ = ["initial_state", "step", "replay", "forget_rank", "RULES", "HANDLERS"
 # A step moves a bounded number of times (a few rounds, one aggregation, one dispatch):
 # hitting this means a rule keeps firing without changing the state -- our bug.
 _MAX_SETTLE_PASSES = 256
+_INF = float("inf")
 
 
 def initial_state(config: CoreConfig, resume: Optional[ResumePoint] = None) -> CoordinatorState:
@@ -442,6 +443,13 @@ def _ingest_batch(st: CoordinatorState, ev: BatchDone, out: list[Command], *, ad
         rec.last_step = ev.step_count
     rec.batches += 1
     rec.samples += ev.samples
+    # Summary totals: a hostile frame's NaN, infinity or negative time is not summed
+    # (the comparisons are false for NaN), so the summary stays JSON.
+    spent = ev.batch_ms + ev.data_ms
+    if 0.0 <= spent < _INF:
+        rec.train_ms += spent
+    if 0.0 < ev.wait_ms < _INF:
+        rec.wait_ms += ev.wait_ms
     _dispatch.record_batch(st, ev)
     _coverage.record_batch(st.coverage, ev.rank, ev.epoch, ev.offset, ev.samples, ev.step_count, rec.folded_step)
     if not advance_last_step:

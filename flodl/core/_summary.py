@@ -23,7 +23,9 @@ def summary(st: CoordinatorState, summarise: Callable[[CoordinatorState, dict[st
 
     {world_size, policy, total_samples, epochs_completed, averages, averaging_s, global_step,
      accuracy: float|None, wall_s, discarded_samples,
-     ranks: [{rank, host, phase, reason, samples, batches, batch_frames, steps, param_digest}],
+     ranks: [{rank, host, phase, reason, samples, batches, batch_frames, train_s, wait_s,
+              steps, param_digest}],
+     plan_wait_share,
      coverage: [{epoch, expected, trained, duplicates, missing, discarded}],
      epochs: [{epoch, avg_loss, epoch_ms, per_rank_throughput}],
      evals: [{epoch, metric}]}   (non-final evals asked by an eval intent)
@@ -46,6 +48,10 @@ def summary(st: CoordinatorState, summarise: Callable[[CoordinatorState, dict[st
             "samples": rec.samples,
             "batches": rec.batches,
             "batch_frames": rec.batch_frames,
+            # The time it trained (batch + data) and sat idle waiting for a plan (its
+            # batches' wait_ms): where its possible training time went.
+            "train_s": round(rec.train_ms / 1e3, 3),
+            "wait_s": round(rec.wait_ms / 1e3, 3),
             "steps": rec.last_step,
             "param_digest": rec.param_digest,
         }
@@ -62,6 +68,7 @@ def summary(st: CoordinatorState, summarise: Callable[[CoordinatorState, dict[st
         "accuracy": fe.accuracy if fe is not None else None,
         "wall_s": (st.now - st.run.formed_at) if st.run.formed_at is not None else 0.0,
         "discarded_samples": sum(c["discarded"] for c in cov),
+        "plan_wait_share": _plan_wait_share(st),
         "ranks": ranks,
         "coverage": cov,
         "epochs": [dict(row) for row in st.metrics.history],
@@ -77,3 +84,11 @@ def summary(st: CoordinatorState, summarise: Callable[[CoordinatorState, dict[st
     if st.collective is not None:  # collective plane: its process-group generations
         out["collective"] = _collective.summary(st.collective, st.config)
     return out
+
+
+def _plan_wait_share(st: CoordinatorState) -> float:
+    """The part of the ranks' time (training plus waiting for a plan, between their first
+    and last batch) they spent waiting: what the coordinator and the policy cost them."""
+    train = sum(rec.train_ms for rec in st.ranks)
+    wait = sum(rec.wait_ms for rec in st.ranks)
+    return round(wait / (train + wait), 4) if train + wait > 0.0 else 0.0

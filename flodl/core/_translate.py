@@ -86,6 +86,7 @@ def _batch(now: float, rank: int, b: pb.Timing.Batch) -> BatchDone:
         offset=b.offset,
         lr=b.lr,
         sync_divergence=_opt(b, "sync_divergence"),
+        wait_ms=b.wait_ms,
     )
 
 

@@ -12,7 +12,8 @@ clock: the only time is the ``now`` the shell passes to ``next_action`` (a chunk
 
 1. Plans. ``StartEpoch``/``Update.next_plan`` queue a ``Chunk`` (FIFO; two outstanding
    plans are kept, with a warning: reference hazard 11); ``ExtendPartition`` appends a
-   segment to the chunk in training (same epoch) or is a chunk of its own. A plan
+   segment to the last plan queued of its epoch (the rest of a window, sent right behind
+   its plan), else to the chunk in training of its epoch, else is a chunk of its own. A plan
    beyond the epoch is dropped (``bad_plan``). ``next_action`` pops the next chunk,
    hands out batches (``TrainBatch``) that never straddle a segment, and answers
    ``SendMetrics`` when a chunk runs out -- even while throttled: reporting is not
@@ -20,6 +21,10 @@ clock: the only time is the ``now`` the shell passes to ``next_action`` (a chunk
    resync report sent meanwhile (a shell that handles frames while its device works,
    like the simulator) neither loses nor doubles it. ``WAIT_PLAN`` / ``WAIT_THROTTLE`` tell the shell to block (servicing
    frames, heartbeating) until ``has_plan`` / ``not throttled``.
+   From the first ``WAIT_PLAN`` of a rank that has trained until it pops its next chunk
+   it is *waiting for a plan*; that time (by the ``now`` the shell passes) goes out as
+   the next batch's ``wait_ms``: the coordinator's window growth amortises it, and the
+   summary shows it. A throttle's wait is not a plan wait (the policy holds the rank).
    ``TrimPartition{epoch, keep}`` (Sync, a rank joined mid-epoch): of the positions of
    ``epoch`` still held, in training order (the batch in hand first: it cannot be given
    back), the first ``keep`` stay and the rest leave the plans; the answer
@@ -159,6 +164,10 @@ class RankMachine:
         self.unsent: list[pb.Timing.Batch] = []
         self.unsent_ms = 0.0
         self.report_at = 0  # Update.report_at_step: the step that ends this rank's window
+        # Plan wait: since when the trained rank has had nothing to train (None: it has),
+        # and the wait not yet told -- the next batch's ``wait_ms``.
+        self.waiting_since: float | None = None
+        self.wait_ms = 0.0
         self.finished: list[pb.Metrics] = []  # chunks of epochs not seen aggregated
         self.restarts = 0
         # Elastic membership: admitted into a running world, no seed consensus loaded yet.
@@ -226,9 +235,14 @@ class RankMachine:
             return WAIT_PLAN
         if self.current is None:
             if not self.plans:
+                if self.waiting_since is None and self.local_step > 0:  # not before its first plan
+                    self.waiting_since = now
                 return WAIT_PLAN
             self.current = self.plans.popleft()
             self.current.started = now
+            if self.waiting_since is not None:
+                self.wait_ms += max(0.0, now - self.waiting_since) * 1e3
+                self.waiting_since = None
         cur = self.current
         if cur.exhausted():
             self.current = None
@@ -295,8 +309,9 @@ class RankMachine:
             cur.data_ms += ev.data_ms
         batch = pb.Timing.Batch(
             batch_ms=ev.batch_ms, data_ms=ev.data_ms, step_count=self.local_step, batch_loss=ev.loss, lr=ev.lr,
-            samples=ev.samples, epoch=ev.epoch, offset=ev.offset,
+            samples=ev.samples, epoch=ev.epoch, offset=ev.offset, wait_ms=self.wait_ms,
         )  # fmt: skip
+        self.wait_ms = 0.0
         self.unfolded.append(batch)  # until folded: a restarted coordinator may ask for it
         self.unsent.append(batch)
         self.unsent_ms += ev.batch_ms + ev.data_ms
@@ -394,14 +409,19 @@ class RankMachine:
         self.plans.append(Chunk(epoch=int(epoch), seq=self.chunk_seq, segments=deque([[int(offset), int(size)]])))
 
     def _extend(self, c: pb.Control, out: list[Command]) -> None:
-        m, cur = c.extend_partition, self.current
-        if cur is not None and cur.epoch == m.epoch:
+        m = c.extend_partition
+        # The plan it extends: the last one queued (Cadence sends a window's further
+        # ranges right behind its plan), else the one in training (Sync hands a dead
+        # rank's remainder to the survivors' partitions); of its epoch.
+        last = self.plans[-1] if self.plans else None
+        target = last if last is not None and last.epoch == m.epoch else self.current
+        if target is not None and target.epoch == m.epoch:
             assert self.spec is not None
             if m.partition_offset + m.partition_size > self.spec.total_samples:
                 out.append(Drop(reason="bad_plan", detail="ExtendPartition beyond the epoch"))
                 return
-            cur.segments.append([int(m.partition_offset), int(m.partition_size)])
-        else:  # no plan in training (or another epoch): the extension is a chunk of its own
+            target.segments.append([int(m.partition_offset), int(m.partition_size)])
+        else:  # no plan of its epoch: the extension is a chunk of its own
             self._add_chunk(m.epoch, m.partition_offset, m.partition_size, "ExtendPartition", out)
 
     def _trim(self, c: pb.Control, out: list[Command]) -> None:

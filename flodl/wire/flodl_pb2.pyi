@@ -519,7 +519,7 @@ class Timing(_message.Message):
         cycle: int
         def __init__(self, cycle: _Optional[int] = ...) -> None: ...
     class Batch(_message.Message):
-        __slots__ = ("batch_ms", "data_ms", "step_count", "batch_loss", "param_norm", "sync_divergence", "lr", "samples", "epoch", "offset")
+        __slots__ = ("batch_ms", "data_ms", "step_count", "batch_loss", "param_norm", "sync_divergence", "lr", "samples", "epoch", "offset", "wait_ms")
         BATCH_MS_FIELD_NUMBER: _ClassVar[int]
         DATA_MS_FIELD_NUMBER: _ClassVar[int]
         STEP_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -530,6 +530,7 @@ class Timing(_message.Message):
         SAMPLES_FIELD_NUMBER: _ClassVar[int]
         EPOCH_FIELD_NUMBER: _ClassVar[int]
         OFFSET_FIELD_NUMBER: _ClassVar[int]
+        WAIT_MS_FIELD_NUMBER: _ClassVar[int]
         batch_ms: float
         data_ms: float
         step_count: int
@@ -540,7 +541,8 @@ class Timing(_message.Message):
         samples: int
         epoch: int
         offset: int
-        def __init__(self, batch_ms: _Optional[float] = ..., data_ms: _Optional[float] = ..., step_count: _Optional[int] = ..., batch_loss: _Optional[float] = ..., param_norm: _Optional[float] = ..., sync_divergence: _Optional[float] = ..., lr: _Optional[float] = ..., samples: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+        wait_ms: float
+        def __init__(self, batch_ms: _Optional[float] = ..., data_ms: _Optional[float] = ..., step_count: _Optional[int] = ..., batch_loss: _Optional[float] = ..., param_norm: _Optional[float] = ..., sync_divergence: _Optional[float] = ..., lr: _Optional[float] = ..., samples: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., wait_ms: _Optional[float] = ...) -> None: ...
     class SyncAck(_message.Message):
         __slots__ = ("cycle", "step_count", "divergence", "post_norm", "pre_norm")
         CYCLE_FIELD_NUMBER: _ClassVar[int]

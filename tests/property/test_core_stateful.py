@@ -346,6 +346,9 @@ class CoreMachine(RuleBasedStateMachine):
         else:
             assert res.reason == "all ranks lost", res.reason
         assert replay(c.config, c.journal) == c.state
+        # Two plans queued at a rank would mean a coordinator bug (reference hazard 11):
+        # whatever happened, the core never sends one while another waits.
+        assert not [w for r in c.ranks for w in r.warnings if "still queued" in w], [r.warnings for r in c.ranks]
 
 
 CoreMachine.TestCase.settings = settings(

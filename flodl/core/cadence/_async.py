@@ -177,6 +177,9 @@ class _Streams:
     def window_epoch(self, st: CoordinatorState, out: list[Command]) -> Optional[int]:
         return None  # a trigger only wakes: each idle rank is offered a chunk of its own
 
+    def live_window_epoch(self, st: CoordinatorState) -> Optional[int]:
+        return None
+
 
 STREAMS = _Streams()
 # Cadence with the overshoot budget and epoch streaming (see the module doc); the run's

@@ -20,7 +20,7 @@ batches) that wait is a large part of every epoch -- 6.5-10 % of the run on a
 * **Oldest epoch first.** Windows handed out at a trigger or in an ``Update`` draw from
   the oldest live epoch with work (a dead rank's reclaimed holes included), else from
   the next (``window_epoch``); an idle rank is woken the same way (``_async.wake``). A
-  rank has one chunk in flight, so its batches of one epoch are all reported before it
+  rank's chunks in flight are of one epoch, so its batches of one epoch are all reported before it
   gets a chunk of another (``check_batch`` follows ``dispatch.rank_epoch``).
 * **Coverage and aggregation do not change.** A position is committed when the round
   that folds its step finishes (``_coverage``, per epoch), and an epoch aggregates --
@@ -67,6 +67,7 @@ from ._dispatcher import (
     _batches,
     _budget,
     _send_plan,
+    _take_window,
     _take,
     ends_at_a_barrier,
     window_steps,
@@ -157,6 +158,10 @@ class _BoundaryStreams:
             _async._open(st, epoch, -1, out)
         return epoch
 
+    def live_window_epoch(self, st: CoordinatorState) -> Optional[int]:
+        epoch = _async.source_epoch(st)
+        return epoch if st.cadence is not None and epoch in st.cadence.pools else None
+
 
 def leaves_the_tail(st: CoordinatorState, rank: int) -> bool:
     """In the run's last window (a final-window plan is pinned), a rank that ran its
@@ -173,7 +178,8 @@ def leaves_the_tail(st: CoordinatorState, rank: int) -> bool:
     plan = cad.final_plan
     if plan is None or rank in cad.in_flight or st.dispatch.rank_epoch.get(rank) != plan.epoch:
         return False
-    if max(0, st.ranks[rank].last_step - cad.window_mark.get(rank, 0)) < plan.alloc[rank]:  # window_steps
+    steps = max(0, st.ranks[rank].last_step - cad.window_mark.get(rank, 0))  # window_steps
+    if plan.share_steps(rank, steps) < plan.alloc[rank]:
         return False
     return training(cad) > 0  # the rank itself has nothing in flight
 
@@ -242,12 +248,23 @@ def run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, out: list[Comm
     if ends_at_a_barrier(st, epoch) and left < counts_view(st)[2] + len(st.ranks):  # the final-window regime
         return False  # the run's last window is next: its final-window plan splits what is left
     ms = cad.elche.smoothed_ms_per_batch(rank)
-    n = int(waiting_ms // ms) if (ms and waiting_ms > 0.0) else 1
+    # Every chunk costs the rank a turnaround (its last report to the coordinator, the
+    # plan back) with nothing to train: a chunk shorter than that idles the rank more
+    # than it trains it (at 256 ranks, 100 ms turnarounds on 40 ms batches). So a chunk
+    # lasts the wait it fills *and* the rank's last turnaround (its latest plan wait):
+    # it is still training when the trigger's window reaches it. Not more: a batch
+    # handed out here and trained after the trigger counts in the next window, and
+    # the run's final-window plan sizes each rank's share by those steps.
+    turnaround = cad.last_wait_ms.get(rank, 0.0)
+    if ms:
+        n = int((max(0.0, waiting_ms) + turnaround) // ms) + 1
+    else:
+        n = 1  # no pace yet: one batch, as it always was
     n = max(1, min(n, room, left))
-    got = _take(st, rank, epoch, n)
-    if got is None:
+    ranges = _take_window(st, rank, epoch, n)
+    if not ranges:
         return False
-    _send_plan(st, rank, epoch, got, out)
+    _send_plan(st, rank, epoch, ranges[0], out, extra=ranges[1:])
     return True
 
 

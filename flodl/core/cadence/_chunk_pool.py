@@ -257,29 +257,6 @@ class ChunkPool:
         self._residue_moved(donor)
         return self._record(rank, self._spans[donor][1], n)
 
-    def take_chunks(self, ranks: Sequence[int], sizes: Sequence[int]) -> list[Optional[Range]]:
-        """``take_chunk(ranks[i], sizes[i])`` for each, in order (a window start takes for
-        every rank): a take from the rank's own span, the common case, is done inline."""
-        out: list[Optional[Range]] = []
-        spans, cursor, outstanding = self._spans, self._cursor, self._outstanding
-        dispatched, chunks_sent = self.dispatched, self.chunks_sent
-        for rank, size in zip(ranks, sizes):
-            residue = spans[rank][1] - cursor[rank]
-            if size <= 0 or self._reclaimed or residue <= 0:
-                out.append(self.take_chunk(rank, size))
-                continue
-            n = size if size < residue else residue
-            off = cursor[rank]
-            cursor[rank] = off + n
-            self._unassigned -= n
-            if self._donors is not None and residue > n:
-                heapq.heappush(self._donors, (n - residue, -rank))  # _residue_moved
-            dispatched[rank] += n  # _record
-            chunks_sent[rank] += 1
-            outstanding[rank].append([off, n])
-            out.append((off, n))
-        return out
-
     def rollback_take(self, rank: int, offset: int, size: int) -> bool:
         """Undo a take whose send failed. The newest matching outstanding chunk is removed;
         the cursor rewinds if the chunk ends exactly at it, otherwise the range goes to the
@@ -614,6 +591,14 @@ class FinalWindowPlan:
     alloc: tuple[int, ...]
     pinned_counts: tuple[int, ...]
     pinned_alive: tuple[bool, ...]
+    # Per rank, the window steps that are not its share: those it had run when the plan
+    # was pinned and the batches it then held (a run-ahead chunk taken before the pin:
+    # ``alloc`` splits only what the pool had left). Empty: none (a plan built by hand).
+    base: tuple[int, ...] = ()
+
+    def share_steps(self, rank: int, window_steps: int) -> int:
+        """The steps of the rank's window that count against its ``alloc``."""
+        return max(0, window_steps - self.base[rank]) if self.base else window_steps
 
 
 def refresh_final_window_plan(

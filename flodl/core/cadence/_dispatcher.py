@@ -34,7 +34,10 @@ normally exactly one window.
   the gate count. Every participant that is not held (nothing in flight, not
   throttled) gets its next window now, via ``start_window``, as a ``StartEpoch`` sent
   just before its ``RequestParams``: it has work queued when it snapshots and trains
-  while the round is open; the rank applies the consensus delta-preserving
+  while the round is open. So does one still training a run-ahead chunk of the
+  window's epoch (``_ahead``): the rest of its window, as ``ExtendPartition`` ranges of that
+  chunk (whose batches are the window's first steps) -- two windows in flight; it
+  would otherwise get its window only once the chunk is done, a turnaround later; the rank applies the consensus delta-preserving
   (``theta <- consensus + (theta - snapshot)``). Folding is by the snapshot, not the
   mark: the ack's ``step_count`` (``_coverage.commit``: batches with step <= it) -- steps
   after the snapshot are folded by the *next* round. The two differ when a rank trains
@@ -84,7 +87,7 @@ last batch); chunk sizing sees the remainder rounded up to whole batches.
 from __future__ import annotations
 
 import heapq
-from itertools import repeat
+from dataclasses import replace
 from typing import Optional, Protocol
 
 from flodl.wire import pb
@@ -110,6 +113,8 @@ from .._phases import ACTIVE, PENDING, TRAINING
 from .._state import CadenceState, CoordinatorState
 from ._views import absorb_released, counts_changed, counts_view, drop_wake, may_block, rearm
 from ._window import WindowLedger
+
+_INF = float("inf")
 
 __all__ = [
     "CadenceDispatcher",
@@ -245,7 +250,7 @@ def _pin(st: CoordinatorState, epoch: int) -> None:
     """Pin the final-window plan for the window about to start (once per window)."""
     cad = st.cadence
     pool = cad.pools[epoch]
-    cad.final_plan = refresh_final_window_plan(
+    plan = refresh_final_window_plan(
         None,
         epoch=epoch,
         remaining_batches=_batches(pool.remaining(), st.config.batch_size),
@@ -253,6 +258,17 @@ def _pin(st: CoordinatorState, epoch: int) -> None:
         alive=[rec.phase is ACTIVE for rec in st.ranks],
         barrier_paced=ends_at_a_barrier(st, epoch),
     )
+    if plan is not None:
+        # The plan splits what the pool has left; steps a rank runs from what it holds
+        # already (a run-ahead chunk) are not its share. Counted as its share, they let
+        # every rank "leave the tail" at once to the one still training, which then
+        # trained the rest of the run alone, a chunk at a time (seen at 256 ranks).
+        bs, base = st.config.batch_size, [window_steps(st, r) for r in range(len(st.ranks))]
+        for r, (e, _off, _n) in cad.in_flight.items():
+            held = cad.pools[e].in_flight(r) if e in cad.pools else 0
+            base[r] += _batches(held, bs)
+        plan = replace(plan, base=tuple(base))
+    cad.final_plan = plan
 
 
 def ends_at_a_barrier(st: CoordinatorState, epoch: int) -> bool:
@@ -272,6 +288,7 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
     if pool is None:
         return 0
     bs, plan = st.config.batch_size, cad.final_plan
+    final = plan is not None and plan.epoch == epoch
     view = counts_view(st)
     return compute_chunk_batches(
         rank,
@@ -282,9 +299,9 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
         barrier_paced=cad.barrier_paced,  # Async: probe / proportional chunks
         calibrated=view[3],
         total_samples=pool.total,
-        steps=window_steps(st, rank),
+        steps=plan.share_steps(rank, window_steps(st, rank)) if final else window_steps(st, rank),
         budget=_budget(st, rank),
-        final_alloc=plan.alloc if plan is not None and plan.epoch == epoch else None,
+        final_alloc=plan.alloc if final else None,
     )
 
 
@@ -299,7 +316,7 @@ def _take(st: CoordinatorState, rank: int, epoch: int, batches: int) -> Optional
     got = cad.pools[epoch].take_chunk(rank, batches * st.config.batch_size)
     if got is None or got[1] == 0:
         return None
-    off, n = got  # (one rank: ``_record_takes``'s books, without its bulk set-up)
+    off, n = got
     ranges = d.assigned.setdefault(epoch, {}).setdefault(rank, [])
     if ranges and ranges[-1][0] + ranges[-1][1] == off:
         ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
@@ -311,51 +328,79 @@ def _take(st: CoordinatorState, rank: int, epoch: int, batches: int) -> Optional
     return got
 
 
-def start_window(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int, tuple[int, int]]:
+def start_window(
+    st: CoordinatorState, epoch: int, ranks: list[int], ahead: Optional[dict[int, int]] = None,
+    extra: Optional[dict[int, list[tuple[int, int]]]] = None,
+) -> dict[int, tuple[int, int]]:
     """Pin the plan, size every rank in ``ranks`` before any take, then take (§8.4/§8.6).
 
     A rank that already ran part of its window gets only the rest (never crosses the
-    reduce, as in streaming)."""
+    reduce, as in streaming). ``ahead``: ranks still training a chunk of ``epoch`` (a
+    run-ahead chunk, at a trigger), with the batches they hold: those are this window's
+    first steps, so each gets the rest of its window behind them, or nothing. ``extra``
+    (a dict to fill): a take that came back short is topped up to the window's size
+    with more takes of the epoch, ``extra[rank]`` (``_take_window``), sent behind the
+    plan as ``ExtendPartition`` commands; without it a short take is all the rank gets now."""
     if epoch not in st.cadence.pools:
         return {}
     _pin(st, epoch)
-    sizes = _window_sizes(st, epoch, ranks)
-    takers = [r for r in ranks if sizes[r] > 0]
-    bs = st.config.batch_size
-    got_each = st.cadence.pools[epoch].take_chunks(takers, [sizes[r] * bs for r in takers])
-    return _record_takes(st, epoch, takers, got_each)
-
-
-def _record_takes(st: CoordinatorState, epoch: int, ranks: list[int],
-                  got_each: list[Optional[tuple[int, int]]]) -> dict[int, tuple[int, int]]:  # fmt: skip
-    """``_take``'s books for each of ``ranks`` after the pool's takes, in order (inline:
-    a window start takes for every rank)."""
-    taken = {r: got for r, got in zip(ranks, got_each) if got is not None and got[1] != 0}
-    if not taken:
-        return taken
-    cad, d = st.cadence, st.dispatch
-    per_rank = d.assigned.setdefault(epoch, {})
-    fresh = []
-    for r, got in taken.items():
-        ranges = per_rank.get(r)
-        if ranges is None:
-            fresh.append(r)
-        elif ranges and ranges[-1][0] + ranges[-1][1] == got[0]:
-            ranges[-1] = (ranges[-1][0], ranges[-1][1] + got[1])
-        else:
-            ranges.append(got)
-    # The rest in bulk (the same entries, in rank order, as one rank at a time).
-    per_rank.update((r, [taken[r]]) for r in fresh)
-    d.rank_epoch.update(zip(taken, repeat(epoch)))
-    cad.in_flight.update((r, (epoch, off, n)) for r, (off, n) in taken.items())
-    in_open = cad.in_open
-    for r in [r for r in taken if r not in in_open]:  # may_block: it is not quiesced any more
-        heapq.heappush(cad.open_windows, r)
-        in_open.add(r)
+    sizes = _window_sizes(st, epoch, ranks, ahead or {})
+    taken: dict[int, tuple[int, int]] = {}
+    for r in ranks:
+        if sizes[r] > 0:
+            if extra is None:
+                got = _take(st, r, epoch, sizes[r])
+                if got is not None:
+                    taken[r] = got
+                continue
+            ranges = _take_window(st, r, epoch, sizes[r])
+            if ranges:
+                taken[r] = ranges[0]
+                if len(ranges) > 1:
+                    extra[r] = ranges[1:]
     return taken
 
 
-def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int, int]:
+def _take_window(st: CoordinatorState, rank: int, epoch: int, batches: int) -> list[tuple[int, int]]:
+    """Take ``batches`` of ``epoch`` for the rank, in as many contiguous takes as it takes.
+    A take is one contiguous range (its own span, then a reclaimed hole or another's
+    residue), so a window larger than what is left of the rank's span comes back short;
+    handed out one take at a time, each of the rest would cost the rank a turnaround
+    with nothing to train (at 256 ranks, most of the plan waits). Each range is its
+    assignment as a take is (``_take``)."""
+    bs = st.config.batch_size
+    ranges: list[tuple[int, int]] = []
+    left = batches
+    while left > 0:
+        got = _take(st, rank, epoch, left)
+        if got is None:
+            break
+        ranges.append(got)
+        left -= _batches(got[1], bs)
+    return ranges
+
+
+def _ahead(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[int, int]:
+    """Of ``ranks`` (each training a chunk at a trigger), those whose next window may go
+    out now, queued behind it, with the batches they still hold. A rank that ran its
+    window and took a run-ahead chunk would otherwise get its next window only once that
+    chunk is done: one turnaround with nothing to train, every window. Its chunk must be
+    of ``epoch`` (its batches name one epoch at a time, ``check_batch``) and it must not
+    be throttled (it waits for the round). Barrier-paced windows only (Cadence)."""
+    cad = st.cadence
+    if not cad.barrier_paced or not st.config.run_ahead:
+        return {}
+    pool, bs = cad.pools.get(epoch), st.config.batch_size
+    out: dict[int, int] = {}
+    for r in ranks:
+        chunk = cad.in_flight.get(r)
+        if pool is None or chunk is None or chunk[0] != epoch or r in cad.throttled:
+            continue
+        out[r] = _batches(pool.in_flight(r), bs)
+    return out
+
+
+def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int], ahead: dict[int, int]) -> dict[int, int]:
     """``_capped(chunk_batches(rank))`` for each rank, the inputs they share (the pool's
     remaining, the counts view, the pinned plan) read once: nothing moves them before the
     first take, and a dispatch sizes every rank of a world of thousands."""
@@ -369,16 +414,35 @@ def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int]) -> dict[in
     steps = [max(0, recs[r].last_step - marks.get(r, 0)) for r in ranks]  # window_steps
     look = over.look_ahead(on)  # _budget (``OvershootBudget.budget_for``) of each rank
     budgets = [own[r] + look if own[r] > 0 else 0 for r in ranks]
-    ns = compute_chunk_batches_each(ranks, steps, budgets, remaining_samples=remaining, counts=counts,
+    helds = [ahead.get(r, 0) for r in ranks]  # the pinned plan's base already leaves them out of its share
+    if final_alloc is None:
+        sized = [s + h for s, h in zip(steps, helds)]
+    else:
+        sized = [plan.share_steps(r, s) for r, s in zip(ranks, steps)]
+    ns = compute_chunk_batches_each(ranks, sized, budgets, remaining_samples=remaining, counts=counts,
                                     counts_total=counts_total, batch_size=bs, barrier_paced=cad.barrier_paced,
                                     calibrated=calibrated, total_samples=pool.total, final_alloc=final_alloc)  # fmt: skip
-    return {r: (min(n, max(1, b - s)) if b > 0 and n > 0 else n)  # _capped
-            for r, n, s, b in zip(ranks, ns, steps, budgets)}  # fmt: skip
+    sizes: dict[int, int] = {}
+    for r, n, s, b, h in zip(ranks, ns, steps, budgets, helds):
+        if h:  # the rest of its window behind what it holds, never a batch past it
+            rest = b - s - h
+            sizes[r] = min(n, rest) if b > 0 and rest > 0 and n > 0 else 0
+        else:
+            sizes[r] = min(n, max(1, b - s)) if b > 0 and n > 0 else n  # _capped
+    return sizes
 
 
 def _send_plan(st: CoordinatorState, rank: int, epoch: int, got: tuple[int, int], out: list[Command],
-               role: Optional[int] = None) -> None:  # fmt: skip
+               role: Optional[int] = None, extra: tuple[tuple[int, int], ...] | list = ()) -> None:  # fmt: skip
     _dispatch.send_plan(st, out, rank, epoch, got[0], got[1], role)
+    _send_extensions(st, rank, epoch, extra, out)
+
+
+def _send_extensions(st: CoordinatorState, rank: int, epoch: int, ranges, out: list[Command]) -> None:
+    """The rest of a plan, right behind it: the rank appends each to that plan."""
+    for off, size in ranges:
+        st.send(out, rank, extend_partition=pb.Control.ExtendPartition(epoch=epoch, partition_offset=off,
+                                                                       partition_size=size))  # fmt: skip
 
 
 # -- streaming ----------------------------------------------------------------------------
@@ -401,22 +465,31 @@ def _held(st: CoordinatorState, rank: int) -> Optional[str]:
     return None
 
 
-def _unheld(st: CoordinatorState, ranks: list[int]) -> list[int]:
-    """``[r for r in ranks if _held(st, r) is None]``, the rules inline (a trigger and a
-    finished round ask it of every participant)."""
+def _held_each(st: CoordinatorState, ranks: list[int]) -> dict[int, Optional[str]]:
+    """``{r: _held(st, r) for r in ranks}``, the rules inline (a trigger and a finished
+    round ask it of every participant)."""
     cad = st.cadence
     recs, in_flight, throttled, marks = st.ranks, cad.in_flight, cad.throttled, cad.window_mark
     own, look = cad.elche.batch_counts, cad.overshoot.look_ahead(cad.overshoot_on)
-    out = []
+    out: dict[int, Optional[str]] = {}
     for r in ranks:
         rec = recs[r]
-        if rec.phase is not ACTIVE or r in in_flight or r in throttled:
-            continue
-        budget = own[r] + look if own[r] > 0 else 0  # _budget
-        if budget > 0 and rec.last_step - marks.get(r, 0) >= budget and rec.last_step > rec.folded_step:
-            continue  # the reduce barrier (window_steps >= budget > 0, unfolded steps)
-        out.append(r)
+        if rec.phase is not ACTIVE:
+            out[r] = "not active"
+        elif r in in_flight:
+            out[r] = "one chunk in flight"
+        elif r in throttled:
+            out[r] = "throttled until the Update"
+        elif own[r] > 0 and rec.last_step - marks.get(r, 0) >= own[r] + look and rec.last_step > rec.folded_step:
+            out[r] = "reduce barrier"  # window_steps >= _budget > 0, with unfolded steps
+        else:
+            out[r] = None
     return out
+
+
+def _unheld(st: CoordinatorState, ranks: list[int]) -> list[int]:
+    """``[r for r in ranks if _held(st, r) is None]`` (``_held_each``)."""
+    return [r for r, why in _held_each(st, ranks).items() if why is None]
 
 
 def _dispatch_next(st: CoordinatorState, rank: int, out: list[Command]) -> bool:
@@ -435,10 +508,10 @@ def offer_chunk(st: CoordinatorState, rank: int, epoch: int, pool: ChunkPool, ou
     left = max(1, _budget(st, rank) - window_steps(st, rank))  # never cross the reduce
     n = chunk_batches(st, rank, epoch)
     n = min(n, left) if n > 0 else min(left, _batches(pool.remaining(), st.config.batch_size))
-    got = _take(st, rank, epoch, n)
-    if got is None:
+    ranges = _take_window(st, rank, epoch, n)
+    if not ranges:
         return False
-    _send_plan(st, rank, epoch, got, out)
+    _send_plan(st, rank, epoch, ranges[0], out, extra=ranges[1:])
     return True
 
 
@@ -540,6 +613,10 @@ class EpochStreams(Protocol):
         (opened now if it must be); None: the trigger only wakes idle ranks (Async)."""
         ...
 
+    def live_window_epoch(self, st: CoordinatorState) -> Optional[int]:
+        """``window_epoch`` if it has a pool already; None if it would have to open one."""
+        ...
+
 
 class CadenceDispatcher:
     """Progressive chunk dispatch driven by ElChe (see module doc), one class for Cadence
@@ -583,6 +660,12 @@ class CadenceDispatcher:
             return st.dispatch.last_dispatched
         return self.streams.window_epoch(st, out)
 
+    def _live_window_epoch(self, st: CoordinatorState) -> Optional[int]:
+        """``_window_epoch`` when it has a pool already (None: it would open one)."""
+        if self.streams is None:
+            return st.dispatch.last_dispatched
+        return self.streams.live_window_epoch(st)
+
     def dispatch_epoch(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
         if self.streams is not None and st.dispatch.last_dispatched is not None:
             # Streaming reaches a later epoch here only when nobody streamed into it.
@@ -610,8 +693,11 @@ class CadenceDispatcher:
         _slack.stage(st, epoch, out)  # a callback holder's first window is shorter
         counts_changed(st)
         rearm(st)
-        taken = start_window(st, epoch, alive)
+        extra: dict[int, list[tuple[int, int]]] = {}
+        taken = start_window(st, epoch, alive, extra=extra)
         _dispatch.send_plans(st, out, epoch, taken, role)  # one StartEpoch each, in rank order
+        for r, ranges in extra.items():
+            _send_extensions(st, r, epoch, ranges, out)
         _dispatch.announce_role(st, out, told=taken)
         wake(st, out)
 
@@ -665,10 +751,14 @@ class CadenceDispatcher:
 
     def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
         cad, r = st.cadence, ev.rank
-        cad.ledger.record_batch(r, ev.batch_ms, ev.data_ms)
+        # A plan wait is a window's fixed cost, except in the run's last window (a final
+        # plan is pinned): the tail's waits end the run, no longer window amortises them.
+        cad.ledger.record_batch(r, ev.batch_ms, ev.data_ms, ev.wait_ms if cad.final_plan is None else 0.0)
         cad.ledger.record_batch_loss(r, ev.loss)
         if ev.lr > 0.0:
             cad.last_lr[r] = ev.lr
+        if 0.0 < ev.wait_ms < _INF:
+            cad.last_wait_ms[r] = ev.wait_ms  # its latest turnaround: what a run-ahead chunk must outlast
         pool = cad.pools.get(ev.epoch)
         if pool is not None and ev.samples > 0:
             pool.mark_completed(r, ev.samples)
@@ -691,12 +781,23 @@ class CadenceDispatcher:
         rearm(st)
         # Everything sent here goes before the RequestParams (the caller's): the round
         # overlaps training.
-        ready = _unheld(st, ranks)
-        if ready and st.run.phase is TRAINING and st.dispatch.last_dispatched is not None:
-            epoch = self._window_epoch(st, out)
+        held = _held_each(st, ranks)
+        if st.run.phase is TRAINING and st.dispatch.last_dispatched is not None:
+            training = [r for r in ranks if held[r] == "one chunk in flight"]
+            if any(h is None for h in held.values()):
+                epoch = self._window_epoch(st, out)
+            else:  # only ranks still training: none of them opens an epoch
+                epoch = self._live_window_epoch(st) if training else None
             if epoch is not None:
-                for r, got in start_window(st, epoch, ready).items():
-                    _send_plan(st, r, epoch, got, out)
+                ahead = _ahead(st, epoch, training)
+                ready = [r for r in ranks if held[r] is None or r in ahead]
+                extra: dict[int, list[tuple[int, int]]] = {}
+                for r, got in start_window(st, epoch, ready, ahead, extra).items():
+                    if r in ahead:  # it extends the chunk it holds: a second plan queued would
+                        # be one the rank cannot tell from a coordinator's mistake (hazard 11)
+                        _send_extensions(st, r, epoch, [got, *extra.get(r, ())], out)
+                    else:
+                        _send_plan(st, r, epoch, got, out, extra=extra.get(r, ()))
         if self.streams is not None:
             self.streams.wake(st, out)  # whoever that epoch could not serve streams on
 

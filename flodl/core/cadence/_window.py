@@ -12,6 +12,17 @@ Between two reduces every ``Batch`` frame is folded into one :class:`WindowLedge
   cost -- control transit, plan pickup, prefetch spin-up -- so it goes to ``first_batch_ms``
   instead, and its excess over the marginal rate is the window's *fill*
   (:meth:`WindowLedger.fill_excess_ms`): the amortisable cost ElChe's growth rule reads.
+* **plan wait** ``wait_ms`` -- the time the rank sat idle with no plan (``BatchDone.wait_ms``,
+  measured by the rank: its chunk ran out, it waited at the reduce barrier for the trigger
+  and for its next window to arrive). Under overlapped rounds that turnaround is the
+  window's real fixed cost -- the coordinator's latency, the transport's, the slower
+  ranks' -- and nothing else sees it: the round's *exposed* part is measured by the
+  coordinator after the fact, and a window's first batch, once the round overlaps it, is
+  not where the ledger's window starts. So the fill ElChe reads is the first-batch excess
+  *plus* the plan wait (:meth:`WindowLedger.fixed_ms`): a coordinator slow to turn a
+  round around grows the windows until its turnaround costs ``overhead_target``. The
+  wait is summed between two resets: each round is charged the wait that ended since
+  the last one (the trigger's turnaround, one round late in steady state).
 
 At the reduce the coordinator turns the ledger into a :class:`WindowReport`
 (:meth:`WindowLedger.window_report`), and ElChe picks the scale with :func:`select_feed`:
@@ -122,6 +133,7 @@ class WindowLedger:
         self.delivered_ms = [0.0] * world_size
         self.delivered_batches = [0] * world_size
         self.first_batch_ms = [0.0] * world_size
+        self.wait_ms = [0.0] * world_size
         self.loss_sum = [0.0] * world_size
         self.loss_count = [0] * world_size
 
@@ -155,11 +167,14 @@ class WindowLedger:
 
     # --- write path ---------------------------------------------------------------
 
-    def record_batch(self, rank: int, batch_ms: float, data_ms: float) -> None:
+    def record_batch(self, rank: int, batch_ms: float, data_ms: float, wait_ms: float = 0.0) -> None:
         """One batch done: bump steps and compute wall; route ``batch_ms + data_ms`` to the
-        fill slot (first batch of the window) or the marginal accumulators (2..n)."""
+        fill slot (first batch of the window) or the marginal accumulators (2..n); add the
+        plan wait before it (a non-finite or negative one, from a hostile frame, counts 0)."""
         if not 0 <= rank < self.world_size:
             return
+        if wait_ms > 0.0 and math.isfinite(wait_ms):
+            self.wait_ms[rank] += wait_ms
         self.steps[rank] += 1
         self.wall_ms[rank] += batch_ms
         if self.steps[rank] > 1:
@@ -182,6 +197,7 @@ class WindowLedger:
         self.delivered_ms = [0.0] * n
         self.delivered_batches = [0] * n
         self.first_batch_ms = [0.0] * n
+        self.wait_ms = [0.0] * n
         self.loss_sum = [0.0] * n
         self.loss_count = [0] * n
 
@@ -201,6 +217,10 @@ class WindowLedger:
         marginal = self.delivered_ms[rank] / self.delivered_batches[rank]
         return max(0.0, self.first_batch_ms[rank] - marginal)
 
+    def fixed_ms(self, rank: int) -> float:
+        """The window's fixed cost on this rank: the first-batch excess plus the plan wait."""
+        return self.fill_excess_ms(rank) + self.wait_ms[rank]
+
     def movers_delivered_complete(self, alive: Optional[Sequence[bool]] = None) -> bool:
         """Every alive rank that moved this window has a delivered sample."""
         flags: Iterable[bool] = repeat(True) if alive is None else alive
@@ -208,6 +228,10 @@ class WindowLedger:
             if a and steps > 0 and not (db > 0 and dm > 0.0):  # has_delivered_sample, inline
                 return False
         return True
+
+    def fixed_ms_each(self) -> list[float]:
+        """``fixed_ms`` of every rank, in one pass."""
+        return [fill + wait for fill, wait in zip(self.fill_excess_ms_each(), self.wait_ms)]
 
     def fill_excess_ms_each(self) -> list[float]:
         """``fill_excess_ms`` of every rank, in one pass."""
@@ -228,7 +252,7 @@ class WindowLedger:
             steps=tuple(self.steps),
             delivered_ms=tuple(self.delivered_ms),
             delivered_batches=tuple(self.delivered_batches),
-            fill_ms=tuple(self.fill_excess_ms_each()),
+            fill_ms=tuple(self.fixed_ms_each()),
             delivered_coherent=coherent,
             sync_ms=sync_ms,
         )

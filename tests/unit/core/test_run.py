@@ -213,10 +213,11 @@ def test_run_finished_summary_shape_is_json_safe():
     s = json.loads(json.dumps(res.summary))
     assert set(s) == {
         "world_size", "policy", "total_samples", "epochs_completed", "averages", "averaging_s", "global_step",
-        "accuracy", "wall_s", "discarded_samples", "ranks", "coverage", "epochs", "evals",
+        "accuracy", "wall_s", "discarded_samples", "plan_wait_share", "ranks", "coverage", "epochs", "evals",
     }
     assert s["evals"] == []  # no eval intent was raised
-    assert set(s["ranks"][0]) == {"rank", "host", "phase", "reason", "samples", "batches", "batch_frames", "steps", "param_digest"}
+    assert set(s["ranks"][0]) == {"rank", "host", "phase", "reason", "samples", "batches", "batch_frames", "train_s",
+                                 "wait_s", "steps", "param_digest"}
     assert set(s["epochs"][0]) == {"epoch", "avg_loss", "epoch_ms", "per_rank_throughput"}
     assert s["ranks"][1]["param_digest"] == "digest-1" and s["ranks"][1]["phase"] == "LEFT"
     assert s["wall_s"] == c.state.now - c.state.run.formed_at

@@ -17,7 +17,6 @@ from flodl.core import _metrics
 from flodl.core._events import ChunkDone
 from flodl.core._rank_index import RankIndex
 from flodl.core.cadence import _boundary, _chunk_pool, _dispatcher
-from flodl.core.cadence._chunk_pool import ChunkPool
 from flodl.wire import pb
 
 from .cluster import Cluster
@@ -174,9 +173,9 @@ def _old_final_window_alloc(rem, counts, alive):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_the_bulk_sizing_taking_and_splitting_match_one_rank_at_a_time(seed):
-    """``compute_chunk_batches_each``, ``ChunkPool.take_chunks`` and the final-window
-    split give, bit for bit, what the per-rank paths give (ties and remainders too)."""
+def test_the_bulk_sizing_and_splitting_match_one_rank_at_a_time(seed):
+    """``compute_chunk_batches_each`` and the final-window split give, bit for bit, what
+    the per-rank paths give (ties and remainders too)."""
     rng = random.Random(seed)
     ws, bs = rng.randint(1, 12), rng.choice([1, 4])
     counts = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(ws)]
@@ -191,40 +190,20 @@ def test_the_bulk_sizing_taking_and_splitting_match_one_rank_at_a_time(seed):
            for r, s, b in zip(ranks, steps, budgets)]  # fmt: skip
     assert each == one
 
-    def pool():
-        p = ChunkPool(0, 97, ws)
-        for r in rng.sample(range(ws), ws // 2):
-            p.take_chunk(r, rng.randint(0, 9))
-        if rng.random() < 0.3:
-            p.give_back([(0, 2)])
-        return p
-
-    state = rng.getstate()
-    bulk, single = pool(), (rng.setstate(state), pool())[1]
-    takers = [rng.randrange(ws) for _ in range(2 * ws)]
-    sizes = [rng.randint(0, 30) for _ in takers]
-    assert bulk.take_chunks(takers, sizes) == [single.take_chunk(r, n) for r, n in zip(takers, sizes)]
-    assert vars(bulk) == vars(single)
-    bulk.check_sums()
-
     alive = [rng.random() < 0.8 for _ in range(ws)]
     for rem in (1, 2, 5, 17):
         assert _chunk_pool.final_window_alloc(rem, counts, alive) == _old_final_window_alloc(rem, counts, alive)
 
 
-def test_a_cadence_window_start_sizes_and_takes_without_a_call_per_rank(monkeypatch):
+def test_a_cadence_window_start_sizes_without_a_call_per_rank(monkeypatch):
     """The step that forms a Cadence world hands every rank its first window: it used to
-    size each (``explain_chunk_batches``, by keywords) and take each (``take_chunk``)."""
+    size each by two keyword calls (``compute_chunk_batches``, ``explain_chunk_batches``)."""
     calls = []
-    for name in ("explain_chunk_batches",):
-        real = getattr(_chunk_pool, name)
-        monkeypatch.setattr(_chunk_pool, name, lambda *a, _real=real, **k: calls.append("size") or _real(*a, **k))
-    real_take = ChunkPool.take_chunk
-    monkeypatch.setattr(ChunkPool, "take_chunk", lambda self, r, n: calls.append("take") or real_take(self, r, n))
+    real = _chunk_pool.explain_chunk_batches
+    monkeypatch.setattr(_chunk_pool, "explain_chunk_batches", lambda *a, **k: calls.append(a) or real(*a, **k))
     c = Cluster(policy="cadence", world_size=16, total=16 * 64, batch_size=4, epochs=2)
-    for r in range(15):
+    for r in range(16):
         c.hello(r)
-    c.hello(15)
     assert len(c.state.cadence.in_flight) == 16  # every rank got its window
     assert calls == []
 

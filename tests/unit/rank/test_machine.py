@@ -70,16 +70,21 @@ def test_plans_batches_never_straddle_a_segment_and_metrics_follow_the_last():
     assert m.next_action(0.0) is WAIT_PLAN
     m.handle(plan(0, 0, 20))
     m.handle(ctl(extend_partition=pb.Control.ExtendPartition(epoch=0, partition_offset=50, partition_size=4)))
-    got = [(b.offset, b.count) for b in (train(m, 1.0), train(m), train(m))]
-    assert got == [(0, 8), (8, 8), (16, 4)]
-    # The extension arrived before the chunk started: it is a chunk of its own.
+    # The extension arrived before the chunk started: it extends that queued plan (the
+    # rest of a window, sent right behind it), one chunk, one metrics frame.
+    got = [(b.offset, b.count) for b in (train(m, 1.0), train(m), train(m), train(m))]
+    assert got == [(0, 8), (8, 8), (16, 4), (50, 4)]
     act = m.next_action(3.0)
-    assert isinstance(act, SendMetrics) and act.metrics.batches_processed == 3
-    assert act.metrics.samples_processed == 20 and act.metrics.epoch_ms == 2000.0
-    assert train(m).offset == 50
+    assert isinstance(act, SendMetrics) and act.metrics.batches_processed == 4
+    assert act.metrics.samples_processed == 24 and act.metrics.epoch_ms == 2000.0
+    m.handle(plan(0, 70, 8))
+    assert train(m).offset == 70
     m.handle(ctl(extend_partition=pb.Control.ExtendPartition(epoch=0, partition_offset=60, partition_size=8)))
     assert (train(m).offset, m.current.seq) == (60, 2)  # appended to the chunk in training
     assert isinstance(m.next_action(0.0), SendMetrics) and m.next_action(0.0) is WAIT_PLAN
+    # Of another epoch than every plan it holds: a chunk of its own.
+    m.handle(ctl(extend_partition=pb.Control.ExtendPartition(epoch=1, partition_offset=0, partition_size=8)))
+    assert (train(m).epoch, m.current.seq) == (1, 3)
 
 
 def test_a_plan_beyond_the_epoch_is_dropped_and_a_second_queued_one_warned():

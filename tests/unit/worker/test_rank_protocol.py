@@ -112,6 +112,10 @@ def test_rank_full_cycle_against_fake_coordinator(coordinator, procs, py, tmp_pa
     assert ack.post_norm == pytest.approx(norm(consensus), rel=1e-5)
     assert ack.divergence == pytest.approx(norm([c - p for c, p in zip(consensus, pre)]) / norm(consensus), rel=1e-4)
     coordinator.control(route, update=pb.Control.Update(version=1, cycle=1))
+    # Released with no plan: it waits at the barrier until the next command. Its
+    # heartbeat says it did wait (sent at once, the eval could land in the same drain
+    # as the Update on a loaded machine, and the barrier would be charged nothing).
+    coordinator.expect("timing", "heartbeat", skip_heartbeats=False)
 
     coordinator.control(route, execute_eval=pb.Control.ExecuteEval(schedule_id=9, epoch=0, target_rank=0, final=True))
     _, d = coordinator.expect("timing", "eval_result")

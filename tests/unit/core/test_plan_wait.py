@@ -1,0 +1,127 @@
+"""The ranks' plan wait in the core (``BatchDone.wait_ms``, measured by the rank).
+
+* It reaches the summary (each rank's ``train_s`` and ``wait_s``, the run's
+  ``plan_wait_share``) and the journal; a hostile value is not summed.
+* It is a window's fixed cost for ElChe (``WindowLedger.fixed_ms``): a coordinator slow
+  to turn a round around grows the windows, except in the run's last window.
+* A run-ahead chunk outlasts the rank's last turnaround (``_boundary.run_ahead``).
+* The run's final-window plan does not count a held run-ahead chunk as a rank's share
+  (``FinalWindowPlan.base``)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from flodl.core import BatchDone, from_record, to_record
+from flodl.core._translate import timing_event
+from flodl.core.cadence._boundary import leaves_the_tail, run_ahead
+from flodl.core.cadence._chunk_pool import FinalWindowPlan
+from flodl.core.cadence._window import WindowLedger
+from flodl.sim import SimConfig, simulate
+from flodl.wire import pb
+
+from .cluster import Cluster
+from .test_cadence import _pool, _state
+
+
+def _batch(rank: int, step: int, wait_ms: float, *, batch_ms: float = 4.0) -> BatchDone:
+    return BatchDone(now=float(step), rank=rank, batch_ms=batch_ms, data_ms=1.0, step_count=step, loss=1.0,
+                     samples=1, epoch=0, offset=step - 1, wait_ms=wait_ms)  # fmt: skip
+
+
+def test_the_wire_field_reaches_the_event_and_survives_the_journal():
+    ev = timing_event(1.0, pb.Timing(rank=2, batch=pb.Timing.Batch(step_count=3, samples=1, wait_ms=12.5)))
+    assert isinstance(ev, BatchDone) and ev.wait_ms == 12.5
+    assert from_record(json.loads(json.dumps(to_record(ev)))) == ev
+
+
+def _summary_with_a_wait(wait_ms: float) -> Cluster:
+    """A run whose rank 1 tells ``wait_ms`` with its first batch (what its machine holds)."""
+    c = Cluster(policy="cadence", world_size=2, total=40, batch_size=4, epochs=1, final_eval=False)
+    c.ranks[1].m.wait_ms = wait_ms
+    c.join_all()
+    res = c.run()
+    assert res.ok
+    c.summary = json.loads(json.dumps(res.summary, allow_nan=False))  # strict JSON: nothing NaN got in
+    return c
+
+
+def test_the_summary_says_where_each_ranks_time_went():
+    c = _summary_with_a_wait(250.0)
+    s = c.summary
+    assert [r["wait_s"] for r in s["ranks"]] == [0.0, 0.25]
+    for r, rank in zip(s["ranks"], c.ranks):  # each batch: its speed and 1 ms of data
+        assert r["train_s"] == pytest.approx(len(rank.trained) * (rank.speed_ms + 1.0) / 1e3, abs=1e-3)
+    train = sum(r["train_s"] for r in s["ranks"])
+    assert s["plan_wait_share"] == pytest.approx(0.25 / (train + 0.25), abs=1e-3)
+
+
+@pytest.mark.parametrize("hostile", [math.nan, math.inf, -5.0])
+def test_a_hostile_wait_is_not_summed(hostile):
+    s = _summary_with_a_wait(hostile).summary
+    assert [r["wait_s"] for r in s["ranks"]] == [0.0, 0.0] and s["plan_wait_share"] == 0.0
+
+
+def test_a_wait_is_part_of_the_windows_fixed_cost_and_a_hostile_one_is_not():
+    led = WindowLedger(2)
+    for w in (0.0, 30.0, math.nan, -4.0, math.inf):
+        led.record_batch(0, 10.0, 0.0, w)
+    led.record_batch(0, 10.0, 0.0, 20.0)
+    assert led.fill_excess_ms(0) == 0.0  # the first batch cost what the others did
+    assert led.fixed_ms(0) == 50.0
+    assert led.window_report(delivered_capable=True).fill_ms == (50.0, 0.0)
+    led.reset_timing()
+    assert led.fixed_ms(0) == 0.0
+
+
+RIG = dict(ms_per_batch=(10, 20, 40), jitter=0.05, batch_size=16, total_samples=6000, epochs=2, policy="cadence")
+
+
+def test_a_slow_turnaround_grows_the_windows_and_the_summary_shows_the_wait():
+    # 20 ms links: every window end costs the slowest rank a 40 ms round trip against
+    # a 160 ms window (20 %). The coordinator's clock cannot see it (it starts when a
+    # frame is decoded); the rank's wait_ms does, and ElChe grows the windows until
+    # the turnaround costs about overhead_target. Fast links: nothing to amortise.
+    slow = simulate(SimConfig(**RIG, latency_s=0.02))
+    fast = simulate(SimConfig(**RIG, latency_s=0.0005))
+    assert slow.finished.ok and fast.finished.ok
+    assert fast.summary["elche"]["anchor"] == 4 and fast.summary["plan_wait_share"] < 0.03
+    assert slow.summary["elche"]["anchor"] >= 16  # before the wait was fed: 4, as on fast links
+    assert slow.summary["plan_wait_share"] > fast.summary["plan_wait_share"]
+    for res in (slow, fast):
+        for c in res.summary["coverage"]:
+            assert (c["trained"], c["duplicates"], c["missing"]) == (6000, 0, 0)
+
+
+def test_a_run_ahead_chunk_outlasts_the_ranks_last_turnaround():
+    def handed(turnaround_ms):
+        st = _state(2, 2, total=1000)
+        st.cadence.elche.report_timing([10, 20], [2, 2], 0)  # 5 and 10 ms a batch: counts [4, 2]
+        _pool(st, 0, 1000)
+        st.dispatch.last_dispatched = 0
+        st.ranks[0].last_step = 4  # rank 0 ran its window; nothing folded yet
+        if turnaround_ms:
+            st.cadence.last_wait_ms[0] = turnaround_ms
+        assert run_ahead(st, 0, -1.0, [])  # the gate waits for rank 1, for how long is unknown
+        return st.cadence.in_flight[0][2]
+
+    assert handed(0.0) == 1  # no turnaround known: one batch, as before
+    assert handed(12.0) == 3  # 12 ms at 5 ms a batch, and one more
+    assert handed(1000.0) == 4  # never past the room: one more window in all
+
+
+def test_a_run_ahead_chunk_held_at_the_pin_is_not_the_ranks_share():
+    st = _state(2, 2, total=1000)
+    st.cadence.final_plan = FinalWindowPlan(0, alloc=(3, 2), pinned_counts=(4, 2), pinned_alive=(True, True),
+                                            base=(5, 0))  # fmt: skip
+    st.cadence.in_flight[1] = (0, 0, 1)  # someone still trains: the tail is theirs to leave
+    st.dispatch.rank_epoch[0] = 0
+    st.ranks[0].last_step = 7  # 7 steps since the trigger, 5 of them from what it held at the pin
+    assert not leaves_the_tail(st, 0)  # 2 of its 3: it asks for its last one
+    st.ranks[0].last_step = 8
+    assert leaves_the_tail(st, 0)
+    plain = FinalWindowPlan(0, alloc=(3, 2), pinned_counts=(4, 2), pinned_alive=(True, True))
+    assert plain.share_steps(0, 7) == 7  # a plan without a base counts every step, as before
