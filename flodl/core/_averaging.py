@@ -56,6 +56,7 @@ The gate and the dispatcher are the policy's (``_policy``): the step passes the 
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any, Callable, Optional
 
 from flodl.wire import pb
@@ -125,7 +126,9 @@ def trigger(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) ->
     rs.refused = {}
     rs.opened_at = st.now
     st.index.open_round(rs.ranks)
-    out.append(OpenRound(rs.cycle, rs.ranks, tuple(st.unfolded(r) for r in rs.ranks)))
+    recs = st.ranks  # (``unfolded``, inline: a round opens for every rank)
+    steps = tuple([max(0, recs[r].last_step - recs[r].folded_step) for r in rs.ranks])
+    out.append(OpenRound(rs.cycle, rs.ranks, steps))
     dispatcher.on_trigger(st, list(rs.ranks), out)
     # Built when sent: a round asks every rank (``CoordinatorState.send_built``).
     st.send_built_each(out, rs.ranks, "request_params", _request_params, (rs.cycle,))
@@ -279,7 +282,8 @@ def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> 
     # Built when sent (``CoordinatorState.send_built``): a round answers every rank. The
     # plans are the dispatcher's fresh messages, held by nothing else; the window's end
     # is read now (it moves with the next trigger).
-    version, cycle, end = rs.version, rs.cycle, dispatcher.window_end_step
-    st.send_built_zip(out, alive, "update", _update, [(version, cycle, end(st, r), plans.get(r)) for r in alive])
+    ends = dispatcher.window_end_steps(st, alive)
+    args = list(zip(repeat(rs.version), repeat(rs.cycle), ends, map(plans.get, alive)))
+    st.send_built_zip(out, alive, "update", _update, args)  # (zipped: a round answers thousands)
     committed = _coverage.committed_samples(st.coverage)  # the ranks' LR schedules follow it
     st.send_built_each(out, alive, "set_global_step", _set_global_step, (rs.global_step, committed))

@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-Each ``ChunkDone`` is buffered under its epoch and rank (a repeated ``chunk_seq`` is a
-duplicate and ignored; one for an epoch already aggregated is late and counted).
+Each ``ChunkDone`` is folded into its rank's running sums for its epoch, and its
+``chunk_seq`` kept under the epoch and rank (a repeated ``chunk_seq`` is a duplicate and
+ignored; one for an epoch already aggregated is late and counted).
 
 An epoch is *ready* when every ACTIVE rank that was assigned work in it (a plan or an
 extension) has reported at least one ``ChunkDone`` for it, and its coverage is
@@ -60,10 +61,10 @@ def on_chunk(st: CoordinatorState, ev: ChunkDone) -> None:
         st.count_ignored("ChunkDone for an aggregated epoch")
         return
     mine = st.metrics.chunks.setdefault(ev.epoch, {}).setdefault(ev.rank, [])
-    if any(c.chunk_seq == ev.chunk_seq for c in mine):
+    if ev.chunk_seq in mine:
         st.count_ignored("duplicate ChunkDone")
         return
-    mine.append(ev)
+    mine.append(ev.chunk_seq)
     sums = st.metrics.sums.setdefault(ev.epoch, {})
     acc = sums.get(ev.rank)
     if acc is None:
@@ -114,7 +115,9 @@ def aggregate_sums(epoch: int, sums: dict[int, list[Any]], world_size: int) -> d
             scal[r] = acc[5]
     names = sorted({k for per in scal.values() for k in per})
     zeros = dict.fromkeys(names, 0.0)
-    per_rank = [dict(zeros) for _ in range(world_size)]
+    # A rank without scalars shares one map of zeros: read only (``to_pb``), and not a
+    # dict per rank of a world of thousands.
+    per_rank = [zeros] * world_size
     for r, per in scal.items():
         per_rank[r] = {k: (per[k][0] / per[k][1] if per.get(k, [0, 0])[1] else 0.0) for k in names}
     scalars = {}
@@ -172,6 +175,10 @@ def is_ready(st: CoordinatorState, epoch: int) -> bool:
     if assigned is None or not _coverage.is_complete(st.coverage, epoch):
         return False
     got = st.metrics.chunks.get(epoch, {})
+    # Asked on every pass of the step once the epoch is complete: when every assigned rank
+    # has metrics, two C-level passes say so; else the walk stops at the first without.
+    if got.keys() >= assigned.keys() and all(got.values()):
+        return True
     for r, ranges in assigned.items():
         if st.ranks[r].phase is ACTIVE and ranges and not got.get(r):
             return False

@@ -181,9 +181,27 @@ class RankIndex:
                 self.waiting.update(r for r in ranks if r in self.participants and r not in self.acked)
         else:
             self.waiting.difference_update(ranks)
+        if new is not ACTIVE:
+            for rec in recs:
+                self._steps(rec)
+                self._seen(rec)
+            return
+        # A world forms: ``_steps`` and ``_seen`` for each, inline (N ranks in one step).
+        movers, in_heap, heap, released = self.movers, self._in_heap, self.still_heap, self.released
         for rec in recs:
-            self._steps(rec)
-            self._seen(rec)
+            r = rec.rank
+            if rec.last_step > rec.folded_step:
+                movers.add(r)
+                continue
+            if r in movers:
+                movers.discard(r)
+                released.add(r)
+            if r not in in_heap:
+                heapq.heappush(heap, r)
+                in_heap.add(r)
+        floor = self.seen_floor
+        if floor is not None:
+            self.seen_floor = min(floor, min(rec.last_seen for rec in recs))
 
     def _seen(self, rec: Any) -> None:
         # Only ever lowered here: a rank refreshing its liveness cannot make anyone stale.

@@ -275,8 +275,7 @@ def unknown_chunks(st: CoordinatorState, ev: RankResynced) -> Iterator[ChunkDone
         last = st.metrics.last_aggregated
         if last is not None and epoch <= last:
             continue
-        known = st.metrics.chunks.get(epoch, {}).get(rank, ())
-        if any(k.chunk_seq == seq for k in known):
+        if seq in st.metrics.chunks.get(epoch, {}).get(rank, ()):
             continue
         yield ChunkDone(
             now=ev.now, rank=rank, epoch=epoch, chunk_seq=seq, batches=int(c[2]), samples=int(c[3]),

@@ -212,8 +212,10 @@ class CoverageState:
 
 @dataclass(slots=True)
 class MetricsState:
-    # epoch -> rank -> [ChunkDone], in arrival order.
-    chunks: dict[int, dict[int, list[Any]]] = field(default_factory=dict)
+    # epoch -> rank -> the chunk_seq of each ChunkDone, in arrival order: what the
+    # duplicate check and the aggregation rule need (the metrics are in ``sums``); not
+    # the events, which an epoch's aggregation would free by the thousand.
+    chunks: dict[int, dict[int, list[int]]] = field(default_factory=dict)
     # epoch -> rank -> its running sums over those chunks (``_metrics._add``), kept as
     # they arrive so that the epoch-boundary step does not walk every chunk.
     sums: dict[int, dict[int, list[Any]]] = field(default_factory=dict)
@@ -554,6 +556,8 @@ class CoordinatorState:
         self.next_command_id = cid + len(ranks)
 
     def _check_all_addressable(self, ranks: Sequence[int]) -> None:
+        if self.index.phases[ACTIVE].issuperset(ranks):
+            return  # the common case, one C-level pass (the index follows every phase write)
         recs = self.ranks
         for r in ranks:  # the common case (ACTIVE, JOINING) read inline: this runs per rank of a dispatch
             phase = recs[r].phase if 0 <= r < len(recs) else None

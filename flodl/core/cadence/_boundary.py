@@ -178,13 +178,16 @@ def leaves_the_tail(st: CoordinatorState, rank: int) -> bool:
     plan = cad.final_plan
     if plan is None or rank in cad.in_flight or st.dispatch.rank_epoch.get(rank) != plan.epoch:
         return False
-    if plan.share_steps(rank, window_steps(st, rank)) < plan.alloc[rank]:
+    steps = max(0, st.ranks[rank].last_step - cad.window_mark.get(rank, 0))  # window_steps
+    if plan.share_steps(rank, steps) < plan.alloc[rank]:
         return False
     return training(cad) > 0  # the rank itself has nothing in flight
 
 
 def training(cad: CadenceState) -> int:
     """Ranks training: a chunk in flight and not throttled (O(throttled))."""
+    if not cad.throttled:
+        return len(cad.in_flight)  # (a wake asks it per rank it looks at)
     return len(cad.in_flight) - sum(1 for r in cad.throttled if r in cad.in_flight)
 
 

@@ -97,6 +97,7 @@ from . import _feedback, _slack
 from ._chunk_pool import (
     ChunkPool,
     compute_chunk_batches,
+    compute_chunk_batches_each,
     refresh_final_window_plan,
     reservation_span_sizes,
 )
@@ -110,7 +111,7 @@ from ._lr_meta import LrEventMeta
 from ._overshoot import OvershootBudget
 from .._phases import ACTIVE, PENDING, TRAINING
 from .._state import CadenceState, CoordinatorState
-from ._views import absorb_released, counts_changed, counts_view, drop_open, drop_wake, may_block, rearm
+from ._views import absorb_released, counts_changed, counts_view, drop_wake, may_block, rearm
 from ._window import WindowLedger
 
 _INF = float("inf")
@@ -216,10 +217,14 @@ def windows_done(st: CoordinatorState) -> tuple[bool, str]:
     cad = st.cadence
     absorb_released(st)
     counts, heap = cad.elche.batch_counts, cad.open_windows
+    # (window_steps and drop_open inline: after a finished round the gate pops every
+    # rank that ran its window, thousands in one step; nothing read before the loop, as
+    # most events stop at the first rank.)
     while heap:
         r = heap[0]
-        if st.ranks[r].phase is ACTIVE and r not in cad.throttled:
-            steps = window_steps(st, r)
+        rec = st.ranks[r]
+        if rec.phase is ACTIVE and r not in cad.throttled:
+            steps = max(0, rec.last_step - cad.window_mark.get(r, 0))
             if steps < counts[r] and not quiesced(st, r):
                 why = f"rank {r} ran {steps}/{counts[r]} batches of its window and has work left"
                 if r in cad.parked:  # waiting on the coordinator, not training: say so
@@ -227,7 +232,7 @@ def windows_done(st: CoordinatorState) -> tuple[bool, str]:
                 return False, why
         heapq.heappop(heap)
         cad.in_open.discard(r)
-        drop_open(cad, r)
+        cad.dropped_open.add(r)
     if not st.any_unfolded():
         return False, "no rank has stepped since the last average"
     return True, "every active rank ran its window, is throttled, or has no work left"
@@ -409,21 +414,24 @@ def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int], ahead: dic
     remaining = _batches(pool.remaining(), bs) * bs
     final_alloc = plan.alloc if plan is not None and plan.epoch == epoch else None
     recs, marks, own, over, on = st.ranks, cad.window_mark, cad.elche.batch_counts, cad.overshoot, cad.overshoot_on
-    barrier_paced, total = cad.barrier_paced, pool.total
+    steps = [max(0, recs[r].last_step - marks.get(r, 0)) for r in ranks]  # window_steps
+    look = over.look_ahead(on)  # _budget (``OvershootBudget.budget_for``) of each rank
+    budgets = [own[r] + look if own[r] > 0 else 0 for r in ranks]
+    helds = [ahead.get(r, 0) for r in ranks]  # the pinned plan's base already leaves them out of its share
+    if final_alloc is None:
+        sized = [s + h for s, h in zip(steps, helds)]
+    else:
+        sized = [plan.share_steps(r, s) for r, s in zip(ranks, steps)]
+    ns = compute_chunk_batches_each(ranks, sized, budgets, remaining_samples=remaining, counts=counts,
+                                    counts_total=counts_total, batch_size=bs, barrier_paced=cad.barrier_paced,
+                                    calibrated=calibrated, total_samples=pool.total, final_alloc=final_alloc)  # fmt: skip
     sizes: dict[int, int] = {}
-    for r in ranks:
-        steps = max(0, recs[r].last_step - marks.get(r, 0))  # window_steps
-        budget = over.budget_for(own[r], overshoot=on)  # _budget
-        held = ahead.get(r, 0)  # the pinned plan's base already leaves them out of its share
-        sized = steps + held if final_alloc is None else plan.share_steps(r, steps)
-        n = compute_chunk_batches(r, remaining_samples=remaining, counts=counts, counts_total=counts_total,
-                                  batch_size=bs, barrier_paced=barrier_paced, calibrated=calibrated,
-                                  total_samples=total, steps=sized, budget=budget, final_alloc=final_alloc)  # fmt: skip
-        if held:  # the rest of its window behind what it holds, never a batch past it
-            rest = budget - steps - held
-            sizes[r] = min(n, rest) if budget > 0 and rest > 0 and n > 0 else 0
+    for r, n, s, b, h in zip(ranks, ns, steps, budgets, helds):
+        if h:  # the rest of its window behind what it holds, never a batch past it
+            rest = b - s - h
+            sizes[r] = min(n, rest) if b > 0 and rest > 0 and n > 0 else 0
         else:
-            sizes[r] = min(n, max(1, budget - steps)) if budget > 0 and n > 0 else n  # _capped
+            sizes[r] = min(n, max(1, b - s)) if b > 0 and n > 0 else n  # _capped
     return sizes
 
 
@@ -460,6 +468,33 @@ def _held(st: CoordinatorState, rank: int) -> Optional[str]:
     return None
 
 
+def _held_each(st: CoordinatorState, ranks: list[int]) -> dict[int, Optional[str]]:
+    """``{r: _held(st, r) for r in ranks}``, the rules inline (a trigger and a finished
+    round ask it of every participant)."""
+    cad = st.cadence
+    recs, in_flight, throttled, marks = st.ranks, cad.in_flight, cad.throttled, cad.window_mark
+    own, look = cad.elche.batch_counts, cad.overshoot.look_ahead(cad.overshoot_on)
+    out: dict[int, Optional[str]] = {}
+    for r in ranks:
+        rec = recs[r]
+        if rec.phase is not ACTIVE:
+            out[r] = "not active"
+        elif r in in_flight:
+            out[r] = "one chunk in flight"
+        elif r in throttled:
+            out[r] = "throttled until the Update"
+        elif own[r] > 0 and rec.last_step - marks.get(r, 0) >= own[r] + look and rec.last_step > rec.folded_step:
+            out[r] = "reduce barrier"  # window_steps >= _budget > 0, with unfolded steps
+        else:
+            out[r] = None
+    return out
+
+
+def _unheld(st: CoordinatorState, ranks: list[int]) -> list[int]:
+    """``[r for r in ranks if _held(st, r) is None]`` (``_held_each``)."""
+    return [r for r, why in _held_each(st, ranks).items() if why is None]
+
+
 def _dispatch_next(st: CoordinatorState, rank: int, out: list[Command]) -> bool:
     """Stream the rank its next chunk unless held or its epoch is drained."""
     if _held(st, rank) is not None:
@@ -492,6 +527,11 @@ def wake(st: CoordinatorState, out: list[Command]) -> None:
     absorb_released(st)
     if not cad.wakeable or not any(pool.remaining() for pool in cad.pools.values()):
         return  # nobody could be given anything: they stay wakeable
+    in_flight = cad.in_flight
+    busy = {r for r in cad.wakeable if r in in_flight}  # (O(wakeable), not O(in flight))
+    if busy:  # held (one chunk in flight), whatever the others take: out at once, in bulk
+        cad.wakeable -= busy  # (after a window start that is every rank)
+        cad.dropped_wake |= busy  # drop_wake
     for r in sorted(cad.wakeable):
         _dispatch_next(st, r, out)
         if _held(st, r) is not None:  # served (one chunk in flight) or held: out until released
@@ -738,13 +778,13 @@ class CadenceDispatcher:
 
     def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None:
         cad = st.cadence
-        for r in ranks:  # the next window starts here
-            cad.window_mark[r] = st.ranks[r].last_step
+        recs = st.ranks  # the next window starts here
+        cad.window_mark.update([(r, recs[r].last_step) for r in ranks])
         cad.barrier_at = None
         rearm(st)
         # Everything sent here goes before the RequestParams (the caller's): the round
         # overlaps training.
-        held = {r: _held(st, r) for r in ranks}
+        held = _held_each(st, ranks)
         if st.run.phase is TRAINING and st.dispatch.last_dispatched is not None:
             training = [r for r in ranks if held[r] == "one chunk in flight"]
             if any(h is None for h in held.values()):
@@ -778,7 +818,7 @@ class CadenceDispatcher:
         cad.averages[epoch] = cad.averages.get(epoch, 0) + 1
         if not self.atomic_dispatch:
             return {}  # nobody waits for the Update
-        ready = [r for r in ranks if _held(st, r) is None]
+        ready = _unheld(st, ranks)
         if not ready:
             return {}
         source = self._window_epoch(st, out)
@@ -795,6 +835,11 @@ class CadenceDispatcher:
     def window_end_step(self, st: CoordinatorState, rank: int) -> int:
         """The rank's step at which its window is run (the gate's ``windows_done``)."""
         return st.cadence.window_mark.get(rank, 0) + st.cadence.elche.batch_counts[rank]
+
+    def window_end_steps(self, st: CoordinatorState, ranks: list[int]) -> list[int]:
+        """``window_end_step`` of each of ``ranks``, in one pass."""
+        marks, counts = st.cadence.window_mark, st.cadence.elche.batch_counts
+        return [marks.get(r, 0) + counts[r] for r in ranks]
 
     def on_epoch_aggregated(self, st: CoordinatorState, epoch: int, out: list[Command]) -> None:
         """The ranks already stream into ``epoch + 1``: the callbacks of this aggregation

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from functools import reduce
+from operator import add
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Optional, Sequence
@@ -137,10 +139,7 @@ class Calibration:
 def _mean(values: "deque[float]") -> float:
     """Left-to-right mean, as upstream computes it (Python >= 3.12's ``sum`` compensates
     float rounding, which could move a reading by an ulp across interpreter versions)."""
-    total = 0.0
-    for v in values:
-        total += v
-    return total / len(values)
+    return reduce(add, values, 0.0) / len(values)  # (reduce: the same additions, in C)
 
 
 def round_half_away(x: float) -> int:
@@ -249,8 +248,8 @@ class ElChe:
         return _mean(ring) if ring else 0.0
 
     def ms_per_batch(self) -> list[float]:
-        """Smoothed ms per rank, 0.0 for a rank without readings."""
-        return [self._smoothed(r) for r in range(self.world_size)]
+        """Smoothed ms per rank, 0.0 for a rank without readings (``_smoothed``, inline)."""
+        return [reduce(add, ring, 0.0) / len(ring) if ring else 0.0 for ring in self._rings]
 
     def slow_ms(self) -> float:
         return self._smoothed(self.anchor_rank) if self.anchor_rank is not None else 0.0
@@ -260,7 +259,8 @@ class ElChe:
         return self.anchor * self.slow_ms() if self.calibrated else 0.0
 
     def has_speed_hint(self) -> bool:
-        return any(c != self.batch_counts[0] for c in self.batch_counts)
+        counts = self.batch_counts  # (not all equal: counted in C, asked per dispatch)
+        return bool(counts) and counts.count(counts[0]) != len(counts)
 
     def total_batches(self) -> int:
         return sum(self.batch_counts)
@@ -327,8 +327,8 @@ class ElChe:
                 if self._zero_reports[r] >= TRUST_WINDOW_CAP:
                     self._rings[r].clear()
 
-    def _slow_cohort(self) -> list[int]:
-        smoothed = self.ms_per_batch()
+    def _slow_cohort(self, smoothed: Optional[list[float]] = None) -> list[int]:
+        smoothed = self.ms_per_batch() if smoothed is None else smoothed
         max_ms = max([0.0, *smoothed])
         if max_ms <= 0.0:
             return []
@@ -337,18 +337,19 @@ class ElChe:
 
     def _elect(self) -> Optional[int]:
         """Cohort filter, then sticky-with-margin; lowest index when the incumbent is out."""
-        cohort = self._slow_cohort()
+        smoothed = self.ms_per_batch()  # read once: every rank's ring is walked per election
+        cohort = self._slow_cohort(smoothed)
         if not cohort:
             return None
         if len(cohort) == 1:
             return cohort[0]
         cur = self.anchor_rank
         if cur is not None and cur in cohort:
-            cur_ms = self._smoothed(cur)
+            cur_ms = smoothed[cur]
             challenger, ch_ms = None, -math.inf
             for r in cohort:  # Rust max_by: the LAST maximal element wins ties
-                if r != cur and self._smoothed(r) >= ch_ms:
-                    challenger, ch_ms = r, self._smoothed(r)
+                if r != cur and smoothed[r] >= ch_ms:
+                    challenger, ch_ms = r, smoothed[r]
             if challenger is not None and ch_ms > cur_ms * (1.0 + DOMINANCE_MARGIN):
                 return challenger
             return cur
@@ -364,31 +365,31 @@ class ElChe:
 
     # --- allocation ---------------------------------------------------------------
 
-    def _target(self, rank: int, slow_ms: float) -> tuple[int, int]:
-        """(target before slack, slack batches) for one rank."""
-        ms = self._smoothed(rank)
-        if ms <= 0.0 or abs(ms - slow_ms) < _SAME_MS:
-            base = self.anchor
-        else:
-            base = max(1, round_half_away(self.anchor * min(slow_ms / ms, MAX_SPEED_RATIO)))
-        slack_ms = self.pending_callback_slack_ms[rank]
-        slack = math.ceil(slack_ms / ms) if slack_ms > 0.0 and ms > 0.0 else 0
-        return base, slack
-
     def recompute_batch_counts(self, slow_ms: float) -> None:
-        """Re-derive every count from the current anchor, then apply the window cap."""
-        for r in range(self.world_size):
-            base, slack = self._target(r, slow_ms)
+        """Re-derive every count from the current anchor, then apply the window cap.
+
+        Per rank: the target before slack (the anchor at the slow rank's speed, scaled by
+        ``slow_ms / ms`` otherwise), less its callback slack in batches; a move inside the
+        dead zone is skipped once calibrated, a calibrated move capped to ``max_batch_diff``.
+        (One loop with the rank-independent values read once: a world of thousands.)"""
+        anchor, counts, slack_of = self.anchor, self.batch_counts, self.pending_callback_slack_ms
+        calibrated, m = self.calibrated, self.max_batch_diff
+        for r, ms in enumerate(self.ms_per_batch()):
+            if ms <= 0.0 or abs(ms - slow_ms) < _SAME_MS:
+                base = anchor
+            else:
+                base = max(1, round_half_away(anchor * min(slow_ms / ms, MAX_SPEED_RATIO)))
+            slack_ms = slack_of[r]
+            slack = math.ceil(slack_ms / ms) if slack_ms > 0.0 and ms > 0.0 else 0
             target = max(1, base - slack)
-            current = self.batch_counts[r]
-            if abs(target - current) > current * DEAD_ZONE or not self.calibrated or slack > 0:
-                m = self.max_batch_diff
-                if m is not None and self.calibrated:
+            current = counts[r]
+            if abs(target - current) > current * DEAD_ZONE or not calibrated or slack > 0:
+                if m is not None and calibrated:
                     if target > current:
                         target = min(current + m, target)
                     else:
                         target = max(current - m, target, 1)
-                self.batch_counts[r] = target
+                counts[r] = target
         self._apply_window_cap()
         self.pending_callback_slack_ms = [0.0] * self.world_size
 

@@ -39,6 +39,7 @@ moved and before the next windows are folded into the ``Update``s -- the head of
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any, Optional
 
 from .._commands import Command, Notice
@@ -86,8 +87,8 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
     )
     calibration = el.report_window(report)  # once calibrated, the step elects the Fastest roles
     overhead = overhead_estimate(before, el.slow_ms(), el.anchor_rank, report)
-    window = [rs.window.get(r, 0) for r in range(ws)]
-    evidence = DivergenceReport(deltas=tuple(rs.divergence.get(r, 0.0) for r in range(ws)))
+    window = list(map(rs.window.get, range(ws), repeat(0)))  # (maps: a round of thousands)
+    evidence = DivergenceReport(deltas=tuple(map(rs.divergence.get, range(ws), repeat(0.0))))
     verdict = cad.guard.report(evidence, sum(window), max(window, default=0))
     nudge = _observe_meta(cad, verdict)
     el.apply_verdict(verdict)

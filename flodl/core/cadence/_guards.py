@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import filterfalse
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Protocol, Sequence, Union
 
@@ -125,13 +126,13 @@ class DivergenceReport:
     post_norm: Optional[float] = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "deltas", tuple(float(d) for d in self.deltas))
+        object.__setattr__(self, "deltas", tuple(map(float, self.deltas)))
         if self.pre_norms is not None:
             object.__setattr__(self, "pre_norms", tuple(float(p) for p in self.pre_norms))
 
     def max_relative_delta(self) -> float:
         """``d_raw``: worst-case replica drift, ``max(0, max deltas)``; NaN ignored."""
-        return max([0.0, *(d for d in self.deltas if not math.isnan(d))])
+        return max(0.0, max(filterfalse(math.isnan, self.deltas), default=0.0))  # (C-level: N deltas)
 
 
 class Guard(Protocol):

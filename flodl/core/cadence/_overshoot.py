@@ -120,4 +120,8 @@ class OvershootBudget:
         """``budget`` with the policy's ``overshoot`` switch (``_policy``)."""
         if count <= 0:
             return 0
-        return count + max(0, self.max_overshoot) if overshoot else count
+        return count + self.look_ahead(overshoot)
+
+    def look_ahead(self, overshoot: bool) -> int:
+        """What ``budget_for`` adds to a positive count (sizing a whole window reads it once)."""
+        return max(0, self.max_overshoot) if overshoot else 0

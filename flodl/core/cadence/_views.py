@@ -119,7 +119,9 @@ def rearm(st: CoordinatorState, *, unpark: bool = True) -> None:
     ranks = st.ranks
     # (Unsorted: a set's order is a function of its history, so a replay pushes the same
     # heap; and the heap's order never changes which rank it yields first.)
-    cad.wakeable.update(r for r in back_wake if ranks[r].phase is ACTIVE)
-    for r in back_open:
-        if ranks[r].phase is ACTIVE:
-            may_block(cad, r)
+    cad.wakeable.update([r for r in back_wake if ranks[r].phase is ACTIVE])
+    in_open, heap, push = cad.in_open, cad.open_windows, heapq.heappush
+    for r in back_open:  # may_block, inline: a finished round puts back every rank
+        if ranks[r].phase is ACTIVE and r not in in_open:
+            push(heap, r)
+            in_open.add(r)

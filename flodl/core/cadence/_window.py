@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from itertools import repeat
+from typing import Iterable, Optional, Sequence
 
 __all__ = [
     "WindowLedger",
@@ -222,12 +223,20 @@ class WindowLedger:
 
     def movers_delivered_complete(self, alive: Optional[Sequence[bool]] = None) -> bool:
         """Every alive rank that moved this window has a delivered sample."""
-        for r in range(self.world_size):
-            if alive is not None and not alive[r]:
-                continue
-            if self.steps[r] > 0 and not self.has_delivered_sample(r):
+        flags: Iterable[bool] = repeat(True) if alive is None else alive
+        for a, steps, db, dm in zip(flags, self.steps, self.delivered_batches, self.delivered_ms):
+            if a and steps > 0 and not (db > 0 and dm > 0.0):  # has_delivered_sample, inline
                 return False
         return True
+
+    def fixed_ms_each(self) -> list[float]:
+        """``fixed_ms`` of every rank, in one pass."""
+        return [fill + wait for fill, wait in zip(self.fill_excess_ms_each(), self.wait_ms)]
+
+    def fill_excess_ms_each(self) -> list[float]:
+        """``fill_excess_ms`` of every rank, in one pass."""
+        return [max(0.0, first - dm / db) if db > 0 and dm > 0.0 else 0.0
+                for first, dm, db in zip(self.first_batch_ms, self.delivered_ms, self.delivered_batches)]  # fmt: skip
 
     def window_report(
         self,
@@ -243,7 +252,7 @@ class WindowLedger:
             steps=tuple(self.steps),
             delivered_ms=tuple(self.delivered_ms),
             delivered_batches=tuple(self.delivered_batches),
-            fill_ms=tuple(self.fixed_ms(r) for r in range(self.world_size)),
+            fill_ms=tuple(self.fixed_ms_each()),
             delivered_coherent=coherent,
             sync_ms=sync_ms,
         )

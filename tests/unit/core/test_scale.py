@@ -7,6 +7,8 @@ what the old code did per rank (or per event) where the new code does not."""
 
 from __future__ import annotations
 
+import math
+import random
 
 import pytest
 
@@ -14,7 +16,7 @@ from flodl.core import Send
 from flodl.core import _metrics
 from flodl.core._events import ChunkDone
 from flodl.core._rank_index import RankIndex
-from flodl.core.cadence import _boundary
+from flodl.core.cadence import _boundary, _chunk_pool, _dispatcher
 from flodl.wire import pb
 
 from .cluster import Cluster
@@ -140,3 +142,88 @@ def test_an_epoch_aggregates_without_walking_its_chunks(monkeypatch):
     c.run_until(lambda: c.state.metrics.last_aggregated == 0)
     assert folded == []
     assert c.state.metrics.history[0]["epoch"] == 0
+
+
+@pytest.mark.parametrize("n", [3, 100])  # a plain loop, and the bulk fill
+def test_send_each_of_numbers_in_order_and_stops_at_the_shorter(n):
+    sends = Send.each(list(range(n, 0, -1)), 9, "update", _update, (1, 2))
+    assert [(s.rank, s.control.command_id) for s in sends] == [(n - i, 9 + i) for i in range(n)]
+    assert sends[0] == Send(n, pb.Control(command_id=9, update=pb.Control.Update(version=1, cycle=2)))
+    short = Send.each_of(range(n), 0, "update", _update, [(1, 1), (2, 2)])
+    assert [(s.rank, s.control.update.version) for s in short] == [(0, 1), (1, 2)]
+
+
+def _old_final_window_alloc(rem, counts, alive):
+    """The split as the old code made it (one rank at a time, every remainder sorted)."""
+    ws = len(counts)
+    alloc = [0] * ws
+    total = sum(counts[r] for r in range(ws) if alive[r])
+    if rem <= 0 or total == 0 or rem >= total:
+        return _chunk_pool.final_window_alloc(rem, counts, alive)  # (unchanged branches)
+    frac = []
+    for r in range(ws):
+        if alive[r]:
+            exact = rem * counts[r] / total
+            alloc[r] = math.floor(exact)
+            frac.append((r, exact - alloc[r]))
+    frac.sort(key=lambda rf: -rf[1])
+    for i in range(rem - sum(alloc)):
+        alloc[frac[i % len(frac)][0]] += 1
+    return _chunk_pool.consolidate_lone_ones(alloc, alive)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_bulk_sizing_and_splitting_match_one_rank_at_a_time(seed):
+    """``compute_chunk_batches_each`` and the final-window split give, bit for bit, what
+    the per-rank paths give (ties and remainders too)."""
+    rng = random.Random(seed)
+    ws, bs = rng.randint(1, 12), rng.choice([1, 4])
+    counts = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(ws)]
+    ranks = rng.sample(range(ws), rng.randint(1, ws))
+    steps = [rng.randint(0, 6) for _ in ranks]
+    budgets = [rng.choice([0, c, c + 2]) for c in (counts[r] for r in ranks)]
+    shared = dict(remaining_samples=rng.choice([0, 3, 40, 400]) * bs, counts=counts, batch_size=bs,
+                  barrier_paced=rng.random() < 0.5, calibrated=rng.random() < 0.5, total_samples=4000,
+                  final_alloc=rng.choice([None, [rng.randint(0, 4) for _ in range(ws)]]))  # fmt: skip
+    each = _chunk_pool.compute_chunk_batches_each(ranks, steps, budgets, counts_total=sum(counts), **shared)
+    one = [_chunk_pool.compute_chunk_batches(r, steps=s, budget=b, counts_total=sum(counts), **shared)
+           for r, s, b in zip(ranks, steps, budgets)]  # fmt: skip
+    assert each == one
+
+    alive = [rng.random() < 0.8 for _ in range(ws)]
+    for rem in (1, 2, 5, 17):
+        assert _chunk_pool.final_window_alloc(rem, counts, alive) == _old_final_window_alloc(rem, counts, alive)
+
+
+def test_a_cadence_window_start_sizes_without_a_call_per_rank(monkeypatch):
+    """The step that forms a Cadence world hands every rank its first window: it used to
+    size each by two keyword calls (``compute_chunk_batches``, ``explain_chunk_batches``)."""
+    calls = []
+    real = _chunk_pool.explain_chunk_batches
+    monkeypatch.setattr(_chunk_pool, "explain_chunk_batches", lambda *a, **k: calls.append(a) or real(*a, **k))
+    c = Cluster(policy="cadence", world_size=16, total=16 * 64, batch_size=4, epochs=2)
+    for r in range(16):
+        c.hello(r)
+    assert len(c.state.cadence.in_flight) == 16  # every rank got its window
+    assert calls == []
+
+
+@pytest.mark.parametrize("policy", ["cadence", "async"])
+def test_a_round_asks_who_is_held_in_one_pass(policy, monkeypatch):
+    """Who gets a window at a trigger (and, under Cadence, in its ``Update``) was one
+    ``_held`` call per participant."""
+    c = Cluster(policy=policy, world_size=12, total=12 * 64, batch_size=4, epochs=2)
+    c.join_all()
+    held = []
+    real = _dispatcher._held
+    monkeypatch.setattr(_dispatcher, "_held", lambda st, r: held.append(r) or real(st, r))
+    rounds = c.state.rounds
+    seen = {"trigger": 0, "finish": 0}
+    while min(seen.values()) < 2:
+        cycle, version = rounds.cycle, rounds.version
+        held.clear()
+        assert c.pump_once()
+        for kind, moved in (("trigger", rounds.cycle != cycle), ("finish", rounds.version != version)):
+            if moved:
+                seen[kind] += 1
+                assert len(held) < 12, (kind, held)  # the old code asked every participant (12)
