@@ -796,24 +796,36 @@ def test_a_window_folded_whole_before_its_snapshot_does_not_hold_the_reduce_barr
     assert [row["missing"] for row in fin.summary["coverage"]] == [0]
 
 
+def _run_ahead_pair():
+    """Two ranks, windows of 4, run_ahead on: rank 0 is the one that runs ahead."""
+    c = CheckedCluster(world_size=2, total=100, batch_size=1, epochs=1, policy="cadence", anchor=4,
+                       probe_batches=None, guard="none", run_ahead=True)  # fmt: skip
+    c.join_all()
+    return c
+
+
+def _rank_1_fires_the_round(c):
+    """Rank 1 runs its window: its last batch is the round's trigger."""
+    _drain(c, 1)
+    while c.state.rounds.cycle == 0 and c.train_one(1):
+        _drain(c, 1)
+    assert c.state.rounds.cycle == 1
+
+
 def test_a_rank_runs_ahead_of_the_barrier_while_another_trains_by_at_most_one_window():
     # run_ahead on: rank 0 ran its window while rank 1 still holds its chunk.
     # It trains on instead of idling -- those steps are this window's, folded by the
     # round like any other -- but at most one more window: a rank that hangs mid-window
     # lets the others run only that far ahead before it is declared dead.
-    c = CheckedCluster(world_size=2, total=100, batch_size=1, epochs=1, policy="cadence", anchor=4,
-                       probe_batches=None, guard="none", run_ahead=True)  # fmt: skip
-    c.join_all()
+    c = _run_ahead_pair()
     st = c.state
     _drain(c, 0)
     while c.train_one(0):
         _drain(c, 0)
     assert window_steps(st, 0) == 8 and 0 not in st.cadence.in_flight  # 4 + one more window
     assert st.rounds.gate_reason.startswith("rank 1 ran 0/4")
-    _drain(c, 1)
-    while st.rounds.cycle == 0 and c.train_one(1):
-        _drain(c, 1)
-    assert st.rounds.cycle == 1 and st.rounds.ranks == (0, 1)  # rank 1 ran its window: the round fires
+    _rank_1_fires_the_round(c)
+    assert st.rounds.ranks == (0, 1)
     res = c.run()
     assert res.ok and [{k: e[k] for k in EXACT} for e in res.summary["coverage"]] == [EXACT]
 
@@ -825,19 +837,14 @@ def test_a_rank_still_running_ahead_at_the_trigger_gets_the_rest_of_its_window_q
     # Now the trigger extends the chunk with the rest of its window (whose first step is
     # that chunk's batch), before its RequestParams: ExtendPartition, not a second
     # StartEpoch -- two plans queued at a rank mean a coordinator bug (hazard 11), warned.
-    c = CheckedCluster(world_size=2, total=100, batch_size=1, epochs=1, policy="cadence", anchor=4,
-                       probe_batches=None, guard="none", run_ahead=True)  # fmt: skip
-    c.join_all()
+    c = _run_ahead_pair()
     st = c.state
     _drain(c, 0)
     for _ in range(4):
         c.train_one(0)
     _drain(c, 0)  # its window is run: the run-ahead chunk arrives (one batch: no pace known yet)
     assert 0 in st.cadence.in_flight and window_steps(st, 0) == 4
-    _drain(c, 1)
-    while st.rounds.cycle == 0 and c.train_one(1):
-        _drain(c, 1)
-    assert st.rounds.cycle == 1
+    _rank_1_fires_the_round(c)
     kinds = [(ctl.WhichOneof("cmd"), ctl) for ctl in c.ranks[0].inbox]
     assert [k for k, _ in kinds] == ["extend_partition", "request_params"]
     assert kinds[0][1].extend_partition.partition_size == 3  # its window of 4, less the batch it holds
