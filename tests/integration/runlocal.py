@@ -58,6 +58,16 @@ def traced_samples(trace: Path, rank: int) -> int:
     return sum(1 for line in f.read_text().split("\n") if line.strip()) if f.exists() else 0
 
 
+def unreported_by(summary: dict, trace: Path, rank: int) -> int:
+    """Samples the rank's processes trained and never reported: its trace less what the
+    coordinator heard (the summary's ``samples``: totals over every process in the slot).
+    A killed rank's last report frame had not carried them yet (``batch_report_ms``: up
+    to 64 batches, more than one when its batches are fast), and the batch it traced as
+    it died; the coordinator cannot know them, the rank's own trace does."""
+    reported = next(r["samples"] for r in summary["ranks"] if r["rank"] == rank)
+    return traced_samples(trace, rank) - reported
+
+
 def assert_exact_coverage(summary: dict, trace: Path, epochs: int, expected: int) -> None:
     """Every epoch committed exactly once (summary) and trained exactly once (traces)."""
     cov = summary["coverage"]

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from faults import kill_quietly, rank_pid
-from runlocal import ROOT, assert_committed_once_despite_a_death, traced_counts
+from runlocal import ROOT, assert_committed_once_despite_a_death, traced_counts, unreported_by
 
 pytestmark = pytest.mark.integration
 
@@ -91,7 +91,9 @@ def _check_fault(summary: dict, trace: Path, victim: int) -> None:
     # The ranks' own traces: every sample trained; anything trained twice was trained by
     # the victim in a window that was never committed (or in the batch it died in).
     assert sorted(traced_counts(trace)) == [0, 1]
-    assert_committed_once_despite_a_death(summary, trace, TRAIN, BATCH)
+    unreported = unreported_by(summary, trace, victim)  # what its last report frame had not carried
+    assert 0 <= unreported <= 64 * BATCH, (unreported, dead)  # a report frame holds at most 64 batches
+    assert_committed_once_despite_a_death(summary, trace, TRAIN, unreported)
 
 
 def test_three_ranks_all_reduce_exactly_once_and_agree(tmp_path):

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from faults import LineWatch, kill_quietly, strike_after
-from runlocal import ROOT, assert_committed_once_despite_a_death, traced_samples
+from runlocal import ROOT, assert_committed_once_despite_a_death, unreported_by
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ def _check(summary, trace, victim):
     # the coordinator discarded, plus what it trained and never reported -- the batches
     # its last report frame had not carried yet (batch_report_ms), the one it traced as
     # it died. The coordinator cannot know the second part: the victim's own trace does.
-    unreported = traced_samples(trace, victim) - dead["samples"]
+    unreported = unreported_by(summary, trace, victim)
     assert 0 <= unreported <= 64 * BATCH, (unreported, dead)  # a report frame holds at most 64 batches
     assert_committed_once_despite_a_death(summary, trace, TRAIN, unreported)
     survivors = {r["param_digest"] for r in summary["ranks"] if r["rank"] != victim}
