@@ -786,7 +786,7 @@ class CadenceDispatcher:
         # overlaps training.
         held = _held_each(st, ranks)
         if st.run.phase is TRAINING and st.dispatch.last_dispatched is not None:
-            training = [r for r in ranks if held[r] == "one chunk in flight"]
+            training = [r for r in ranks if r in cad.in_flight and recs[r].phase is ACTIVE]  # held: in flight
             if any(h is None for h in held.values()):
                 epoch = self._window_epoch(st, out)
             else:  # only ranks still training: none of them opens an epoch
