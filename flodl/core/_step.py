@@ -448,8 +448,7 @@ def _ingest_batch(st: CoordinatorState, ev: BatchDone, out: list[Command], *, ad
     spent = ev.batch_ms + ev.data_ms
     if 0.0 <= spent < _INF:
         rec.train_ms += spent
-    if 0.0 < ev.wait_ms < _INF:
-        rec.wait_ms += ev.wait_ms
+    rec.wait_ms += ev.wait_ms  # sane by then: the wire's translation zeroes a hostile one
     _dispatch.record_batch(st, ev)
     _coverage.record_batch(st.coverage, ev.rank, ev.epoch, ev.offset, ev.samples, ev.step_count, rec.folded_step)
     if not advance_last_step:

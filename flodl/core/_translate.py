@@ -73,6 +73,9 @@ def hello_event(now: float, route: tuple[bytes, ...], env: pb.Envelope, agent: s
     )
 
 
+_INF = float("inf")
+
+
 def _batch(now: float, rank: int, b: pb.Timing.Batch) -> BatchDone:
     return BatchDone(
         now=now,
@@ -86,7 +89,7 @@ def _batch(now: float, rank: int, b: pb.Timing.Batch) -> BatchDone:
         offset=b.offset,
         lr=b.lr,
         sync_divergence=_opt(b, "sync_divergence"),
-        wait_ms=b.wait_ms,
+        wait_ms=b.wait_ms if 0.0 < b.wait_ms < _INF else 0.0,  # a hostile NaN / inf / negative: none
     )
 
 

@@ -114,8 +114,6 @@ from .._state import CadenceState, CoordinatorState
 from ._views import absorb_released, counts_changed, counts_view, drop_wake, may_block, rearm
 from ._window import WindowLedger
 
-_INF = float("inf")
-
 __all__ = [
     "CadenceDispatcher",
     "ends_at_a_barrier",
@@ -760,7 +758,7 @@ class CadenceDispatcher:
         cad.ledger.record_batch_loss(r, ev.loss)
         if ev.lr > 0.0:
             cad.last_lr[r] = ev.lr
-        if 0.0 < ev.wait_ms < _INF:
+        if ev.wait_ms > 0.0:  # (the wire's translation zeroed a hostile one)
             cad.last_wait_ms[r] = ev.wait_ms  # its latest turnaround: what a run-ahead chunk must outlast
         pool = cad.pools.get(ev.epoch)
         if pool is not None and ev.samples > 0:
