@@ -454,6 +454,9 @@ class CoordinatorService:
         )
         if self.reducer.seeds_sent:  # joiners seeded with the latest consensus
             summary["bus"].update(seeds_sent=self.reducer.seeds_sent, seed_bytes=self.reducer.seed_bytes)
+        # The final status and page go first: whoever waits for the summary (the run's
+        # last word) finds them already there.
+        self._write_final_view()
         if self.settings.summary:
             tmp = self.settings.summary + ".tmp"
             try:
@@ -462,7 +465,6 @@ class CoordinatorService:
                 os.replace(tmp, self.settings.summary)
             except OSError as e:  # e.g. on the same full disk as the journal: say so, still exit
                 log.error("cannot write the summary: %s", describe_write_error(e, self.settings.summary, "summary"))
-        self._write_final_view()
         log.info("run finished: ok=%s reason=%s", ok, reason)
         sdnotify.notify(f"STATUS=run finished: ok={ok} reason={reason}"[:400])
         if self._journal_error is not None:
