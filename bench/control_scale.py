@@ -283,6 +283,7 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
     train, idle, lag = (sum(o[k] for o in outs) for k in ("train_s", "idle_s", "lag_s"))
     waits = sorted(x for o in outs for x in o["latency_us"])
     lat = sorted(decision_latencies([r for o in outs for r in o["requests"]]))
+    lat_first = sorted(decision_latencies([r for o in outs for r in o["requests"]], first=True))
     sent = sum(o["sent"] for o in outs)
     return {
         "ok": bool(summ.get("ok")) and rc == 0 and all(o["finished"] == o["ranks"] for o in outs),
@@ -303,6 +304,8 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
         "latency_p50_us": _pct(lat, 0.50),
         "latency_p99_us": _pct(lat, 0.99),
         "latency_samples": len(lat),
+        "first_command_p50_us": _pct(lat_first, 0.50),
+        "first_command_p99_us": _pct(lat_first, 0.99),
         "unblock_wait_p50_us": _pct(waits, 0.50),
         "unblock_wait_p99_us": _pct(waits, 0.99),
         "cpu_pct": cpu,
@@ -323,7 +326,7 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
     }
 
 
-def decision_latencies(requests: list) -> list[float]:
+def decision_latencies(requests: list, *, first: bool = False) -> list[float]:
     """Frame -> RequestParams, in microseconds, per rank and round.
 
     A round opens on the frame that completes its condition (under cadence: the Batch,
@@ -334,17 +337,18 @@ def decision_latencies(requests: list) -> list[float]:
     system-wide -- and each rank's latency is its arrival minus that send. A frame sent
     meanwhile by a rank still training can only move the trigger later, so this can
     understate, never overstate, the decision's latency; the unblock wait bounds it from
-    above."""
+    above. ``first``: only each round's first arrival -- the decision itself, less the
+    fan-out to N sockets and the generators' turn to read them."""
     by_cycle: dict[int, list] = {}
     for cycle, arrival, last_batch in requests:
         by_cycle.setdefault(cycle, []).append((arrival, last_batch))
     out = []
     for rows in by_cycle.values():
-        first = min(a for a, _ in rows)
-        sent = [b for _, b in rows if 0 < b < first]
+        earliest = min(a for a, _ in rows)
+        sent = [b for _, b in rows if 0 < b < earliest]
         if sent:
             trigger = max(sent)
-            out.extend((a - trigger) * 1e6 for a, _ in rows)
+            out.extend((a - trigger) * 1e6 for a, _ in rows if not first or a == earliest)
     return out
 
 
