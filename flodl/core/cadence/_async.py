@@ -180,6 +180,9 @@ class _Streams:
     def live_window_epoch(self, st: CoordinatorState) -> Optional[int]:
         return None
 
+    def top_up(self, st: CoordinatorState, rank: int, unreported: int, out: list[Command]) -> None:
+        return None  # no reduce barrier to run dry at: a rank asks when its chunk is done
+
 
 STREAMS = _Streams()
 # Cadence with the overshoot budget and epoch streaming (see the module doc); the run's

@@ -66,6 +66,7 @@ from ._dispatcher import (
     CadenceDispatcher,
     _batches,
     _budget,
+    _send_extensions,
     _send_plan,
     _take_window,
     _take,
@@ -158,6 +159,9 @@ class _BoundaryStreams:
             _async._open(st, epoch, -1, out)
         return epoch
 
+    def top_up(self, st: CoordinatorState, rank: int, unreported: int, out: list[Command]) -> None:
+        top_up(st, rank, unreported, out)
+
     def live_window_epoch(self, st: CoordinatorState) -> Optional[int]:
         epoch = _async.source_epoch(st)
         return epoch if st.cadence is not None and epoch in st.cadence.pools else None
@@ -234,13 +238,48 @@ def run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, out: list[Comm
     trigger is one more step of this window (folded by the round, its weight counted in
     steps), one reported after it is the next window's first (the mark moves to the
     last step reported). The rank trains instead of idling at the barrier."""
+    return _run_ahead(st, rank, waiting_ms, 0, out)
+
+
+def top_up(st: CoordinatorState, rank: int, unreported: int, out: list[Command]) -> bool:
+    """``run_ahead`` before the rank runs dry: its chunk in flight ends its window with
+    ``unreported`` batches still to report, the gate will still be waiting then, and
+    those batches last no longer than its next report and a turnaround. The run-ahead
+    chunk goes out now, as an extension of the chunk it trains; handed out once it
+    had run dry (its last report, the plan back), every window cost every rank a
+    turnaround with nothing to train -- at 256 ranks 2-3 such waits of 7-20 ms a window."""
     cad = st.cadence
     assert cad is not None
-    room = run_ahead_room(st, rank)
-    if room == 0:
+    if not st.config.run_ahead or rank in cad.throttled or cad.final_plan is not None:
+        return False
+    budget = _budget(st, rank)
+    if budget <= 0 or window_steps(st, rank) + unreported < budget:
+        return False  # this chunk does not end its window: the next one is a plain take
+    ms = cad.elche.smoothed_ms_per_batch(rank)
+    if not ms or unreported * ms > st.config.batch_report_ms + cad.last_wait_ms.get(rank, 0.0):
+        return False  # not due yet: a later report is still in time
+    waiting = gate_wait_ms(st)
+    if waiting > 0.0:
+        waiting -= unreported * ms  # from the chunk's end
+        if waiting <= 0.0:
+            return False  # the trigger is due before the chunk ends: its window will come
+    elif waiting == 0.0:
+        return False
+    return _run_ahead(st, rank, waiting, unreported, out, extend_epoch=cad.in_flight[rank][0])
+
+
+def _run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, pending: int, out: list[Command],
+               extend_epoch: Optional[int] = None) -> bool:  # fmt: skip
+    """``pending``: batches the rank still holds (counted against the room); with
+    ``extend_epoch``, the chunk goes out as an extension of the one it holds, which is
+    of that epoch, or not at all."""
+    cad = st.cadence
+    assert cad is not None
+    room = run_ahead_room(st, rank) - pending
+    if room <= 0:
         return False
     epoch = _async.source_epoch(st)
-    if epoch is None:
+    if epoch is None or (extend_epoch is not None and epoch != extend_epoch):
         return False
     if epoch not in cad.pools:
         _async._open(st, epoch, rank, out)
@@ -260,11 +299,19 @@ def run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, out: list[Comm
         n = int((max(0.0, waiting_ms) + turnaround) // ms) + 1
     else:
         n = 1  # no pace yet: one batch, as it always was
+    if waiting_ms < 0.0:
+        # A wait of unknown length (the gate is later than its wall) that outlasted what
+        # the rank already ran ahead: double it, so a late straggler costs the others a
+        # few turnarounds, not one per chunk of a batch or two.
+        n = max(n, window_steps(st, rank) + pending - _budget(st, rank))
     n = max(1, min(n, room, left))
     ranges = _take_window(st, rank, epoch, n)
     if not ranges:
         return False
-    _send_plan(st, rank, epoch, ranges[0], out, extra=ranges[1:])
+    if extend_epoch is not None:
+        _send_extensions(st, rank, epoch, ranges, out)
+    else:
+        _send_plan(st, rank, epoch, ranges[0], out, extra=ranges[1:])
     return True
 
 

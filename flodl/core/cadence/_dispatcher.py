@@ -618,6 +618,11 @@ class EpochStreams(Protocol):
         """``window_epoch`` if it has a pool already; None if it would have to open one."""
         ...
 
+    def top_up(self, st: CoordinatorState, rank: int, unreported: int, out: list[Command]) -> None:
+        """A rank's report with ``unreported`` batches of its chunk still to come: hand it
+        more now, before it runs dry, if its policy would then (Cadence's run-ahead)."""
+        ...
+
 
 class CadenceDispatcher:
     """Progressive chunk dispatch driven by ElChe (see module doc), one class for Cadence
@@ -765,10 +770,13 @@ class CadenceDispatcher:
             pool.mark_completed(r, ev.samples)
         throttled = _check_throttle(st, r, out)
         chunk = cad.in_flight.get(r)
-        if chunk is not None and chunk[0] == ev.epoch and (pool is None or pool.in_flight(r) == 0):
+        unreported = pool.in_flight(r) if pool is not None and chunk is not None else 0
+        if chunk is not None and chunk[0] == ev.epoch and unreported == 0:
             del cad.in_flight[r]
             cad.wakeable.add(r)
             self._wake(st, out)  # hand work to a rank that ran dry (streaming: oldest epoch first)
+        elif chunk is not None and chunk[0] == ev.epoch and self.streams is not None and not throttled:
+            self.streams.top_up(st, r, _batches(unreported, st.config.batch_size), out)
         elif throttled and self.streams is not None:
             rearm(st)  # it stopped training: the tail it was left (``_boundary``) goes to another
             self._wake(st, out)

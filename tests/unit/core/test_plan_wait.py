@@ -4,7 +4,10 @@
   ``plan_wait_share``) and the journal; a hostile value is not summed.
 * It is a window's fixed cost for ElChe (``WindowLedger.fixed_ms``): a coordinator slow
   to turn a round around grows the windows, except in the run's last window.
-* A run-ahead chunk outlasts the rank's last turnaround (``_boundary.run_ahead``).
+* A run-ahead chunk outlasts the rank's last turnaround (``_boundary.run_ahead``), and
+  one past a late gate doubles what the rank ran ahead so far.
+* A rank about to run its window dry is topped up before it does (``_boundary.top_up``):
+  the run-ahead goes out as an extension of the chunk it trains.
 * The run's final-window plan does not count a held run-ahead chunk as a rank's share
   (``FinalWindowPlan.base``)."""
 
@@ -17,7 +20,8 @@ import pytest
 
 from flodl.core import BatchDone, from_record, to_record
 from flodl.core._translate import timing_event
-from flodl.core.cadence._boundary import leaves_the_tail, run_ahead
+from flodl.core.cadence._boundary import leaves_the_tail, run_ahead, top_up
+from flodl.core.cadence._dispatcher import _take_window
 from flodl.core.cadence._chunk_pool import FinalWindowPlan
 from flodl.core.cadence._window import WindowLedger
 from flodl.sim import SimConfig, simulate
@@ -111,6 +115,70 @@ def test_a_run_ahead_chunk_outlasts_the_ranks_last_turnaround():
     assert handed(0.0) == 1  # no turnaround known: one batch, as before
     assert handed(12.0) == 3  # 12 ms at 5 ms a batch, and one more
     assert handed(1000.0) == 4  # never past the room: one more window in all
+
+
+def _paced_pair(**kw):
+    """Rank 0 at 5 ms a batch, rank 1 at 10: windows of 4 and 2, the pool of epoch 0 open."""
+    st = _state(2, 2, total=1000, **kw)
+    st.cadence.elche.report_timing([10, 20], [2, 2], 0)
+    _pool(st, 0, 1000)
+    st.dispatch.last_dispatched = 0
+    return st
+
+
+def test_a_run_ahead_past_a_late_gate_doubles_what_the_rank_ran_ahead():
+    def handed(waiting_ms):
+        st = _paced_pair()
+        st.cadence.elche.anchor = 16  # a room of 2 x 16 - 7 batches
+        st.ranks[0].last_step = 4 + 3  # its window of 4, and 3 batches run ahead already
+        assert run_ahead(st, 0, waiting_ms, [])
+        return st.cadence.in_flight[0][2]
+
+    assert handed(-1.0) == 3  # the gate is late: as many again, not one batch per turnaround
+    assert handed(4.0) == 1  # a wait of known length: what fits in it, as before
+
+
+def _extensions(out):
+    return [(c.rank, c.control.extend_partition) for c in out if c.control.WhichOneof("cmd") == "extend_partition"]
+
+
+def test_a_rank_about_to_run_its_window_dry_is_topped_up_before_it_does():
+    st = _paced_pair(batch_report_ms=0.0)
+    (off, size), = _take_window(st, 0, 0, 4)  # its window, in flight
+    pool = st.cadence.pools[0]
+    pool.mark_completed(0, 2)
+    st.ranks[0].last_step = 2
+    st.cadence.last_wait_ms[0] = 6.0  # its turnaround: a report and a plan back take 6 ms
+    out = []
+    assert not top_up(st, 0, 2, out) and not out  # 10 ms still to train: a later report is in time
+    pool.mark_completed(0, 1)
+    st.ranks[0].last_step = 3
+    assert top_up(st, 0, 1, out)  # 5 ms left, less than its turnaround: now
+    (rank, ext), = _extensions(out)
+    assert rank == 0 and ext.epoch == 0 and ext.partition_offset == off + size  # its span, on
+    assert st.cadence.in_flight[0] == (0, ext.partition_offset, ext.partition_size)
+    assert pool.in_flight(0) == 1 + ext.partition_size  # the pool holds both for it
+    assert not top_up(st, 0, 1 + ext.partition_size, [])  # once: the extension does not end a window
+
+
+def test_no_top_up_when_the_chunk_does_not_end_the_window_or_the_trigger_comes_first():
+    def rank_0_holding(batches, unreported, **kw):
+        st = _paced_pair(batch_report_ms=0.0, **kw)
+        _take_window(st, 0, 0, batches)
+        st.cadence.pools[0].mark_completed(0, batches - unreported)
+        st.ranks[0].last_step = batches - unreported
+        st.cadence.last_wait_ms[0] = 6.0
+        return st
+
+    assert top_up(rank_0_holding(4, 1), 0, 1, [])  # (the case that tops up)
+    assert not top_up(rank_0_holding(2, 1), 0, 1, [])  # half its window: the next chunk is a plain take
+    assert not top_up(rank_0_holding(4, 1, run_ahead=False), 0, 1, [])
+    st = rank_0_holding(4, 1)
+    st.cadence.throttled.add(0)
+    assert not top_up(st, 0, 1, [])  # throttled: it waits for the round
+    st = rank_0_holding(4, 1)
+    st.now = st.rounds.opened_at + 0.017  # the window's wall (2 x 10 ms) ends in 3 ms
+    assert not top_up(st, 0, 1, [])  # the trigger is due before its last batch ends
 
 
 def test_a_run_ahead_chunk_held_at_the_pin_is_not_the_ranks_share():
