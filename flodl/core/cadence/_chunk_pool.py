@@ -257,6 +257,35 @@ class ChunkPool:
         self._residue_moved(donor)
         return self._record(rank, self._spans[donor][1], n)
 
+    def take_own_run(self, wants: list[tuple[int, int]], start: int, got: list[tuple[int, int, int]]) -> int:
+        """``take_chunk(rank, size)`` for ``wants[start:]`` in order, each appended to
+        ``got`` as ``(rank, offset, n)``, while each is served from the front of the
+        rank's own span (nothing reclaimed waits, its residue covers ``size > 0``): what
+        a window's dispatch is for nearly every rank, taken without a call per rank.
+        Returns the index of the first it stopped at (``len(wants)``: none), which the
+        caller takes with ``take_chunk``, so the order -- and every result -- is the same."""
+        if self._reclaimed:
+            return start
+        cursor, spans, dispatched, sent, outstanding = (self._cursor, self._spans, self.dispatched,
+                                                        self.chunks_sent, self._outstanding)  # fmt: skip
+        donors, taken, i = self._donors, 0, start
+        for i in range(start, len(wants)):
+            rank, size = wants[i]
+            off = cursor[rank]
+            if size <= 0 or spans[rank][1] - off < size:
+                self._unassigned -= taken
+                return i
+            cursor[rank] = off + size
+            taken += size
+            dispatched[rank] += size
+            sent[rank] += 1
+            outstanding[rank].append([off, size])
+            got.append((rank, off, size))
+            if donors is not None and spans[rank][1] > off + size:
+                heapq.heappush(donors, (off + size - spans[rank][1], -rank))
+        self._unassigned -= taken
+        return len(wants)
+
     def rollback_take(self, rank: int, offset: int, size: int) -> bool:
         """Undo a take whose send failed. The newest matching outstanding chunk is removed;
         the cursor rewinds if the chunk ends exactly at it, otherwise the range goes to the

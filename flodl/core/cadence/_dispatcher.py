@@ -347,19 +347,53 @@ def start_window(
     _pin(st, epoch)
     sizes = _window_sizes(st, epoch, ranks, ahead or {})
     taken: dict[int, tuple[int, int]] = {}
-    for r in ranks:
-        if sizes[r] > 0:
-            if extra is None:
-                got = _take(st, r, epoch, sizes[r])
-                if got is not None:
-                    taken[r] = got
-                continue
-            ranges = _take_window(st, r, epoch, sizes[r])
-            if ranges:
-                taken[r] = ranges[0]
-                if len(ranges) > 1:
-                    extra[r] = ranges[1:]
+    bs, pool = st.config.batch_size, st.cadence.pools[epoch]
+    wants = [(r, sizes[r] * bs) for r in ranks if sizes[r] > 0]
+    got: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(wants):
+        # Nearly every rank's window is the front of its own span: taken in bulk, in
+        # order; the first that is not is taken the general way, then the bulk goes on.
+        i = pool.take_own_run(wants, i, got)
+        _note_takes(st, epoch, got, taken)
+        got.clear()
+        if i == len(wants):
+            break
+        r = wants[i][0]
+        i += 1
+        if extra is None:
+            one = _take(st, r, epoch, sizes[r])
+            if one is not None:
+                taken[r] = one
+            continue
+        ranges = _take_window(st, r, epoch, sizes[r])
+        if ranges:
+            taken[r] = ranges[0]
+            if len(ranges) > 1:
+                extra[r] = ranges[1:]
     return taken
+
+
+def _note_takes(st: CoordinatorState, epoch: int, got: list[tuple[int, int, int]],
+                taken: dict[int, tuple[int, int]]) -> None:  # fmt: skip
+    """What ``_take`` records of each take, for takes made in bulk (``take_own_run``)."""
+    if not got:
+        return
+    cad, d = st.cadence, st.dispatch
+    assigned, rank_epoch, in_flight, in_open = d.assigned.setdefault(epoch, {}), d.rank_epoch, cad.in_flight, cad.in_open
+    for rank, off, n in got:
+        ranges = assigned.get(rank)
+        if ranges is None:
+            assigned[rank] = [(off, n)]
+        elif ranges and ranges[-1][0] + ranges[-1][1] == off:
+            ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
+        else:
+            ranges.append((off, n))
+        rank_epoch[rank] = epoch
+        in_flight[rank] = (epoch, off, n)
+        if rank not in in_open:
+            may_block(cad, rank)
+        taken[rank] = (off, n)
 
 
 def _take_window(st: CoordinatorState, rank: int, epoch: int, batches: int) -> list[tuple[int, int]]:
