@@ -40,7 +40,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from itertools import compress
+from itertools import accumulate, compress, repeat
 from operator import itemgetter, sub
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -109,21 +109,20 @@ class ChunkPool:
     def _init(self, epoch: int, total: int, sizes: list[int]) -> None:
         self.epoch = epoch
         self.total = total
-        self._spans: list[list[int]] = []
-        at = 0
-        for s in sizes:
-            self._spans.append([at, at + s])
-            at += s
+        ends = list(accumulate(sizes))  # (a world of thousands: no Python loop per rank)
+        starts = [0, *ends[:-1]]
+        self._spans: list[list[int]] = list(map(list, zip(starts, ends)))
         ws = len(sizes)
-        self._cursor = [start for start, _ in self._spans]
+        self._cursor = starts
         self.dispatched = [0] * ws
         self.completed = [0] * ws
         self.chunks_sent = [0] * ws
-        self._outstanding: list[deque[list[int]]] = [deque() for _ in range(ws)]
+        self._outstanding: list[deque[list[int]]] = [deque() for _ in repeat(None, ws)]
         self._reclaimed: deque[Range] = deque()
         # ``remaining()`` is asked per rank on every chunk: its two sums are kept as the
         # cursors, span ends and reclaimed ranges move (``check_sums`` recomputes them).
-        self._unassigned = sum(max(0, s) for s in sizes)  # every span's residue (cursors at their starts)
+        # Every span's residue (cursors at their starts); a negative size is no residue.
+        self._unassigned = ends[-1] if ends and min(sizes) >= 0 else sum(max(0, s) for s in sizes)
         self._reclaimed_samples = 0
         # Steals look for the largest residue: a lazy max-heap of (-residue, -rank) (ties
         # -> highest rank), built at the first steal; a stale entry is dropped when seen.
@@ -511,6 +510,13 @@ def compute_chunk_batches_each(
     if final_alloc is not None:
         return [max(0, final_alloc[r] - s) for r, s in zip(ranks, steps)]
     total = counts_total
+    if barrier_paced and 0 < total <= rem:
+        each = [counts[r] for r in ranks]
+        if min(each, default=1) > 0:
+            return each  # min(c, rem) uncapped, and every c <= total <= rem: the counts themselves
+    probe = max(total_samples // (max(1, len(counts)) * PROBE_FRACTION_DIVISOR * batch_size), min_chunk_batches)
+    if not barrier_paced and not calibrated and not (total > 0 and rem < total):
+        return [min(probe, rem)] * len(ranks)  # every rank's probe chunk, uncapped
     out = []
     for r, s, budget in zip(ranks, steps, budgets):
         c = counts[r]
@@ -520,7 +526,6 @@ def compute_chunk_batches_each(
         elif barrier_paced and c > 0:
             n, capped = min(c, rem), False
         elif not calibrated:
-            probe = max(total_samples // (len(counts) * PROBE_FRACTION_DIVISOR * batch_size), min_chunk_batches)
             n, capped = min(probe, rem), False
         elif total == 0:
             n, capped = min(rem, min_chunk_batches), False

@@ -449,14 +449,16 @@ def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int], ahead: dic
     steps = [max(0, recs[r].last_step - marks.get(r, 0)) for r in ranks]  # window_steps
     look = over.look_ahead(on)  # _budget (``OvershootBudget.budget_for``) of each rank
     budgets = [own[r] + look if own[r] > 0 else 0 for r in ranks]
-    helds = [ahead.get(r, 0) for r in ranks]  # the pinned plan's base already leaves them out of its share
+    helds = [ahead.get(r, 0) for r in ranks] if ahead else None  # the pinned plan's base already leaves them out of its share
     if final_alloc is None:
-        sized = [s + h for s, h in zip(steps, helds)]
+        sized = [s + h for s, h in zip(steps, helds)] if helds else steps
     else:
         sized = [plan.share_steps(r, s) for r, s in zip(ranks, steps)]
     ns = compute_chunk_batches_each(ranks, sized, budgets, remaining_samples=remaining, counts=counts,
                                     counts_total=counts_total, batch_size=bs, barrier_paced=cad.barrier_paced,
                                     calibrated=calibrated, total_samples=pool.total, final_alloc=final_alloc)  # fmt: skip
+    if helds is None:  # (a formation, an epoch's first window: one comprehension, thousands of ranks)
+        return {r: (min(n, max(1, b - s)) if b > 0 and n > 0 else n) for r, n, s, b in zip(ranks, ns, steps, budgets)}
     sizes: dict[int, int] = {}
     for r, n, s, b, h in zip(ranks, ns, steps, budgets, helds):
         if h:  # the rest of its window behind what it holds, never a batch past it
