@@ -228,7 +228,7 @@ class CoreConfig:
     run_ahead: bool = setting(
         True, help="cadence: a rank that ran its window while others still train theirs keeps training "
         "(at most one more window) instead of idling at the reduce barrier, in chunks that outlast the "
-        "wait and its last turnaround; false: it waits there",
+        "wait and its last turnaround, sent before it runs dry; false: it waits there",
     )  # fmt: skip
     # -- checkpoints and failure policy (``_checkpointing``) ----------------------------
     checkpoint_every: int = setting(

@@ -45,7 +45,10 @@ batches) that wait is a large part of every epoch -- 6.5-10 % of the run on a
   rank that is training (or for an open round), an idle rank at its barrier is handed
   more batches: as many as fit in the wait at its pace (``gate_wait_ms``, ElChe's smoothed
   paces; one batch while they are unknown), at most one more window in all
-  (``run_ahead_room``). A batch reported before the trigger is one more step of this
+  (``run_ahead_room``); a wait that outlasts what it ran ahead so far (the gate later
+  than its wall) gets as much again. The chunk goes out before the rank runs dry: a
+  report that leaves no more of a window-ending chunk than its next report and a
+  turnaround extends that chunk (``top_up``). A batch reported before the trigger is one more step of this
   window (folded by the round, weighted by steps like any other); one reported after it
   is the next window's first (the mark moves to the last step reported): the gate, the
   sizing and the folding count them exactly as before. The run's last window is left to
