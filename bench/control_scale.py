@@ -17,7 +17,10 @@ For each N (16, 64, 256, 1024), in the same invocation:
   or throttled; split by what they waited for, and the plan waits by what ended them:
   ``idle_share_plan_trigger`` / ``_update`` / ``_chunk``, see ``scale_ranks``), Batch -> command latency p50/p99 (from
   the frame that opened an averaging round to each rank's ``RequestParams``:
-  ``decision_latencies``), the unblock wait p50/p99 (from a blocked rank's last frame to
+  ``decision_latencies``; ``first_command_p50/p99_us``: each round's first arrival only,
+  the decision less its fan-out to N sockets and the generators' turn to read them;
+  ``coord_frame_p50/p99_le_ms``, ``coord_busy_share``: the coordinator's own measure of
+  a frame's handling and its loop's load, from its summary), the unblock wait p50/p99 (from a blocked rank's last frame to
   the command that let it go on: it includes waiting for slower ranks, which the policy
   imposes), and the coordinator's CPU% and peak RSS over the training span (psutil, else
   /proc).
@@ -306,6 +309,12 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
         "latency_samples": len(lat),
         "first_command_p50_us": _pct(lat_first, 0.50),
         "first_command_p99_us": _pct(lat_first, 0.99),
+        # The coordinator's own figures (its summary's ``coordinator_loop``): a frame's
+        # handling, read off the socket to its commands sent (bucket bounds), and its
+        # loop's busy share over the whole run.
+        "coord_frame_p50_le_ms": summ.get("coordinator_loop", {}).get("frame_p50_le_ms"),
+        "coord_frame_p99_le_ms": summ.get("coordinator_loop", {}).get("frame_p99_le_ms"),
+        "coord_busy_share": summ.get("coordinator_loop", {}).get("busy_share"),
         "unblock_wait_p50_us": _pct(waits, 0.50),
         "unblock_wait_p99_us": _pct(waits, 0.99),
         "cpu_pct": cpu,

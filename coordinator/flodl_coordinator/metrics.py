@@ -34,6 +34,8 @@ from prometheus_client.core import (
     InfoMetricFamily,
 )
 
+from .loopmeter import FRAME_BUCKETS_S
+
 __all__ = ["RunBook", "RunCollector", "Sample", "new_registry", "death_class", "ROUND_BUCKETS_S", "CAUSES",
            "GOODPUT_CAUSES", "RUN_PHASES", "RANK_PHASES"]  # fmt: skip
 
@@ -136,6 +138,7 @@ class Sample:
     dropped: dict[str, int] = field(default_factory=dict)
     coordinator_restarts: int = 0
     journal: dict[str, float] = field(default_factory=dict)
+    loop: dict = field(default_factory=dict)  # loopmeter.LoopMeter.stats
     time: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> cause seconds + "wall"
     events: int = 0
 
@@ -234,7 +237,8 @@ class RunBook:
 
     # -- once per tick ---------------------------------------------------------------
 
-    def publish(self, st, view: dict, *, reducer, dropped: dict, journal: dict, events: int) -> Sample:
+    def publish(self, st, view: dict, *, reducer, dropped: dict, journal: dict, events: int,
+                loop: dict | None = None) -> Sample:  # fmt: skip
         """Build the sample a scrape reads from the core state and its status view."""
         now = st.now
         self._admissions(st)
@@ -283,6 +287,7 @@ class RunBook:
             dropped=dict(dropped),
             coordinator_restarts=self.coordinator_restarts,
             journal=dict(journal),
+            loop=dict(loop or {}),
             time={r["rank"]: self._time_by_rank.get(r["rank"]) or dict(_ZERO_TIME) for r in view["ranks"]},
             events=events,
         )
@@ -381,6 +386,22 @@ def _run_families(s: Sample, run: str) -> Iterable[Any]:
                       j.get("unsynced"), run)  # fmt: skip
     yield from _gauge("flodl_journal_lag_seconds", "age of the oldest record not fsynced yet (0 when durable)",
                       j.get("lag_s"), run)  # fmt: skip
+    yield from _loop_families(s.loop, run)
+
+
+def _loop_families(loop: dict, run: str) -> Iterable[Any]:
+    """The coordinator's own load (``loopmeter``): absent until the service measured it."""
+    if not loop:
+        return
+    h = HistogramMetricFamily("flodl_coordinator_frame_seconds",
+                              "a frame's handling: read off the socket to what it decided sent", labels=["run"])  # fmt: skip
+    buckets = [(_le(b), float(n)) for b, n in zip(FRAME_BUCKETS_S, loop["buckets"])]
+    buckets.append(("+Inf", float(loop["count"])))
+    h.add_metric([run], buckets, loop["sum_s"])
+    yield h
+    yield from _gauge("flodl_coordinator_busy_ratio",
+                      "the coordinator loop's busy time over wall time since the last publish (1: saturated)",
+                      loop["busy_ratio"], run)  # fmt: skip
 
 
 def _rank_key(s: Sample, rank: int) -> Optional[str]:

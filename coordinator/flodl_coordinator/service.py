@@ -98,6 +98,7 @@ from .curve import CurveServer, load_server_keys
 from .droplog import DropLog
 from .inbound import recv_frames as _recv_frames, recv_routed
 from .journal import Journal, JournalError
+from .loopmeter import LoopMeter
 from .metrics import RunBook, journal_stats
 from .output import ModelOutput
 from .reducer import BusReducer, RoundRefused
@@ -212,6 +213,7 @@ class CoordinatorService:
         self._journal = _open_journal(settings.journal) if settings.journal else None
         self._journal_error: str | None = None  # set once the journal cannot be written: the run stops
         self._outbox: list | None = None  # frames held until the journal is durable (``_pass``)
+        self.loop_meter = LoopMeter()  # per-frame handling time and the loop's busy share (/metrics, summary)
         self._held_since = 0.0  # when the outbox's oldest frame was decided
         self._sync_s = 0.0  # the last fsync's cost (PASS_HOLD_S)
         self._stop_signals = 0
@@ -315,6 +317,7 @@ class CoordinatorService:
                 if sock in events:
                     self._drain_socket()
                 if self.clock() >= next_tick:
+                    t0 = time.perf_counter()
                     if self.held:
                         self.held.retry(self._send_held)
                         self._links_back(self.clock())
@@ -326,6 +329,7 @@ class CoordinatorService:
                     for dl in (self._drop_log, *self._hello_logs.values()):
                         dl.flush(self.clock())
                     next_tick = self.clock() + self.settings.tick_interval_s
+                    self.loop_meter.busy(time.perf_counter() - t0)
             self._tell_agents_run_ended()
         finally:
             for dl in (self._drop_log, *self._hello_logs.values()):
@@ -456,6 +460,7 @@ class CoordinatorService:
         if self._finished_at is not None:
             self.marks.mark("run_finished", self._finished_at)
         summary["timeline_s"] = self.marks.timeline()
+        summary["coordinator_loop"] = self.loop_meter.summary()
         log.info("%s", self.marks.describe())
         summary.setdefault("bus", {})
         summary["bus"].update(
@@ -485,7 +490,7 @@ class CoordinatorService:
     def _drain_socket(self) -> None:
         # CURVE: the ZAP User-Id is read off a received Frame, so every part stays one.
         curve = self.curve_keys is not None
-        sock, on_routed = self.sock, self._on_routed
+        sock, on_routed, clock, meter = self.sock, self._on_routed, time.perf_counter, self.loop_meter
         with self._pass():  # one fsync for what this batch of frames decided (journal.py)
             for _ in range(DRAIN_BATCH):
                 try:
@@ -495,14 +500,17 @@ class CoordinatorService:
                         route, payload = recv_routed(sock)
                 except zmq.Again:
                     return
+                t0 = clock()
                 if curve or route is None:
                     self._on_frames(payload if not curve else frames)
                 else:
                     on_routed(route, payload)
                 if self.finished is not None:
+                    meter.frame(clock() - t0)
                     return
                 if self._outbox:
                     self._flush_if_due()
+                meter.frame(clock() - t0)
 
     def _on_frames(self, frames) -> None:
         try:
@@ -870,7 +878,8 @@ class CoordinatorService:
         if self._status_stale and (force or now >= self._next_publish):
             self._status_stale = False
             self.status.update(self.state, self.dropped, self.reducer, checkpoints=self.checkpointing.status(self.state),
-                               events=self._events_stepped, journal=journal_stats(self._journal, time.monotonic))
+                               events=self._events_stepped, journal=journal_stats(self._journal, time.monotonic),
+                               loop=self.loop_meter.stats())  # fmt: skip
             cost = time.monotonic() - now
             self._next_publish = now + max(PUBLISH_MIN_S, cost * PUBLISH_COST_SHARE)
 

@@ -59,13 +59,14 @@ class StatusBoard:
         self.book.noticed(cmd.kind, cmd.data)
 
     def update(self, state, dropped, reducer, checkpoints: dict | None = None, events: int | None = None,
-               journal: dict | None = None) -> None:  # fmt: skip
+               journal: dict | None = None, loop: dict | None = None) -> None:  # fmt: skip
         """Publish a fresh snapshot; ``events``: how many the core has stepped (default:
-        one more per call); ``journal``: ``metrics.journal_stats`` (empty: no journal)."""
+        one more per call); ``journal``: ``metrics.journal_stats`` (empty: no journal);
+        ``loop``: ``LoopMeter.stats`` (empty: not measured)."""
         self._events = self._events + 1 if events is None else events
         core = status_view(state)
         self.book.publish(state, core, reducer=reducer, dropped=dict(dropped), journal=journal or {},
-                          events=self._events)
+                          events=self._events, loop=loop or {})  # fmt: skip
         self._snap = status_document(
             core, self.book, session=self.book.run, events=self._events, dropped=dict(dropped), reducer=reducer,
             checkpoints=checkpoints or {}, last_epoch=self._last_epoch, journal=journal or {},

@@ -81,6 +81,9 @@ def test_dashboard_served_live_then_final_files_and_a_lingering_status(serve, tm
     until(summary.exists, "the run's end (its summary)")
     status_file, page_file = tmp_path / "run.status.json", tmp_path / "run.dashboard.html"
     assert status_file.exists() and page_file.exists()
+    loop = json.loads(summary.read_text())["coordinator_loop"]  # the coordinator's own load, for the record
+    assert loop["frames"] >= 1 and 0.0 < loop["frame_p50_le_ms"] <= loop["frame_p99_le_ms"] <= 1000.0
+    assert 0.0 < loop["busy_share"] < 1.0
     final = json.loads(status_file.read_text())
     assert final["core"]["run"]["phase"] == "FINISHED" and final["core"]["run"]["ok"] is False
     # The process lingers: the same final status is still served after the run.

@@ -1,0 +1,90 @@
+"""How long the coordinator takes per frame, and how busy its loop is.
+
+The ranks see the coordinator's decisions late when its loop is the bottleneck; the
+operator should see that without a profiler. ``LoopMeter`` counts, per frame, the time
+from the frame being read off the socket to what it decided being sent (the core's
+step, the shell's sends; with a journal a frame's commands may wait for the pass's
+fsync, which is counted in the pass's busy time, not here), and the loop's busy time
+(frames, ticks, status publishes) against its wall time. Fixed buckets: a frame costs
+one ``bisect`` and three additions, at tens of thousands of frames a second.
+
+Read by ``/metrics`` (``flodl_coordinator_frame_seconds``, ``flodl_coordinator_busy_ratio``)
+and by the run summary (``coordinator_loop``).
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from typing import Callable
+
+__all__ = ["FRAME_BUCKETS_S", "LoopMeter"]
+
+# Upper bounds (seconds) of a frame's handling time; a last, open bucket holds the rest.
+FRAME_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class LoopMeter:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.counts = [0] * (len(FRAME_BUCKETS_S) + 1)
+        self.frames = 0
+        self.frame_sum_s = 0.0
+        self.frame_max_s = 0.0
+        self.busy_s = 0.0
+        self.started = clock()
+        self._last = (self.started, 0.0)  # (clock, busy_s) at the last ``recent_busy_ratio``
+
+    def frame(self, seconds: float) -> None:
+        """One frame handled in ``seconds`` (it counts as busy time too)."""
+        self.counts[bisect_left(FRAME_BUCKETS_S, seconds)] += 1
+        self.frames += 1
+        self.frame_sum_s += seconds
+        self.busy_s += seconds
+        if seconds > self.frame_max_s:
+            self.frame_max_s = seconds
+
+    def busy(self, seconds: float) -> None:
+        """Loop time spent on something other than a frame (a tick, a publish)."""
+        self.busy_s += seconds
+
+    def quantile_le_s(self, q: float) -> float:
+        """An upper bound of the ``q`` quantile of the frames' handling time: the bound of
+        the bucket it falls in (the largest frame's time for the open bucket); 0 with no
+        frame. A bound, not an estimate: what an operator can rely on."""
+        if not self.frames:
+            return 0.0
+        need, acc = q * self.frames, 0
+        for i, n in enumerate(self.counts):
+            acc += n
+            if acc >= need and n:
+                return min(FRAME_BUCKETS_S[i], self.frame_max_s) if i < len(FRAME_BUCKETS_S) else self.frame_max_s
+        return self.frame_max_s
+
+    def recent_busy_ratio(self) -> float:
+        """Busy time over wall time since the previous call (the first: since the start)."""
+        now = self.clock()
+        t0, b0 = self._last
+        self._last = (now, self.busy_s)
+        return min(1.0, (self.busy_s - b0) / (now - t0)) if now > t0 else 0.0
+
+    def stats(self) -> dict:
+        """For ``/metrics``: cumulative bucket counts, sum, count; and the recent busy ratio."""
+        cum, acc = [], 0
+        for n in self.counts[:-1]:
+            acc += n
+            cum.append(acc)
+        return {"buckets": tuple(cum), "count": self.frames, "sum_s": self.frame_sum_s,
+                "busy_ratio": self.recent_busy_ratio()}  # fmt: skip
+
+    def summary(self) -> dict:
+        """For the run summary: the whole run's figures, in milliseconds."""
+        wall = self.clock() - self.started
+        return {
+            "frames": self.frames,
+            "busy_share": round(self.busy_s / wall, 4) if wall > 0 else 0.0,
+            "frame_mean_ms": round(1e3 * self.frame_sum_s / self.frames, 4) if self.frames else 0.0,
+            "frame_p50_le_ms": round(1e3 * self.quantile_le_s(0.50), 3),
+            "frame_p99_le_ms": round(1e3 * self.quantile_le_s(0.99), 3),
+            "frame_max_ms": round(1e3 * self.frame_max_s, 3),
+        }
