@@ -713,6 +713,10 @@ def _print_summary(s: dict) -> None:
         print(f"  rank {r.get('rank')}: samples {r.get('samples')}  batches {r.get('batches')}{frames}{waited}")
     if s.get("plan_wait_share") is not None:
         print(f"plan wait: the ranks spent {100 * s['plan_wait_share']:.1f} % of their time waiting for a plan")
+    loop = s.get("coordinator_loop")
+    if loop:
+        print(f"coordinator: busy {100 * loop['busy_share']:.1f} % of its time, {loop['frames']} frames, each handled in"
+              f" <= {loop['frame_p50_le_ms']:g} ms (median), <= {loop['frame_p99_le_ms']:g} ms (p99), max {loop['frame_max_ms']:g} ms")
     cov = s.get("coverage", [])
     exact = all(c.get("duplicates") == 0 and c.get("missing") == 0 for c in cov) and bool(cov)
     print(f"coverage: {len(cov)} epochs, every sample exactly once: {exact}")
