@@ -314,6 +314,7 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
         # loop's busy share over the whole run.
         "coord_frame_p50_le_ms": summ.get("coordinator_loop", {}).get("frame_p50_le_ms"),
         "coord_frame_p99_le_ms": summ.get("coordinator_loop", {}).get("frame_p99_le_ms"),
+        "coord_frame_max_ms": summ.get("coordinator_loop", {}).get("frame_max_ms"),
         "coord_busy_share": summ.get("coordinator_loop", {}).get("busy_share"),
         "unblock_wait_p50_us": _pct(waits, 0.50),
         "unblock_wait_p99_us": _pct(waits, 0.99),
