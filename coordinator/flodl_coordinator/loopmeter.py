@@ -2,11 +2,11 @@
 
 The ranks see the coordinator's decisions late when its loop is the bottleneck; the
 operator should see that without a profiler. ``LoopMeter`` counts, per frame, the time
-from the frame being read off the socket to what it decided being sent (the core's
-step, the shell's sends; with a journal a frame's commands may wait for the pass's
-fsync, which is counted in the pass's busy time, not here), and the loop's busy time
-(frames, ticks, status publishes) against its wall time. Fixed buckets: a frame costs
-one ``bisect`` and three additions, at tens of thousands of frames a second.
+from the frame being read off the socket to the core having stepped what it carried and
+the shell having queued its commands (a pass's commands then leave together, after its
+journal fsync), and the loop's busy time (the drains with their sends, ticks, status
+publishes) against its wall time. Fixed buckets: a frame costs one ``bisect`` and a few
+additions, at tens of thousands of frames a second.
 
 Read by ``/metrics`` (``flodl_coordinator_frame_seconds``, ``flodl_coordinator_busy_ratio``)
 and by the run summary (``coordinator_loop``).
@@ -36,16 +36,15 @@ class LoopMeter:
         self._last = (self.started, 0.0)  # (clock, busy_s) at the last ``recent_busy_ratio``
 
     def frame(self, seconds: float) -> None:
-        """One frame handled in ``seconds`` (it counts as busy time too)."""
+        """One frame handled in ``seconds`` (inside a drain, which is timed as busy)."""
         self.counts[bisect_left(FRAME_BUCKETS_S, seconds)] += 1
         self.frames += 1
         self.frame_sum_s += seconds
-        self.busy_s += seconds
         if seconds > self.frame_max_s:
             self.frame_max_s = seconds
 
     def busy(self, seconds: float) -> None:
-        """Loop time spent on something other than a frame (a tick, a publish)."""
+        """Loop time spent working: a drain (its frames and sends), a tick, a publish."""
         self.busy_s += seconds
 
     def quantile_le_s(self, q: float) -> float:

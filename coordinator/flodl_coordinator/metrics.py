@@ -394,7 +394,7 @@ def _loop_families(loop: dict, run: str) -> Iterable[Any]:
     if not loop:
         return
     h = HistogramMetricFamily("flodl_coordinator_frame_seconds",
-                              "a frame's handling: read off the socket to what it decided sent", labels=["run"])  # fmt: skip
+                              "a frame's handling: read off the socket to its step done and its commands queued", labels=["run"])  # fmt: skip
     buckets = [(_le(b), float(n)) for b, n in zip(FRAME_BUCKETS_S, loop["buckets"])]
     buckets.append(("+Inf", float(loop["count"])))
     h.add_metric([run], buckets, loop["sum_s"])

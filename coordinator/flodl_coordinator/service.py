@@ -131,13 +131,6 @@ PUBLISH_MIN_S = 0.25
 PUBLISH_COST_SHARE = 20
 # How many frames one pass drains before it runs timers again (fairness bound).
 DRAIN_BATCH = 256
-# A pass holds the frames it decided only while the journal needs them held (write-ahead,
-# one fsync for many): never without a journal, and with one at most this long, or
-# SYNC_SHARE times the last fsync's cost if more (fsync at most ~1/SYNC_SHARE of the loop).
-# A pass that held every frame of a full drain delayed a round's first command by the whole
-# batch: 10-15 ms at 256 ranks.
-PASS_HOLD_S = 0.002
-SYNC_SHARE = 4
 
 
 class CoordinatorService:
@@ -214,8 +207,6 @@ class CoordinatorService:
         self._journal_error: str | None = None  # set once the journal cannot be written: the run stops
         self._outbox: list | None = None  # frames held until the journal is durable (``_pass``)
         self.loop_meter = LoopMeter()  # per-frame handling time and the loop's busy share (/metrics, summary)
-        self._held_since = 0.0  # when the outbox's oldest frame was decided
-        self._sync_s = 0.0  # the last fsync's cost (PASS_HOLD_S)
         self._stop_signals = 0
         # Wakes the loop from outside it (signal handler, tests) without touching a socket.
         self._wake_r, self._wake_w = socket.socketpair()
@@ -315,7 +306,9 @@ class CoordinatorService:
                 if wake_r.fileno() in events:
                     self._drain_wake(wake_r)
                 if sock in events:
+                    t0 = time.perf_counter()
                     self._drain_socket()
+                    self.loop_meter.busy(time.perf_counter() - t0)
                 if self.clock() >= next_tick:
                     t0 = time.perf_counter()
                     if self.held:
@@ -505,12 +498,9 @@ class CoordinatorService:
                     self._on_frames(payload if not curve else frames)
                 else:
                     on_routed(route, payload)
+                meter.frame(clock() - t0)  # (its commands go out at the pass's end, with the others')
                 if self.finished is not None:
-                    meter.frame(clock() - t0)
                     return
-                if self._outbox:
-                    self._flush_if_due()
-                meter.frame(clock() - t0)
 
     def _on_frames(self, frames) -> None:
         try:
@@ -1050,21 +1040,7 @@ class CoordinatorService:
         finally:
             self._flush_outbox()
 
-    def _flush_if_due(self) -> None:
-        """Inside a drain: send what this pass decided so far once holding it buys nothing
-        (no journal) or has lasted long enough for its fsync to be worth it."""
-        now = time.monotonic()
-        if self._journal is not None:
-            if not self._held_since:
-                self._held_since = now
-                return
-            if now - self._held_since < max(PASS_HOLD_S, SYNC_SHARE * self._sync_s):
-                return
-        self._flush_outbox()
-        self._outbox = []
-
     def _flush_outbox(self) -> None:
-        self._held_since = 0.0
         while True:
             out, self._outbox = self._outbox or [], None
             if out:
@@ -1113,12 +1089,10 @@ class CoordinatorService:
 
     def _sync_journal(self) -> None:
         if self._journal is not None:
-            t0 = time.monotonic()
             try:
                 self._journal.sync()
             except JournalError as e:
                 self._journal_lost(e)
-            self._sync_s = time.monotonic() - t0
 
     def _journal_lost(self, e: JournalError) -> None:
         """The journal cannot be written (a full disk...): a crash from here on could not

@@ -38,14 +38,15 @@ def test_the_busy_ratio_is_over_the_last_interval_and_the_summary_over_the_run()
     m = LoopMeter(clock)
     clock.t += 1.0
     m.frame(0.2)
-    m.busy(0.3)
+    m.busy(0.5)  # the drain that handled it, its sends included
     assert m.recent_busy_ratio() == pytest.approx(0.5)
     clock.t += 1.0
     assert m.recent_busy_ratio() == 0.0  # nothing since: idle
     clock.t += 2.0
     m.frame(0.001)
+    m.busy(0.002)
     s = m.summary()
-    assert s == {"frames": 2, "busy_share": pytest.approx(0.501 / 4, abs=1e-4), "frame_mean_ms": pytest.approx(100.5),
+    assert s == {"frames": 2, "busy_share": pytest.approx(0.502 / 4, abs=1e-4), "frame_mean_ms": pytest.approx(100.5),
                  "frame_p50_le_ms": 1.0, "frame_p99_le_ms": 200.0, "frame_max_ms": 200.0}  # fmt: skip
 
 
@@ -54,6 +55,7 @@ def test_the_scrape_shows_the_frame_histogram_and_the_busy_ratio():
     m = LoopMeter(clock)
     for t in (0.00005, 0.0007, 0.0007, 0.02):
         m.frame(t)
+    m.busy(0.02145)
     clock.t += 0.1
     st = initial_state(CoreConfig(world_size=2))
     book = RunBook("r1", rank_labels=8)
