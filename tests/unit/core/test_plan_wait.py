@@ -193,3 +193,30 @@ def test_a_run_ahead_chunk_held_at_the_pin_is_not_the_ranks_share():
     assert leaves_the_tail(st, 0)
     plain = FinalWindowPlan(0, alloc=(3, 2), pinned_counts=(4, 2), pinned_alive=(True, True))
     assert plain.share_steps(0, 7) == 7  # a plan without a base counts every step, as before
+
+
+def test_a_top_up_past_a_late_gate_lasts_until_the_next_report_and_never_doubles_untrained_work():
+    # Found in review: the doubling counted the extensions the rank still held, so each
+    # top-up of a late gate's wait doubled the last before any of it was trained.
+    st = _paced_pair()  # batch_report_ms 25 (the default); rank 0 at 5 ms a batch, a window of 4
+    st.cadence.elche.anchor = 16  # a room of 2 x 16 batches
+    _take_window(st, 0, 0, 4)
+    pool = st.cadence.pools[0]
+    st.cadence.last_wait_ms[0] = 6.0
+    st.now = st.rounds.opened_at + 1.0  # the gate is past its window's wall: a wait of unknown length
+    lead = math.ceil((25 + 6) / 5) + 1  # batches until its next report is due to ask, and one
+    held, sent = 4, []
+    for step in range(1, 25):
+        pool.mark_completed(0, 1)
+        st.ranks[0].last_step, held = step, held - 1
+        out = []
+        if top_up(st, 0, held, out):
+            (_, ext), = _extensions(out)
+            assert held * 5 <= 25 + 6  # only once what it holds lasts no longer than a report and a turnaround
+            room = 2 * 16 - step - held
+            assert ext.partition_size == min(max(lead, step - 4), room)  # as much again as it *trained* past its window
+            sent.append((step, ext.partition_size))
+            held += ext.partition_size
+        assert pool.in_flight(0) == held
+    assert sent[0] == (1, lead) and len(sent) <= 4, sent  # a few extensions, not one per report
+    assert 4 + sum(n for _, n in sent) <= 2 * 16  # never past the room
