@@ -423,6 +423,8 @@ class CoordinatorService:
                 dashboard.write_final(path, text())
             except OSError as e:
                 log.error("%s", describe_write_error(e, path, "dashboard_out" if path == page_path else "status_out"))
+            except Exception as e:  # a view that cannot be built must not cost the summary written after it
+                log.error("cannot build %s: %s: %s", path, type(e).__name__, e)
             else:
                 log.info("wrote %s", path)
 
