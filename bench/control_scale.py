@@ -315,6 +315,7 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
         "coord_frame_p50_le_ms": summ.get("coordinator_loop", {}).get("frame_p50_le_ms"),
         "coord_frame_p99_le_ms": summ.get("coordinator_loop", {}).get("frame_p99_le_ms"),
         "coord_frame_max_ms": summ.get("coordinator_loop", {}).get("frame_max_ms"),
+        "coord_frame_max_event": summ.get("coordinator_loop", {}).get("frame_max_event"),
         "coord_busy_share": summ.get("coordinator_loop", {}).get("busy_share"),
         "unblock_wait_p50_us": _pct(waits, 0.50),
         "unblock_wait_p99_us": _pct(waits, 0.99),
@@ -389,6 +390,8 @@ def _median(runs: list[dict]) -> dict:
     for k, v in runs[0].items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out[k] = round(statistics.median(r[k] for r in runs), 4)
+        elif k == "coord_frame_max_event":  # a name, not a number: each run's
+            out[k + "_each"] = [r.get(k) for r in runs]
     bad = [{"reason": r["reason"], "dropped_frames": r["dropped_frames"], "log": r["log"]}
            for r in runs if not r.get("ok", True)]
     if bad:

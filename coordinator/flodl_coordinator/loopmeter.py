@@ -32,6 +32,7 @@ class LoopMeter:
         self.frame_sum_s = 0.0
         self.frame_max_s = 0.0
         self.busy_s = 0.0
+        self.slowest = ""  # what the slowest frame carried (the last event it stepped), set by its owner
         self.started = clock()
         self._last = (self.started, 0.0)  # (clock, busy_s) at the last ``recent_busy_ratio``
 
@@ -86,4 +87,5 @@ class LoopMeter:
             "frame_p50_le_ms": round(1e3 * self.quantile_le_s(0.50), 3),
             "frame_p99_le_ms": round(1e3 * self.quantile_le_s(0.99), 3),
             "frame_max_ms": round(1e3 * self.frame_max_s, 3),
+            "frame_max_event": self.slowest,
         }

@@ -207,6 +207,7 @@ class CoordinatorService:
         self._journal_error: str | None = None  # set once the journal cannot be written: the run stops
         self._outbox: list | None = None  # frames held until the journal is durable (``_pass``)
         self.loop_meter = LoopMeter()  # per-frame handling time and the loop's busy share (/metrics, summary)
+        self._last_event = ""  # the kind of the event stepped last (the slowest frame's, LoopMeter.slowest)
         self._stop_signals = 0
         # Wakes the loop from outside it (signal handler, tests) without touching a socket.
         self._wake_r, self._wake_w = socket.socketpair()
@@ -500,7 +501,10 @@ class CoordinatorService:
                     self._on_frames(payload if not curve else frames)
                 else:
                     on_routed(route, payload)
-                meter.frame(clock() - t0)  # (its commands go out at the pass's end, with the others')
+                dt = clock() - t0  # (its commands go out at the pass's end, with the others')
+                if dt > meter.frame_max_s:  # the operator's first question about a slow frame: what was it
+                    meter.slowest = self._last_event
+                meter.frame(dt)
                 if self.finished is not None:
                     return
 
@@ -845,6 +849,7 @@ class CoordinatorService:
         while pending:
             ev = pending.popleft()
             self._events_stepped += 1
+            self._last_event = type(ev).__name__
             if self._journal is not None:  # building the record costs: only when it is kept
                 self._journal_write(to_record(ev))
             try:

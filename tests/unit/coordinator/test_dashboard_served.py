@@ -84,6 +84,7 @@ def test_dashboard_served_live_then_final_files_and_a_lingering_status(serve, tm
     loop = json.loads(summary.read_text())["coordinator_loop"]  # the coordinator's own load, for the record
     assert loop["frames"] >= 1 and 0.0 < loop["frame_p50_le_ms"] <= loop["frame_p99_le_ms"] <= 1000.0
     assert 0.0 < loop["busy_share"] < 1.0
+    assert loop["frame_max_event"] == "RankHello"  # its only frame that stepped the core
     final = json.loads(status_file.read_text())
     assert final["core"]["run"]["phase"] == "FINISHED" and final["core"]["run"]["ok"] is False
     # The process lingers: the same final status is still served after the run.
