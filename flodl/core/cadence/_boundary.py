@@ -62,7 +62,6 @@ same consensus), which a resume dispatches only the holes of.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from . import _async, _slack
@@ -269,17 +268,14 @@ def top_up(st: CoordinatorState, rank: int, unreported: int, out: list[Command])
             return False  # the trigger is due before the chunk ends: its window will come
     elif waiting == 0.0:
         return False
-    # At least what lasts until its next report is due to ask again: smaller, every
-    # report of a late gate's wait would send another extension.
-    lead = math.ceil((st.config.batch_report_ms + cad.last_wait_ms.get(rank, 0.0)) / ms) + 1
-    return _run_ahead(st, rank, waiting, unreported, out, extend_epoch=cad.in_flight[rank][0], at_least=lead)
+    return _run_ahead(st, rank, waiting, unreported, out, extend_epoch=cad.in_flight[rank][0])
 
 
 def _run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, pending: int, out: list[Command],
-               extend_epoch: Optional[int] = None, at_least: int = 1) -> bool:  # fmt: skip
+               extend_epoch: Optional[int] = None) -> bool:  # fmt: skip
     """``pending``: batches the rank still holds (counted against the room); with
     ``extend_epoch``, the chunk goes out as an extension of the one it holds, which is
-    of that epoch, or not at all; ``at_least``: its size's floor (within the room)."""
+    of that epoch, or not at all."""
     cad = st.cadence
     assert cad is not None
     room = run_ahead_room(st, rank) - pending
@@ -311,7 +307,7 @@ def _run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, pending: int,
         # the rank already ran ahead (and trained): double it, so a late straggler costs
         # the others a few turnarounds, not one per chunk of a batch or two.
         n = max(n, window_steps(st, rank) - _budget(st, rank))  # trained past it: not what it holds
-    n = max(1, min(max(n, at_least), room, left))
+    n = max(1, min(n, room, left))
     ranges = _take_window(st, rank, epoch, n)
     if not ranges:
         return False

@@ -195,16 +195,17 @@ def test_a_run_ahead_chunk_held_at_the_pin_is_not_the_ranks_share():
     assert plain.share_steps(0, 7) == 7  # a plan without a base counts every step, as before
 
 
-def test_a_top_up_past_a_late_gate_lasts_until_the_next_report_and_never_doubles_untrained_work():
+def test_a_top_up_past_a_late_gate_never_doubles_untrained_work():
     # Found in review: the doubling counted the extensions the rank still held, so each
-    # top-up of a late gate's wait doubled the last before any of it was trained.
+    # top-up of a late gate's wait doubled the last before any of it was trained, and
+    # the rank held its whole room of one more window two batches past its window end.
     st = _paced_pair()  # batch_report_ms 25 (the default); rank 0 at 5 ms a batch, a window of 4
     st.cadence.elche.anchor = 16  # a room of 2 x 16 batches
     _take_window(st, 0, 0, 4)
     pool = st.cadence.pools[0]
     st.cadence.last_wait_ms[0] = 6.0
     st.now = st.rounds.opened_at + 1.0  # the gate is past its window's wall: a wait of unknown length
-    lead = math.ceil((25 + 6) / 5) + 1  # batches until its next report is due to ask, and one
+    fits = (0 + 6) // 5 + 1  # what outlasts its turnaround at its pace
     held, sent = 4, []
     for step in range(1, 25):
         pool.mark_completed(0, 1)
@@ -214,9 +215,9 @@ def test_a_top_up_past_a_late_gate_lasts_until_the_next_report_and_never_doubles
             (_, ext), = _extensions(out)
             assert held * 5 <= 25 + 6  # only once what it holds lasts no longer than a report and a turnaround
             room = 2 * 16 - step - held
-            assert ext.partition_size == min(max(lead, step - 4), room)  # as much again as it *trained* past its window
+            assert ext.partition_size == min(max(fits, step - 4), room)  # as much again as it *trained* past its window
             sent.append((step, ext.partition_size))
             held += ext.partition_size
         assert pool.in_flight(0) == held
-    assert sent[0] == (1, lead) and len(sent) <= 4, sent  # a few extensions, not one per report
+    assert sent[:4] == [(s, fits) for s in (1, 2, 3, 4)], sent  # up to its window end: what outlasts a turnaround
     assert 4 + sum(n for _, n in sent) <= 2 * 16  # never past the room
