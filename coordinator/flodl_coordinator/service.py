@@ -129,6 +129,9 @@ RELAY_GRACE_S = 3.0
 # the loop's time goes to them (_publish_status).
 PUBLISH_MIN_S = 0.25
 PUBLISH_COST_SHARE = 20
+# What a frame that stepped no core event carried, as the loop meter names it (a round's
+# tensors, a relay's or an agent's message, a dropped frame).
+NO_EVENT = "no core event"
 # How many frames one pass drains before it runs timers again (fairness bound).
 DRAIN_BATCH = 256
 
@@ -207,7 +210,7 @@ class CoordinatorService:
         self._journal_error: str | None = None  # set once the journal cannot be written: the run stops
         self._outbox: list | None = None  # frames held until the journal is durable (``_pass``)
         self.loop_meter = LoopMeter()  # per-frame handling time and the loop's busy share (/metrics, summary)
-        self._last_event = ""  # the kind of the event stepped last (the slowest frame's, LoopMeter.slowest)
+        self._last_event = NO_EVENT  # the kind of the event this frame stepped last (LoopMeter.slowest)
         self._stop_signals = 0
         # Wakes the loop from outside it (signal handler, tests) without touching a socket.
         self._wake_r, self._wake_w = socket.socketpair()
@@ -497,6 +500,7 @@ class CoordinatorService:
                 except zmq.Again:
                     return
                 t0 = clock()
+                self._last_event = NO_EVENT  # (until the core steps one for this frame)
                 if curve or route is None:
                     self._on_frames(payload if not curve else frames)
                 else:
