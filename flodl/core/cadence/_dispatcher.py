@@ -313,19 +313,10 @@ def _capped(st: CoordinatorState, rank: int, n: int) -> int:
 
 def _take(st: CoordinatorState, rank: int, epoch: int, batches: int) -> Optional[tuple[int, int]]:
     """Take a chunk for the rank; record it as its assignment and its chunk in flight."""
-    cad, d = st.cadence, st.dispatch
-    got = cad.pools[epoch].take_chunk(rank, batches * st.config.batch_size)
+    got = st.cadence.pools[epoch].take_chunk(rank, batches * st.config.batch_size)
     if got is None or got[1] == 0:
         return None
-    off, n = got
-    ranges = d.assigned.setdefault(epoch, {}).setdefault(rank, [])
-    if ranges and ranges[-1][0] + ranges[-1][1] == off:
-        ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
-    else:
-        ranges.append((off, n))
-    d.rank_epoch[rank] = epoch
-    cad.in_flight[rank] = (epoch, off, n)
-    may_block(cad, rank)  # it is not quiesced any more
+    _note_takes(st, epoch, [(rank, got[0], got[1])])
     return got
 
 
@@ -375,8 +366,9 @@ def start_window(
 
 
 def _note_takes(st: CoordinatorState, epoch: int, got: list[tuple[int, int, int]],
-                taken: dict[int, tuple[int, int]]) -> None:  # fmt: skip
-    """What ``_take`` records of each take, for takes made in bulk (``take_own_run``)."""
+                taken: Optional[dict[int, tuple[int, int]]] = None) -> None:  # fmt: skip
+    """Record each take ``(rank, offset, n)`` as the rank's assignment and its chunk in
+    flight (it is not quiesced any more); ``taken`` (if given) gets ``rank -> (offset, n)``."""
     if not got:
         return
     cad, d = st.cadence, st.dispatch
@@ -393,7 +385,8 @@ def _note_takes(st: CoordinatorState, epoch: int, got: list[tuple[int, int, int]
         in_flight[rank] = (epoch, off, n)
         if rank not in in_open:
             may_block(cad, rank)
-        taken[rank] = (off, n)
+        if taken is not None:
+            taken[rank] = (off, n)
 
 
 def _take_window(st: CoordinatorState, rank: int, epoch: int, batches: int) -> list[tuple[int, int]]:
