@@ -119,6 +119,21 @@ class _BoundaryStreams:
         rest of ``parked`` is skipped: the tail's wakes cost what they serve, not O(N)."""
         cad = st.cadence
         assert cad is not None
+        if _async.source_epoch(st) is None:
+            # No epoch has work and none is left to open: neither a chunk nor a run-ahead
+            # can be handed to anyone, and nothing below changes that (they stay wakeable).
+            # A round of the run's last epoch rearms every rank: a walk would cost O(N).
+            return
+        in_flight = cad.in_flight
+        busy = [r for r in woken if r in in_flight]
+        if busy:
+            # Held (a chunk in flight) whatever the others take, and never parked: each
+            # would only leave the views, so they leave in bulk (after a window's start
+            # that is every rank), as the flat wake does.
+            cad.wakeable.difference_update(busy)
+            cad.parked.difference_update(busy)
+            cad.dropped_wake.update(busy)  # drop_wake
+            woken = [r for r in woken if r not in in_flight]
         waiting: Optional[float] = None  # the ms until the gate can fire, worked out once
         i = j = 0
         while i < len(woken) or j < len(parked):
