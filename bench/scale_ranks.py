@@ -19,12 +19,20 @@ SPEC_JSON``) it prints one JSON object with what its ranks measured:
 * ``latency_us``: for each command that unblocked a waiting rank, the time from the last
   frame that rank sent (the Batch, or the chunk's metrics, that left it waiting) to that
   command's arrival: the wait, whatever it waited on.
+* Arrival: a message is taken to have arrived when the poll that found its socket ready
+  returned (the first of each socket per poll; a later one, when it was received), and
+  its rank acts on it from then -- as a rank with a process of its own would -- not once
+  this one thread has got round to it after every other socket ready in that poll. What
+  that turn cost is ``handling_lag_s`` (per unblocking command: from arrival until its
+  rank was handled), and the arrival as handled is kept beside it in ``requests``, so
+  ``control_scale.py`` reports the measures both ways.
 * ``idle_plan_by``: the plan waits by what ended them: ``trigger`` (a round opened: its
   ``RequestParams`` came with the next window), ``update`` (a round finished with the
   next window in its ``Update``), ``chunk`` (a plan alone: a window streamed in
   chunks, a run-ahead chunk, the next epoch's first).
-* ``requests``: (cycle, arrival, the rank's last frame sent before it) of every
-  ``RequestParams``: ``control_scale.py`` finds each round's trigger from them.
+* ``requests``: (cycle, arrival, the rank's last frame sent before it, when this
+  thread handled it) of every ``RequestParams``: ``control_scale.py`` finds each round's
+  trigger from them.
 * ``sent`` / ``received``: frames to and from the coordinator.
 * ``first_exit`` / ``last_exit``: when its ranks heard their Shutdown; ``batch_end_hist``:
   batch ends per 50 ms (``control_scale.py`` finds the run's tail from them).
@@ -93,9 +101,9 @@ class FakeRank:
         self.seen_blocked: set[str] = set()  # control kinds received since it blocked
         self.first_batch: float | None = None
         self.last_batch_end = 0.0
-        self.train_s = self.idle_s = self.lag_s = 0.0
+        self.train_s = self.idle_s = self.lag_s = self.handling_lag_s = 0.0
         self.last_sent = 0.0
-        self.requests: list[tuple[int, float, float]] = []  # (cycle, arrival, our last frame before it)
+        self.requests: list[tuple[int, float, float, float]] = []  # (cycle, arrival, our last frame before it, handled)
         self.latency_us: list[float] = []
         self.sent = self.received = 0
         self.done = False
@@ -138,7 +146,7 @@ class FakeRank:
             if self.blocked_since is not None:
                 self.seen_blocked.add(env.control.WhichOneof("cmd"))
             if env.control.WhichOneof("cmd") == "request_params":
-                self.requests.append((env.control.request_params.cycle, now, self.last_sent))
+                self.requests.append((env.control.request_params.cycle, now, self.last_sent, time.monotonic()))
             self.execute(self.m.handle(ControlReceived(control=env.control)))
         elif kind == "round":
             h = env.round
@@ -255,15 +263,23 @@ def serve_ranks(spec: dict) -> dict:
     while alive and time.monotonic() < deadline:
         now = time.monotonic()
         timeout = min(100.0, max(0.0, (timers[0][0] - now) * 1e3)) if timers else 100.0
-        for sock, _ in poller.poll(timeout):
+        ready = poller.poll(timeout)
+        polled = time.monotonic()  # every ready socket's first message was there by now
+        for sock, _ in ready:
             i = index[sock]
-            for _ in range(64):  # bounded per socket per pass: fairness
+            rk, arrival = ranks[i], polled
+            for k in range(64):  # bounded per socket per pass: fairness
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                ranks[i].on_frames(frames, time.monotonic())
-            advance(i, time.monotonic())
+                if k:
+                    arrival = time.monotonic()  # (it may have come while this thread was busy)
+                rk.on_frames(frames, arrival)
+            blocked = rk.blocked_since is not None
+            advance(i, arrival)  # the rank acts on it from its arrival (the module doc)
+            if blocked and rk.blocked_since is None:
+                rk.handling_lag_s += time.monotonic() - arrival
         now = time.monotonic()
         while timers and timers[0][0] <= now:
             _, i, what = heapq.heappop(timers)
@@ -291,6 +307,7 @@ def serve_ranks(spec: dict) -> dict:
         "idle_throttle_s": sum(rk.idle_by["throttle"] for rk in ranks),
         "idle_plan_by": {k: sum(rk.plan_wait_by[k] for rk in ranks) for k in ("trigger", "update", "chunk")},
         "lag_s": sum(rk.lag_s for rk in ranks),
+        "handling_lag_s": sum(rk.handling_lag_s for rk in ranks),
         "first_batch": min((rk.first_batch for rk in ranks if rk.first_batch is not None), default=None),
         "last_batch": max(rk.last_batch_end for rk in ranks),
         "first_exit": min((rk.exited_at for rk in ranks if rk.exited_at is not None), default=None),

@@ -109,6 +109,11 @@ class _BoundaryStreams:
             # trains again (from then on every one of them leaves it again: parked).
             rearm(st, unpark=False)
             parked = sorted(cad.parked)
+        if _async.source_epoch(st) is None:
+            # No epoch has work and none is left to open: neither a chunk nor a run-ahead
+            # can be handed to anyone (they stay wakeable). In the run's last epoch every
+            # round rearms every rank, and every chunk's end wakes: no sort, no walk.
+            return
         self._look(st, sorted(cad.wakeable), parked, out)
 
     def _look(self, st: CoordinatorState, woken: list[int], parked: list[int], out: list[Command]) -> None:
@@ -119,11 +124,6 @@ class _BoundaryStreams:
         rest of ``parked`` is skipped: the tail's wakes cost what they serve, not O(N)."""
         cad = st.cadence
         assert cad is not None
-        if _async.source_epoch(st) is None:
-            # No epoch has work and none is left to open: neither a chunk nor a run-ahead
-            # can be handed to anyone, and nothing below changes that (they stay wakeable).
-            # A round of the run's last epoch rearms every rank: a walk would cost O(N).
-            return
         in_flight = cad.in_flight
         busy = [r for r in woken if r in in_flight]
         if busy:
