@@ -45,7 +45,9 @@ def test_fake_ranks_train_a_cadence_run_to_the_end(serve):
     assert [k for k in t if k in marks] == marks, t
     assert t["first_batch"] <= min(t["committed_99pct"], t["last_batch"]), t
     assert max(t["committed_99pct"], t["last_batch"]) <= t["epochs_done"] <= t["shutdown"], t
-    assert out["requests"] and all(arrival >= sent > 0 for _c, arrival, sent in out["requests"])
+    # A request arrived after the rank's last frame, and was handled once it had arrived.
+    assert out["requests"] and all(handled >= arrival >= sent > 0 for _c, arrival, sent, handled in out["requests"])
+    assert out["handling_lag_s"] >= 0.0
     assert 0.0 <= out["idle_s"] and out["train_s"] > 0
 
 
