@@ -439,7 +439,10 @@ def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int], ahead: dic
     remaining = _batches(pool.remaining(), bs) * bs
     final_alloc = plan.alloc if plan is not None and plan.epoch == epoch else None
     recs, marks, own, over, on = st.ranks, cad.window_mark, cad.elche.batch_counts, cad.overshoot, cad.overshoot_on
-    steps = [max(0, recs[r].last_step - marks.get(r, 0)) for r in ranks]  # window_steps
+    # (Conditionals, not min/max: a builtin's call per rank was most of a formation's sizing.)
+    get = marks.get
+    steps = [recs[r].last_step - get(r, 0) for r in ranks]
+    steps = [s if s > 0 else 0 for s in steps]  # window_steps
     look = over.look_ahead(on)  # _budget (``OvershootBudget.budget_for``) of each rank
     budgets = [own[r] + look if own[r] > 0 else 0 for r in ranks]
     helds = [ahead.get(r, 0) for r in ranks] if ahead else None  # the pinned plan's base already leaves them out of its share
@@ -450,8 +453,9 @@ def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int], ahead: dic
     ns = compute_chunk_batches_each(ranks, sized, budgets, remaining_samples=remaining, counts=counts,
                                     counts_total=counts_total, batch_size=bs, barrier_paced=cad.barrier_paced,
                                     calibrated=calibrated, total_samples=pool.total, final_alloc=final_alloc)  # fmt: skip
-    if helds is None:  # (a formation, an epoch's first window: one comprehension, thousands of ranks)
-        return {r: (min(n, max(1, b - s)) if b > 0 and n > 0 else n) for r, n, s, b in zip(ranks, ns, steps, budgets)}
+    if helds is None:  # (a formation, an epoch's first window: thousands of ranks) _capped:
+        rooms = [b - s if b - s > 1 else 1 for s, b in zip(steps, budgets)]  # max(1, b - s)
+        return {r: ((n if n < room else room) if b > 0 and n > 0 else n) for r, n, room, b in zip(ranks, ns, rooms, budgets)}
     sizes: dict[int, int] = {}
     for r, n, s, b, h in zip(ranks, ns, steps, budgets, helds):
         if h:  # the rest of its window behind what it holds, never a batch past it

@@ -84,8 +84,11 @@ def absorb_released(st: CoordinatorState) -> None:
     if released:
         cad = _cad(st)
         cad.wakeable |= released
-        for r in released:
-            may_block(cad, r)
+        in_open, heap, push = cad.in_open, cad.open_windows, heapq.heappush
+        for r in released:  # may_block, inline: a world's formation releases every rank
+            if r not in in_open:
+                push(heap, r)
+                in_open.add(r)
 
 
 def drop_wake(cad: CadenceState, rank: int) -> None:
