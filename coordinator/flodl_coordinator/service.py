@@ -76,6 +76,9 @@ from flodl.fsutil import describe_write_error
 from flodl.procutil import process_age_s
 from flodl.limits import zmq_maxmsgsize
 from flodl.wire import (
+    MIN_RANK_MINOR,
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
     Endpoint,
     MalformedFrame,
     Oversized,
@@ -566,6 +569,12 @@ class CoordinatorService:
         if kind == "hello":
             if env.sender.kind != pb.Sender.KIND_RANK or env.sender.rank != env.hello.rank:
                 raise RouteMismatch("hello's sender is not the rank it names")
+            if env.protocol_minor < MIN_RANK_MINOR:  # (the major was checked by decode)
+                why = (f"rank speaks protocol {env.protocol_major}.{env.protocol_minor}; this coordinator "
+                       f"({PROTOCOL_MAJOR}.{PROTOCOL_MINOR}) needs {PROTOCOL_MAJOR}.{MIN_RANK_MINOR} or later (the "
+                       "global step rides in the round's Update): install the same flodl release on every host")  # fmt: skip
+                self._send_frames(self.endpoint.frames("hello_ack", pb.HelloAck(accepted=False, reason=why), route=route))
+                raise VersionMismatch(why)
             why = hello_oversized(env.hello)
             if why:  # never journaled: refused with the reason, then dropped and counted
                 ack = pb.HelloAck(accepted=False, reason=why)

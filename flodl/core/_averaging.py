@@ -41,8 +41,8 @@ Finish (``finish_due``/``finish``, §5.4-5.5): once every participant still ACTI
 are excused -- the reducer was told by ``ForgetRank``), ``version += 1``,
 ``global_step += window``; the dispatcher's ``on_round_finished`` runs the policy's
 feedback and returns each rank's folded next chunk; ``Update{version, cycle,
-next_plan?}`` to each surviving participant, then ``SetGlobalStep{global_step,
-samples_committed}`` (the run's progress, for the ranks' LR schedules); the step
+next_plan?, global_step, samples_committed}`` to each surviving participant (the run's
+progress, for the ranks' LR schedules: protocol 1.0 sent it as ``SetGlobalStep``); the step
 then elects roles, makes a checkpoint deferred to this round
 (``_checkpointing.on_round_finished``), and calls the dispatcher's ``after_round`` (wake
 idle ranks). A round pending longer than ``reduce_stall_s`` is a stall (``stall_due``):
@@ -144,17 +144,14 @@ def _throttle(ctl: pb.Control) -> None:
     ctl.throttle.SetInParent()
 
 
-def _update(ctl: pb.Control, version: int, cycle: int, report_at_step: int, plan: Optional[pb.EpochPlan]) -> None:
+def _update(ctl: pb.Control, version: int, cycle: int, report_at_step: int, plan: Optional[pb.EpochPlan],
+            global_step: int, committed: int) -> None:  # fmt: skip
     upd = ctl.update
     upd.version, upd.cycle = version, cycle
     upd.report_at_step = report_at_step
+    upd.global_step, upd.samples_committed = global_step, committed  # (what SetGlobalStep said, protocol 1.0)
     if plan is not None:
         upd.next_plan.CopyFrom(plan)
-
-
-def _set_global_step(ctl: pb.Control, global_step: int, committed: int) -> None:
-    gs = ctl.set_global_step
-    gs.global_step, gs.samples_committed = global_step, committed
 
 
 def on_refused(st: CoordinatorState, ev: ContributionRefused) -> None:
@@ -268,9 +265,10 @@ def abandon(st: CoordinatorState) -> Optional[int]:
 
 
 def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> None:
-    """Close the acked round: ``Update`` then ``SetGlobalStep`` to each surviving
-    participant. The step then elects roles, makes a deferred checkpoint, and calls the
-    dispatcher's ``after_round``, in that order."""
+    """Close the acked round: an ``Update`` to each surviving participant, with the run's
+    global step and committed samples (protocol 1.0's ``SetGlobalStep``). The step then
+    elects roles, makes a deferred checkpoint, and calls the dispatcher's ``after_round``,
+    in that order."""
     rs = st.rounds
     _transition(rs, "finish")
     st.index.close_round()
@@ -283,7 +281,7 @@ def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> 
     # plans are the dispatcher's fresh messages, held by nothing else; the window's end
     # is read now (it moves with the next trigger).
     ends = dispatcher.window_end_steps(st, alive)
-    args = list(zip(repeat(rs.version), repeat(rs.cycle), ends, map(plans.get, alive)))
-    st.send_built_zip(out, alive, "update", _update, args)  # (zipped: a round answers thousands)
     committed = _coverage.committed_samples(st.coverage)  # the ranks' LR schedules follow it
-    st.send_built_each(out, alive, "set_global_step", _set_global_step, (rs.global_step, committed))
+    args = list(zip(repeat(rs.version), repeat(rs.cycle), ends, map(plans.get, alive), repeat(rs.global_step),
+                    repeat(committed)))  # fmt: skip
+    st.send_built_zip(out, alive, "update", _update, args)  # (zipped: a round answers thousands)

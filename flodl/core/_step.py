@@ -31,8 +31,8 @@ Theory of operation
    reform_group  ``_collective.due``: the ACTIVE set changed, a     a generation is
                  member failed, the store host timed out, a        announced before any
                  restart                                           ``RequestParams`` in it
-   finish_round  every participant still ACTIVE acked: Update,     a finished round
-                 SetGlobalStep, the Fastest election (once          frees the gate; roles
+   finish_round  every participant still ACTIVE acked: Update      a finished round
+                 (global step in it), the Fastest election (once   frees the gate; roles
                  calibrated), a deferred checkpoint,                are elected before
                  ``after_round``                                    the checkpoint picks
                                                                    its rank
@@ -304,7 +304,7 @@ def _fail_act(st: CoordinatorState, out: list[Command], policy: Policy) -> None:
 
 
 def _finish_round(st: CoordinatorState, out: list[Command], policy: Policy) -> None:
-    _averaging.finish(st, out, policy.dispatcher)  # Update, SetGlobalStep
+    _averaging.finish(st, out, policy.dispatcher)  # Update (with the global step)
     if _feedback.calibrated(st):  # once: the Fastest roles go to the fastest rank ...
         _roles.on_calibration(st)
     _checkpointing.on_round_finished(st, out)  # ... before a save deferred to this round picks its rank

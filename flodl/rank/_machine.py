@@ -383,7 +383,10 @@ class RankMachine:
         self._queue(c.start_epoch.plan, "StartEpoch", out)
 
     def _update(self, c: pb.Control, out: list[Command]) -> None:
-        self.report_at = c.update.report_at_step
+        u = c.update
+        self.report_at = u.report_at_step
+        if u.HasField("global_step"):  # the round's global step (protocol 1.1; 1.0 sent SetGlobalStep)
+            self.global_step, self.samples_committed = u.global_step, u.samples_committed
         if c.update.HasField("next_plan"):
             self._queue(c.update.next_plan, "Update.next_plan", out)
         self.throttled = False
@@ -452,6 +455,7 @@ class RankMachine:
             out.append(RunEval(command=c.execute_eval))
 
     def _set_global_step(self, c: pb.Control, out: list[Command]) -> None:
+        # A 1.0 coordinator's round (1.1 carries it in the Update): still understood.
         self.global_step = c.set_global_step.global_step
         self.samples_committed = c.set_global_step.samples_committed
 

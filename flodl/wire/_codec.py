@@ -20,6 +20,7 @@ from ._errors import MalformedFrame, OutOfSequence, Oversized, VersionMismatch, 
 __all__ = [
     "PROTOCOL_MAJOR",
     "PROTOCOL_MINOR",
+    "MIN_RANK_MINOR",
     "DELIMITER",
     "MAX_BLOBS",
     "MAX_ENVELOPE_BYTES",
@@ -33,7 +34,11 @@ __all__ = [
 ]
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+# 1.1: the round's global step rides in Control.Update (1.0: a SetGlobalStep after it).
+PROTOCOL_MINOR = 1
+# The oldest minor a coordinator admits a rank of: a 1.0 rank would not read the global
+# step in the Update, and its LR schedule would stop following the run's progress.
+MIN_RANK_MINOR = 1
 DELIMITER = b""
 # A model is at most a few thousand tensors; a frame claiming more is hostile or broken.
 MAX_BLOBS = 65536

@@ -298,16 +298,20 @@ class Control(_message.Message):
         cycle: int
         def __init__(self, cycle: _Optional[int] = ...) -> None: ...
     class Update(_message.Message):
-        __slots__ = ("version", "next_plan", "cycle", "report_at_step")
+        __slots__ = ("version", "next_plan", "cycle", "report_at_step", "global_step", "samples_committed")
         VERSION_FIELD_NUMBER: _ClassVar[int]
         NEXT_PLAN_FIELD_NUMBER: _ClassVar[int]
         CYCLE_FIELD_NUMBER: _ClassVar[int]
         REPORT_AT_STEP_FIELD_NUMBER: _ClassVar[int]
+        GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+        SAMPLES_COMMITTED_FIELD_NUMBER: _ClassVar[int]
         version: int
         next_plan: EpochPlan
         cycle: int
         report_at_step: int
-        def __init__(self, version: _Optional[int] = ..., next_plan: _Optional[_Union[EpochPlan, _Mapping]] = ..., cycle: _Optional[int] = ..., report_at_step: _Optional[int] = ...) -> None: ...
+        global_step: int
+        samples_committed: int
+        def __init__(self, version: _Optional[int] = ..., next_plan: _Optional[_Union[EpochPlan, _Mapping]] = ..., cycle: _Optional[int] = ..., report_at_step: _Optional[int] = ..., global_step: _Optional[int] = ..., samples_committed: _Optional[int] = ...) -> None: ...
     class SyncNow(_message.Message):
         __slots__ = ("cycle",)
         CYCLE_FIELD_NUMBER: _ClassVar[int]

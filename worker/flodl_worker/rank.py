@@ -532,7 +532,7 @@ class _Rank(MachineShell):
             if self._trained and (which == "declare_dead" or regrouped):
                 self._recovering = True  # a rank died: what the survivors wait from now is its cost
             self.feed(ControlReceived(control=env.control))
-            if env.control.WhichOneof("cmd") == "set_global_step":
+            if which == "set_global_step" or (which == "update" and env.control.update.HasField("global_step")):
                 self.clock.tick()  # the run's progress moved: the schedule follows it
         elif kind == "round" and env.round.seed:
             if self.collective is None:

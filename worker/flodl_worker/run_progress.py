@@ -3,7 +3,7 @@
 A rank's own step counter is the wrong clock for a scheduler: under Cadence or Async a
 fast rank takes three times the steps of a slow one, so a per-step cosine counted
 locally ends at three different learning rates. The run's clock is the coordinator's:
-after every averaging round it sends ``SetGlobalStep{global_step, samples_committed}``
+every averaging round's ``Update`` carries ``global_step`` and ``samples_committed``
 (the cohort's optimizer steps folded so far, and the samples committed in the coverage
 ledger, every epoch summed). Between rounds a rank adds its own unfolded work, the
 reference's ``global_step + steps_since_avg``; the estimate never moves backwards.

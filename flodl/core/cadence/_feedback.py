@@ -130,7 +130,7 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
 
 def calibrated(st: CoordinatorState) -> bool:
     """ElChe has calibrated (Cadence/Async): the Fastest roles may be elected (the step's
-    ``finish_round``, after the round's ``Update`` and ``SetGlobalStep``)."""
+    ``finish_round``, after the round's ``Update``)."""
     return st.cadence is not None and st.cadence.elche.calibrated
 
 

@@ -36,7 +36,7 @@ batch is the fill.
 
 Resets are split on purpose: ``reset_timing`` (timing and loss accumulators) runs in the
 shared finish tail; ``reset_steps`` placement is backend-specific (NCCL after
-``SetGlobalStep``, CPU before the next chunk is folded, because chunk sizing reads steps).
+the ``Update``, CPU before the next chunk is folded, because chunk sizing reads steps).
 """
 
 from __future__ import annotations

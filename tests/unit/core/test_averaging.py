@@ -45,11 +45,11 @@ def test_sync_cycle_request_throttle_then_update_and_global_step():
     _ack(c, 0, 1)
     _ack(c, 1, 1)
     for r in (0, 1):
-        assert c.out(r)[-2:] == ["update", "set_global_step"]
-        update, gstep = c.ranks[r].received[-2:]
+        assert c.out(r)[-1:] == ["update"]  # the global step rides in it (protocol 1.1): no SetGlobalStep
+        update = c.ranks[r].received[-1]
         assert (update.update.version, update.update.cycle) == (1, 1)
-        assert gstep.set_global_step.global_step == 2
-        assert gstep.set_global_step.samples_committed == 8  # both ranks' batch of 4: the LR schedules' clock
+        assert update.update.HasField("global_step") and update.update.global_step == 2
+        assert update.update.samples_committed == 8  # both ranks' batch of 4: the LR schedules' clock
     assert c.state.rounds.phase is IDLE and c.state.rounds.version == 1
 
 

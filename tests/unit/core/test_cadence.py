@@ -250,9 +250,9 @@ def test_first_reduce_hands_out_the_next_windows_at_the_trigger_then_recalibrate
     assert c.state.cadence.elche.batch_counts == [8, 4]
     upd = controls(cmds, "update")
     assert [(r, u.update.version, u.update.HasField("next_plan")) for r, u in upd] == [(0, 1, False), (1, 1, False)]
-    assert [(r, g.set_global_step.global_step) for r, g in controls(cmds, "set_global_step")] == [(0, 8), (1, 8)]
+    assert [(r, u.update.global_step) for r, u in upd] == [(0, 8), (1, 8)]
     kinds = [x.kind for x in cmds if isinstance(x, Send)]
-    assert kinds == ["update", "update", "set_global_step", "set_global_step"]
+    assert kinds == ["update", "update"]
     window = [x for x in cmds if isinstance(x, Notice) and x.kind == "window"]
     assert len(window) == 1 and window[0].data["counts"] == [8, 4] and window[0].data["verdict"] == "Stable"
     _drain(c, 0, 1)

@@ -136,7 +136,7 @@ def test_final_round_commits_an_unfolded_tail_before_the_end():
     assert not controls(cmds, "execute_eval")
     cmds = c.feed(SyncAcked(now=0.0, rank=0, cycle=2, step_count=2))
     assert [k for _, k in ((r, ctl.WhichOneof("cmd")) for r, ctl in controls(cmds))] == [
-        "update", "set_global_step", "execute_eval",
+        "update", "execute_eval",
     ]
     assert c.state.rounds.global_step == 2
 

@@ -164,7 +164,7 @@ def test_fixed_point_one_event_can_cascade_to_the_end():
     c.train_one(0)
     cmds = c.feed(SyncAcked(now=0.0, rank=0, cycle=1, step_count=1))
     kinds = [getattr(x, "kind", type(x).__name__) for x in cmds]
-    assert kinds == ["update", "set_global_step", "epoch_aggregated", "epoch", "execute_eval"]
+    assert kinds == ["update", "epoch_aggregated", "epoch", "execute_eval"]
 
 
 def test_tick_deaths_then_beacon_to_survivors():

@@ -243,6 +243,16 @@ def test_set_global_step_carries_the_runs_committed_samples():
     assert (m.global_step, m.samples_committed) == (12, 96)
 
 
+def test_a_rounds_update_carries_the_runs_progress():
+    # Protocol 1.1: the global step rides in the Update; an Update without it (none of a
+    # 1.0 coordinator's) leaves the progress where its SetGlobalStep put it.
+    m = machine()
+    m.handle(ctl(update=pb.Control.Update(version=1, cycle=1, global_step=12, samples_committed=96)))
+    assert (m.global_step, m.samples_committed) == (12, 96)
+    m.handle(ctl(update=pb.Control.Update(version=2, cycle=2)))
+    assert (m.global_step, m.samples_committed) == (12, 96)
+
+
 def test_admission_starts_the_runs_progress_where_the_coordinator_is():
     m = RankMachine(0)
     spec = pb.RunSpec(total_samples=100, batch_size=8, gamma=1.0, global_step=40, samples_committed=320)
