@@ -101,6 +101,7 @@ from .curve import CurveServer, load_server_keys
 from .droplog import DropLog
 from .inbound import recv_frames as _recv_frames, recv_routed
 from .journal import Journal, JournalError
+from .gcsettle import CollectorSettle
 from .loopmeter import LoopMeter
 from .metrics import RunBook, journal_stats
 from .output import ModelOutput
@@ -213,6 +214,10 @@ class CoordinatorService:
         self._journal_error: str | None = None  # set once the journal cannot be written: the run stops
         self._outbox: list | None = None  # frames held until the journal is durable (``_pass``)
         self.loop_meter = LoopMeter()  # per-frame handling time and the loop's busy share (/metrics, summary)
+        # Collections at moments the loop picks (gcsettle): only as the process's own service
+        # (the main thread) -- gc.freeze is process-wide, not a guest's to call for its host.
+        self.gc = CollectorSettle()
+        self._gc_settling = False
         self._last_event = NO_EVENT  # the kind of the event this frame stepped last (LoopMeter.slowest)
         self._stop_signals = 0
         # Wakes the loop from outside it (signal handler, tests) without touching a socket.
@@ -287,6 +292,9 @@ class CoordinatorService:
             self.finished = RunFinished(False, self._journal_error, {})
         self._ready(ep)
         sdnotify.notify("READY=1", f"STATUS=serving {ep}")  # Type=notify units (no-op elsewhere)
+        if threading.current_thread() is threading.main_thread():
+            self.gc.install()
+            self._gc_settling = True
         if self.recovered is not None and self.finished is None:  # the ranks resync when they hear the new incarnation
             for meta in self.recovered.pending_metas:
                 self.checkpointing.stage(meta)
@@ -298,6 +306,7 @@ class CoordinatorService:
         try:
             return self._loop(poller, sock, wake_r, next_tick, http, curve, ctx)
         finally:
+            self.gc.uninstall()
             sdnotify.notify("STOPPING=1")
             for s, h in old.items():
                 signal.signal(s, h)
@@ -463,6 +472,8 @@ class CoordinatorService:
             self.marks.mark("run_finished", self._finished_at)
         summary["timeline_s"] = self.marks.timeline()
         summary["coordinator_loop"] = self.loop_meter.summary()
+        if self._gc_settling:
+            summary["coordinator_loop"].update(self.gc.stats())
         log.info("%s", self.marks.describe())
         summary.setdefault("bus", {})
         summary["bus"].update(
@@ -1059,6 +1070,8 @@ class CoordinatorService:
             yield
         finally:
             self._flush_outbox()
+            if self._gc_settling:
+                self.gc.settle()  # (its commands are out: a world formed, an epoch aggregated)
 
     def _flush_outbox(self) -> None:
         while True:
@@ -1090,6 +1103,7 @@ class CoordinatorService:
     def _notice(self, cmd: Notice) -> None:
         decisions.debug(json.dumps({"kind": cmd.kind, **cmd.data}, sort_keys=True, default=str))
         self.status.notice(cmd)
+        self.gc.notice(cmd.kind)
         if cmd.kind == "shutdown" or (cmd.kind == "epoch" and cmd.data.get("epoch") == self.config.num_epochs - 1):
             t = time.monotonic()
             self.marks.watch_commits(self.state, t)  # (a last round that committed over 1 % at once)

@@ -1,0 +1,65 @@
+"""The collector settles where the service says, and every collection is accounted."""
+
+import gc
+import weakref
+
+import pytest
+
+from flodl_coordinator.gcsettle import SETTLE_ON, CollectorSettle
+
+
+@pytest.fixture
+def settle():
+    s = CollectorSettle()
+    gc.disable()  # only the collections each test asks for
+    yield s
+    gc.enable()
+    s.uninstall()
+    gc.unfreeze()  # (the test process's objects go back to the collector)
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_a_settle_collects_then_freezes_only_when_a_world_formed_or_an_epoch_aggregated(settle):
+    assert SETTLE_ON == {"world_formed", "epoch"}
+    settle.notice("window")  # a window's decision: not a settle
+    settle.settle()
+    assert settle.settles == 0 and gc.get_freeze_count() == 0
+    dead = weakref.ref(_Cycle())  # garbage in a cycle: a settle collects it before freezing, never freezes it
+    assert dead() is not None  # (only the cyclic collector can free it)
+    settle.notice("world_formed")
+    assert settle.due
+    settle.settle()
+    assert not settle.due and settle.settles == 1
+    frozen = gc.get_freeze_count()
+    assert frozen > 0
+    assert dead() is None  # collected, not frozen
+    settle.settle()  # not due again until the next notice
+    assert settle.settles == 1
+    settle.notice("epoch")
+    settle.settle()
+    assert settle.settles == 2 and gc.get_freeze_count() >= frozen
+    st = settle.stats()
+    assert st["gc_settles"] == 2 and st["gc_frozen"] == gc.get_freeze_count()
+    assert st["gc_settle_s"] >= 0.0 and st["gc_settle_max_ms"] >= 0.0
+
+
+def test_collections_are_counted_by_generation_while_installed_and_a_settle_is_not_one(settle):
+    settle.install()
+    settle.install()  # idempotent: one callback
+    assert gc.callbacks.count(settle._on_gc) == 1
+    gc.collect(0)
+    gc.collect(2)
+    assert settle.collections[0] >= 1 and settle.collections[2] >= 1
+    before = list(settle.collections)
+    settle.notice("epoch")
+    settle.settle()  # its own collection is the settle's, not the collector's
+    assert settle.collections == before and settle.settles == 1
+    assert settle.stats()["gc_max_ms"] >= 0.0 and settle.stats()["gc_s"] >= 0.0
+    settle.uninstall()
+    assert settle._on_gc not in gc.callbacks
+    gc.collect(2)
+    assert settle.collections == before
