@@ -5,7 +5,8 @@ a pretend device: a ``TrainBatch`` "trains" for ``ms`` of wall time (nothing is 
 a ``TakeSnapshot`` sends a real weighted ``round`` (one 16-float tensor, ``pack_round``),
 an ``ApplyConsensus`` answers ``sync_ack``, and every ``SendTiming``/``SendMetrics`` goes
 out as the frame a torch rank would send (``flodl_worker.rank`` + ``flodl_worker.shell``
-do the same with torch). Heartbeats follow the RunSpec, as the real rank's do.
+do the same with torch). Heartbeats follow the RunSpec, as the real rank's do: a timing frame
+sent once one is due is the heartbeat.
 
 ``serve_ranks`` runs many of them in one thread: one ``zmq.Poller`` over every socket, a
 heap of timers (batch ends, heartbeats). Run as a process (``python bench/scale_ranks.py
@@ -60,6 +61,7 @@ from flodl.rank import (
     ConsensusReady,
     ControlReceived,
     Exit,
+    HeartbeatDue,
     IncarnationSeen,
     RankMachine,
     RunEval,
@@ -91,6 +93,8 @@ class FakeRank:
         self.ep = Endpoint(session, pb.Sender.KIND_RANK, rank=rank, host="fake", incarnation=secrets.randbits(63))
         self.m = RankMachine(rank)
         self.heartbeat_s = 1.0
+        self.next_beat = 0.0  # when a heartbeat is due (a timing frame sent by then is it)
+        self.born = time.monotonic()
         self.in_hand: TrainBatch | None = None
         self.busy_until = 0.0
         self.busy_since = 0.0
@@ -115,10 +119,16 @@ class FakeRank:
     # -- frames ---------------------------------------------------------------------
 
     def send(self, body_field: str, body, blobs=(), *, beat: bool = False) -> None:
+        now = time.monotonic()
+        if body_field == "timing" and self.m.admitted and now >= self.next_beat:
+            # As flodl_worker.rank does: once a heartbeat is due, a timing frame is it,
+            # with the time account on it (the real rank's totals; here its train time).
+            body.time_account.wall_s, body.time_account.training_s = now - self.born, self.train_s
+            self.next_beat = now + self.heartbeat_s
         self.sock.send_multipart(self.ep.frames(body_field, body, blobs), copy=not blobs)
         self.sent += 1
         if not beat:  # a heartbeat sent while waiting is not what the rank waits on
-            self.last_sent = time.monotonic()
+            self.last_sent = now
 
     def hello(self) -> None:
         self.send("hello", pb.RankHello(rank=self.rank, world_size=self.world, model_sig=MODEL_SIG,
@@ -157,7 +167,7 @@ class FakeRank:
         for c in cmds:
             t = type(c)
             if t is SendTiming:
-                self.send("timing", pb.Timing(rank=self.rank, **{c.kind: c.body}))
+                self.send("timing", pb.Timing(rank=self.rank, **{c.kind: c.body}), beat=c.kind == "heartbeat")
             elif t is SendMetrics:
                 self.send("metrics", c.metrics)
             elif t is TakeSnapshot:
@@ -287,10 +297,9 @@ def serve_ranks(spec: dict) -> dict:
             if rk.done:
                 continue
             if what == BEAT:
-                if rk.m.admitted:
-                    rk.send("timing", pb.Timing(rank=rk.rank, heartbeat=pb.Timing.Heartbeat(step_count=rk.m.local_step)),
-                            beat=True)
-                heapq.heappush(timers, (now + rk.heartbeat_s, i, BEAT))
+                if rk.m.admitted and now >= rk.next_beat:  # no timing frame went out since one was due
+                    rk.execute(rk.m.handle(HeartbeatDue()))  # its unreported batches, or a heartbeat
+                heapq.heappush(timers, (max(now + 0.001, rk.next_beat), i, BEAT))
             else:
                 armed[i] = False
                 advance(i, now)

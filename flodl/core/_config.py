@@ -143,7 +143,9 @@ class CoreConfig:
         0, help="samples per epoch; 0 = the dataset length the ranks report",
     )  # fmt: skip
     # Liveness (zguide's named trio): beacon interval, and how long silence may last.
-    heartbeat_interval_s: float = setting(1.0, help="coordinator beacon / rank heartbeat interval")
+    heartbeat_interval_s: float = setting(
+        1.0, help="coordinator beacon / rank heartbeat interval (a rank's batch reports stand in for its heartbeats)"
+    )
     liveness_timeout_s: float = setting(10.0, help="silence after which a rank is declared dead")
     batch_report_ms: float = setting(
         25.0,

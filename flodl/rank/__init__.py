@@ -21,6 +21,7 @@ from ._events import (
     Admitted,
     ApplyConsensus,
     BatchTrained,
+    HeartbeatDue,
     Command,
     ConsensusReady,
     ControlReceived,
@@ -61,6 +62,7 @@ __all__ = [
     "ControlReceived",
     "ConsensusReady",
     "BatchTrained",
+    "HeartbeatDue",
     "SeedApplied",
     # commands
     "Command",

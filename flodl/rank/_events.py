@@ -128,6 +128,14 @@ class BatchTrained(Event):
     lr: float = 0.0
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeartbeatDue(Event):
+    """A heartbeat interval passed since the rank's last timing frame (the shell keeps
+    the clock: every timing frame it sends resets it). The machine answers with the
+    batches it holds unreported, if any -- that report is the heartbeat -- else with a
+    ``heartbeat``."""
+
+
 # -- commands --------------------------------------------------------------------------
 
 

@@ -78,6 +78,7 @@ from ._events import (
     Admitted,
     ApplyConsensus,
     BatchTrained,
+    HeartbeatDue,
     Command,
     ConsensusReady,
     ControlReceived,
@@ -328,6 +329,12 @@ class RankMachine:
             or self.throttled
         ):
             out.extend(self._unsent_report())
+
+    def _heartbeat_due(self, ev: HeartbeatDue, out: list[Command]) -> None:
+        if self.unsent:  # reported a little early, it is the heartbeat: one frame, not two
+            out.extend(self._unsent_report())
+            return
+        out.append(SendTiming(kind="heartbeat", body=pb.Timing.Heartbeat(step_count=self.local_step)))
 
     def _unsent_report(self) -> list[Command]:
         """The batches not reported yet, as one frame (one ``batch`` frame when alone)."""
@@ -589,6 +596,7 @@ _HANDLERS: dict[type, Callable[[RankMachine, Any, list], None]] = {
     ControlReceived: RankMachine._control,
     ConsensusReady: RankMachine._consensus,
     BatchTrained: RankMachine._batch,
+    HeartbeatDue: RankMachine._heartbeat_due,
     SeedApplied: RankMachine._seed,
 }
 

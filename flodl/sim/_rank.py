@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from flodl.core import (
     CheckpointDone,
     EvalDone,
-    HeartbeatSeen,
     RankExiting,
     RankExitReported,
     RankHello,
@@ -41,6 +40,7 @@ from flodl.rank import (
     Drop,
     Exit,
     FormGroup,
+    HeartbeatDue,
     IncarnationSeen,
     RankMachine,
     RunEpochFn,
@@ -88,9 +88,12 @@ class SimRank:
         self.hellos = 0  # hellos sent
         self.m = RankMachine(rank)
         self.training = False  # a batch is on the (virtual) device
+        self.busy_until = 0.0  # when the batch on the device ends
         self.alive = True
         self.silent = False
         self.drops: dict[str, int] = {}
+        # When a heartbeat is due: a timing frame sent by then is it (as flodl_worker.rank).
+        self.next_beat = world.now + world.cfg.heartbeat_s
 
     # -- inbound (frames of the coordinator, in link order) -----------------------------
 
@@ -127,26 +130,33 @@ class SimRank:
 
     # -- the machine's commands ---------------------------------------------------------
 
+    def _timing(self, cls, kw: dict) -> None:
+        """A timing frame; once a heartbeat is due, this one is it (``heartbeat``)."""
+        w = self.w
+        w.to_core(cls, kw)
+        if self.m.admitted and w.now >= self.next_beat:
+            self.next_beat = w.now + w.cfg.heartbeat_s
+
     def _do(self, cmds: list) -> None:
         w = self.w
         for c in cmds:
             t = type(c)
             if t is SendTiming:
                 cls, kw = to_event(self.rank, c.kind, c.body)
-                w.to_core(cls, kw)
+                self._timing(cls, kw)
             elif t is SendMetrics:
                 cls, kw = metrics_event(c.metrics)
                 w.to_core(cls, kw)
             elif t is TakeSnapshot:
                 w.reducer_contribute(self.rank, c.cycle, c.weight)
             elif t is ApplyConsensus:
-                w.to_core(SyncAcked, dict(rank=self.rank, cycle=c.cycle, step_count=c.ack_step, divergence=0.0))
+                self._timing(SyncAcked, dict(rank=self.rank, cycle=c.cycle, step_count=c.ack_step, divergence=0.0))
             elif t is RunEval:
                 ev = c.command
-                w.to_core(EvalDone, dict(rank=self.rank, schedule_id=ev.schedule_id, epoch=ev.epoch, metric=0.5,
-                                         final=ev.final))  # fmt: skip
+                self._timing(EvalDone, dict(rank=self.rank, schedule_id=ev.schedule_id, epoch=ev.epoch, metric=0.5,
+                                            final=ev.final))  # fmt: skip
             elif t is SaveCheckpoint:
-                w.to_core(CheckpointDone, dict(rank=self.rank, version=c.command.version))
+                self._timing(CheckpointDone, dict(rank=self.rank, version=c.command.version))
             elif t is Exit:
                 w.to_core(RankExiting, dict(rank=self.rank, param_digest="sim", steps=c.steps))
                 self.alive = False
@@ -175,7 +185,8 @@ class SimRank:
         self.training = True
         j = self.w.cfg.jitter
         dt = self.ms / 1000.0 * self.w.rng.uniform(1 - j, 1 + j)
-        self.w.at(self.w.now + dt, self._batch_done, act, dt)
+        self.busy_until = self.w.now + dt
+        self.w.at(self.busy_until, self._batch_done, act, dt)
 
     def _batch_done(self, act: TrainBatch, dt: float) -> None:
         self.training = False
@@ -185,6 +196,7 @@ class SimRank:
         self._do(self.m.handle(ev))
         if self._fault():
             return
+        self._beat_if_due()  # (the real rank looks between steps: after its report, which may have been it)
         self._maybe_train()
 
     def _fault(self) -> bool:
@@ -214,11 +226,23 @@ class SimRank:
             self.w.at(self.w.now + HELLO_RESEND_S, self.hello)
 
     def heartbeat(self) -> None:
-        """Once admitted, as ``flodl_worker.rank`` does: a process not admitted yet (a
+        """Once admitted and due, as ``flodl_worker.rank`` does (a rank that reports its
+        batches sends none of its own: its reports are its liveness): a process not admitted yet (a
         restart whose hello waits while its dead predecessor still holds the slot) must not
         keep that predecessor alive -- the coordinator's shell would drop its frame (its
         route does not own the rank), the simulated core would credit it to the rank."""
         if self.alive:
-            if self.m.admitted:
-                self.w.to_core(HeartbeatSeen, dict(rank=self.rank, step_count=self.m.local_step))
-            self.w.at(self.w.now + self.w.cfg.heartbeat_s, self.heartbeat)
+            w = self.w
+            if not self.m.admitted:
+                w.at(w.now + w.cfg.heartbeat_s, self.heartbeat)
+                return
+            if self.training:  # mid-batch: looked at once the batch is done (``_batch_done``)
+                w.at(self.busy_until, self.heartbeat)  # (after the batch's end: it was queued first)
+                return
+            self._beat_if_due()
+            w.at(self.next_beat, self.heartbeat)
+
+    def _beat_if_due(self) -> None:
+        w = self.w
+        if self.m.admitted and w.now >= self.next_beat:  # no timing frame went out since one was due
+            self._do(self.m.handle(HeartbeatDue()))  # its unreported batches, or a heartbeat (``_timing``)

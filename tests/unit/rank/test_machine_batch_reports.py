@@ -13,6 +13,7 @@ from flodl.rank import (
     BatchTrained,
     ConsensusReady,
     ControlReceived,
+    HeartbeatDue,
     IncarnationSeen,
     RankMachine,
     SendTiming,
@@ -144,3 +145,19 @@ def test_the_step_that_ends_the_window_goes_at_once():
     assert train(m) == []  # step 2
     assert reported(train(m)) == [(1, 0), (2, 1), (3, 2)]  # step 3: the next round waits for it
     assert train(m) == []  # once: later batches coalesce again
+
+
+def test_a_due_heartbeat_is_the_report_of_the_batches_held_else_a_heartbeat():
+    # The shell says a heartbeat interval passed with no timing frame: the batches held
+    # for the next report go now -- that frame is the heartbeat -- and with none held,
+    # a heartbeat goes (with the local step).
+    m = machine(100.0)
+    m.handle(plan(0, 0, 100))
+    assert train(m) == [] and train(m) == []  # 10 ms of a 100 ms report: held
+    (c,) = m.handle(HeartbeatDue())
+    assert c.kind == "batches" and reported([c]) == [(1, 0), (2, 1)]
+    (c,) = m.handle(HeartbeatDue())
+    assert c.kind == "heartbeat" and c.body.step_count == 2
+    assert train(m) == []  # the next report starts from nothing held: no batch twice
+    (c,) = m.handle(HeartbeatDue())
+    assert reported([c]) == [(3, 2)]

@@ -323,3 +323,40 @@ def test_rank_bad_environment_is_one_line_and_exit_2(capsys):
 def test_gamma_mass_idle_guard():
     assert gamma_mass(0, 0.0) == 0.0 and gamma_mass(0, -1.0) == 0.0 and gamma_mass(-3, 1.0) == 0.0
     assert gamma_mass(4, 1.0) == 4.0 and gamma_mass(4, 0.0) == 1.0 and gamma_mass(4, 0.5) == 2.0
+
+
+def test_a_training_rank_s_batch_reports_are_its_heartbeats(coordinator, procs, py, tmp_path):
+    # 40 batches of 20 ms (FLODL_SLOWDOWN), heartbeats every 0.1 s: while batches go out
+    # the rank sends no heartbeat frame of its own -- a report sent once one is due is the
+    # heartbeat, with the time account on it -- and once it waits, heartbeats come again.
+    proc = procs.start(py("flodl_worker.examples.synthetic", *SYNTHETIC[:1], "640", *SYNTHETIC[2:]), env={
+        "FLODL_RANK": "0", "FLODL_WORLD_SIZE": "1", "FLODL_CONNECT": coordinator.endpoint,
+        "FLODL_SESSION": coordinator.session, "FLODL_HOST": "test-host", "FLODL_TRACE_DIR": str(tmp_path),
+        "FLODL_SLOWDOWN": "1", "FLODL_BASE_MS": "20",
+    })  # fmt: skip
+    route, _ = admit(coordinator, spec(total_samples=640, heartbeat_interval_s=0.1))
+    start_epoch(coordinator, route, 0, 640)
+    batches = accounts = beats_while_training = 0
+    while batches < 40:
+        _, d = coordinator.recv(skip_heartbeats=False)
+        t = d.envelope.timing
+        if d.envelope.WhichOneof("body") != "timing":
+            continue
+        if t.WhichOneof("event") == "heartbeat":
+            beats_while_training += batches > 0  # (one may go out before the first batch)
+            continue
+        if t.WhichOneof("event") == "batch":
+            batches += 1
+            accounts += t.HasField("time_account")
+            assert not t.HasField("time_account") or t.time_account.wall_s > 0
+    assert beats_while_training == 0
+    assert accounts >= 4, accounts  # 0.8 s of batches: about one account per 0.1 s interval
+    beats = 0
+    while beats < 2:  # the partition is done (its metrics next), the rank waits: it heartbeats
+        _, d = coordinator.recv(skip_heartbeats=False, timeout=5.0)
+        if d.envelope.WhichOneof("body") == "timing" and d.envelope.timing.WhichOneof("event") == "heartbeat":
+            assert d.envelope.timing.HasField("time_account")
+            beats += 1
+    coordinator.control(route, shutdown=pb.Control.Shutdown(reason="test"))
+    code, err = wait_exit(proc)
+    assert code == 0, err
