@@ -2,6 +2,7 @@
 
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -25,9 +26,26 @@ def _rank(port: int, rank: int, world: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _said_hello(proc: subprocess.Popen, timeout: float = 120.0) -> str:
+    """Read the rank's output until it says nobody answered its hello yet (its torch
+    import is behind it, its hello queued on the socket): what it printed so far."""
+    seen, deadline = "", time.monotonic() + timeout
+    while "no answer yet from the coordinator" not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0 and select.select([proc.stdout], [], [], left)[0], f"no hello within {timeout}s: {seen[-2000:]}"
+        line = proc.stdout.readline()
+        assert line, f"the rank exited before its hello: {seen[-2000:]}"
+        seen += line
+    return seen
+
+
 def test_a_rank_refused_at_hello_fails_the_run_at_the_formation_deadline(tmp_path):
     port = free_port()
     summary = tmp_path / "summary.json"
+    # The ranks first, the coordinator once both are past their start-up: its 8 s deadline
+    # then starts with their hellos in hand, however slowly a loaded machine imports torch.
+    ranks = [_rank(port, 0, 3), _rank(port, 1, 4)]  # rank 1 names the wrong world size; rank 2 never comes
+    early = [_said_hello(r) for r in ranks]
     coord = subprocess.Popen(
         [
             sys.executable, "-m", "flodl_coordinator", "serve", "--bind", f"tcp://127.0.0.1:{port}",
@@ -35,12 +53,11 @@ def test_a_rank_refused_at_hello_fails_the_run_at_the_formation_deadline(tmp_pat
         ],  # fmt: skip
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    ranks = [_rank(port, 0, 3), _rank(port, 1, 4)]  # rank 1 names the wrong world size; rank 2 never comes
     t0 = time.monotonic()
     try:
         out, _ = coord.communicate(timeout=90)
         took = time.monotonic() - t0
-        rank_out = [r.communicate(timeout=60)[0] for r in ranks]
+        rank_out = [e + r.communicate(timeout=60)[0] for e, r in zip(early, ranks)]
     finally:
         for p in [coord, *ranks]:
             if p.poll() is None:
