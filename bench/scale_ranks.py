@@ -94,6 +94,7 @@ class FakeRank:
         self.m = RankMachine(rank)
         self.heartbeat_s = 1.0
         self.next_beat = 0.0  # when a heartbeat is due (a timing frame sent by then is it)
+        self.sent_mark: float | None = None  # last_sent before the messages being handled (serve_ranks)
         self.born = time.monotonic()
         self.in_hand: TrainBatch | None = None
         self.busy_until = 0.0
@@ -218,7 +219,10 @@ class FakeRank:
                     why = "trigger" if "request_params" in seen else "update" if "update" in seen else "chunk"
                     self.plan_wait_by[why] += now - self.blocked_since
                 self.seen_blocked = set()
-                self.latency_us.append((now - self.last_sent) * 1e6)
+                # From its last frame before this pass's messages (those it sent handling them
+                # came after the arrival this counts from).
+                sent = self.last_sent if self.sent_mark is None else self.sent_mark
+                self.latency_us.append((now - sent) * 1e6)
                 self.blocked_since = None
             if self.first_batch is None:
                 self.first_batch = now
@@ -278,6 +282,7 @@ def serve_ranks(spec: dict) -> dict:
         for sock, _ in ready:
             i = index[sock]
             rk, arrival = ranks[i], polled
+            rk.sent_mark = rk.last_sent  # what it waited on was sent before these came (``advance``)
             for k in range(64):  # bounded per socket per pass: fairness
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -290,6 +295,7 @@ def serve_ranks(spec: dict) -> dict:
             advance(i, arrival)  # the rank acts on it from its arrival (the module doc)
             if blocked and rk.blocked_since is None:
                 rk.handling_lag_s += time.monotonic() - arrival
+            rk.sent_mark = None
         now = time.monotonic()
         while timers and timers[0][0] <= now:
             _, i, what = heapq.heappop(timers)
@@ -299,7 +305,9 @@ def serve_ranks(spec: dict) -> dict:
             if what == BEAT:
                 if rk.m.admitted and now >= rk.next_beat:  # no timing frame went out since one was due
                     rk.execute(rk.m.handle(HeartbeatDue()))  # its unreported batches, or a heartbeat
-                heapq.heappush(timers, (max(now + 0.001, rk.next_beat), i, BEAT))
+                # (not admitted yet: look again an interval on, as before, not every ms)
+                due = max(now + 0.001, rk.next_beat) if rk.m.admitted else now + rk.heartbeat_s
+                heapq.heappush(timers, (due, i, BEAT))
             else:
                 armed[i] = False
                 advance(i, now)

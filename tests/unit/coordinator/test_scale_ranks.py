@@ -48,6 +48,7 @@ def test_fake_ranks_train_a_cadence_run_to_the_end(serve):
     # A request arrived after the rank's last frame, and was handled once it had arrived.
     assert out["requests"] and all(handled >= arrival >= sent > 0 for _c, arrival, sent, handled in out["requests"])
     assert out["handling_lag_s"] >= 0.0
+    assert out["latency_us"] and min(out["latency_us"]) >= 0.0  # a wait never ends before what it waited on
     assert 0.0 <= out["idle_s"] and out["train_s"] > 0
 
 

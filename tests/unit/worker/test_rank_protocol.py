@@ -349,7 +349,9 @@ def test_a_training_rank_s_batch_reports_are_its_heartbeats(coordinator, procs, 
             batches += 1
             accounts += t.HasField("time_account")
             assert not t.HasField("time_account") or t.time_account.wall_s > 0
-    assert beats_while_training == 0
+    # (A heartbeat can still fall due in the instant between a batch's report and the next
+    # look, with nothing held: at most a stray one or two, where every interval sent one.)
+    assert beats_while_training <= 2, beats_while_training
     assert accounts >= 4, accounts  # 0.8 s of batches: about one account per 0.1 s interval
     beats = 0
     while beats < 2:  # the partition is done (its metrics next), the rank waits: it heartbeats
