@@ -28,6 +28,9 @@ WORKER_ENV = frozenset({
     "FLODL_FAULT",
     "FLODL_AGENT_TOKEN",
     "FLODL_RESTART_COUNT",
+    # Blanks in the prefork server's environment, never read: the room its forked ranks
+    # show their own environment in (flodl_worker.prefork).
+    "FLODL_PREFORK_ROOM",
     # Also coordinator keys (world_size, session, curve_secret_key): read by both sides.
     "FLODL_WORLD_SIZE",
     "FLODL_SESSION",
