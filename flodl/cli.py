@@ -230,6 +230,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--no-fold", action="store_true", help="the relay forwards averaging rounds unfolded")
     r.add_argument("--max-restarts", type=int, default=0,
                    help="the agent starts a failed rank again, up to N times (it rejoins the running world)")
+    r.add_argument("--no-prefork", action="store_true",
+                   help="every rank a fresh process (by default the agent forks them from one interpreter that "
+                   "imported torch once)")
     r.add_argument("--curve", action="store_true",
                    help="CURVE on the coordinator's socket with throwaway keys made in the run's temp dir "
                    "(the agent and its relay get a client key; loopback needs none, this exercises it)")
@@ -393,6 +396,8 @@ def _run_local(args) -> int:
             agent_cmd += ["--no-fold"]
         if args.max_restarts:
             agent_cmd += ["--max-restarts", str(args.max_restarts)]
+        if args.no_prefork:
+            agent_cmd += ["--no-prefork"]
         agent_cmd += agent_curve
         agent_cmd += ["--", *command.argv]
         # The agent dials the coordinator's address while it comes up (ZeroMQ retries).

@@ -18,7 +18,13 @@ prefix. Every pass then reaps children (``Popen.poll``) and runs the termination
    coordinator numbers the processes in admission order, the lowest free slots,
    FLODL_LOCAL_RANK = i, FLODL_WORLD_SIZE, FLODL_CONNECT, FLODL_SESSION, FLODL_HOST,
    FLODL_SLOWDOWN, FLODL_BASE_MS, FLODL_TRACE_DIR, and FLODL_AGENT_TOKEN: this agent's
-   random token). Send ``agent.hello{host, ranks, token}``.
+   random token). Send ``agent.hello{host, ranks, token}``. When the command is this
+   interpreter running a module or a script, the ranks are forked from the prefork
+   server (``flodl_worker.prefork``, started first: it imports torch once while the
+   relay starts); ``flodl_worker.forked`` gives each the ``Popen`` subset used here, and
+   the loop polls the server's socket for their exits as SIGCHLD wakes it for its own
+   children. ``--no-prefork``, another command, or an environment that differs in more
+   than ``FLODL_*``: a plain ``Popen``.
 3. The moment a rank ends, send ``agent.rank_exited{rank, code, token, restarting,
    last_lines}`` (Popen semantics: negative = killed by that signal; ``restarting``: it is
    started again, ``--max-restarts``; its last stderr lines; an unpinned rank is named by
@@ -65,6 +71,7 @@ from flodl.procutil import death_signal_hook
 from flodl.curve import ENV_SECRET_KEY, ENV_SERVER_KEY, CurveError, client_keys
 from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, ENV_MAX_MESSAGE_BYTES, MAX_ENVELOPE_BYTES
 
+from .forked import Prefork
 from .relay import READY_PREFIX
 
 __all__ = ["AgentConfig", "Agent", "run_agent", "rank_env", "slowdown_for"]
@@ -143,6 +150,10 @@ class AgentConfig:
     # Each rank exit is appended here as one JSON line (rank, code, restarts, last_lines):
     # what a launcher reads to say why its ranks ended (``flodl run``); None: not written.
     exit_log: str | None = None
+    # Fork the ranks from one interpreter that imported torch once (flodl_worker.prefork)
+    # when the command is this interpreter running a module or a script; False
+    # (--no-prefork): every rank is a fresh process.
+    prefork: bool = True
 
     @property
     def world(self) -> int:
@@ -279,20 +290,24 @@ class Agent:
         self.run_ended_at: float | None = None  # the coordinator said the run is over
         self.connect = ""  # what the ranks dial (the relay's frontend, or the coordinator)
         self.refused = ""
+        self.prefork: Prefork | None = None  # started in run() when the command can be forked
 
     # -- children -----------------------------------------------------------------------
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str], rank: int | None = None,
                local: int | None = None) -> _Child:  # fmt: skip
-        proc = subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=self._preexec,
-        )
+        if local is not None and self.prefork is not None and self.prefork.serves(argv, env):
+            proc = self.prefork.spawn(argv, env)
+        else:
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=self._preexec,
+            )
         child = _Child(name, proc, rank, local)
         for f in (proc.stdout, proc.stderr):
             os.set_blocking(f.fileno(), False)
@@ -648,6 +663,10 @@ class Agent:
                 self._on_coordinator()
             elif fd == self.wake_r.fileno():
                 self._drain_wakeups()
+            elif self.prefork is not None and fd == self.prefork.fileno():
+                self.prefork.pump(0.0)  # rank exits: _reap reports them
+                if self.prefork.dead:
+                    self.poller.unregister(fd)
             elif fd in self.pipes:
                 self._pipe_readable(fd)
 
@@ -658,6 +677,7 @@ class Agent:
             # The ranks take longest to start (torch): when the relay's address is known
             # before it binds, they start first and dial it while it comes up (ZeroMQ
             # connects to an ipc path that does not exist yet, and retries).
+            self._start_prefork()
             early = None if cfg.no_relay else self._known_relay_bind()
             if early is not None:
                 self._spawn_ranks(early)
@@ -699,6 +719,8 @@ class Agent:
             return 1
         finally:
             self._stop_relay()
+            if self.prefork is not None:
+                self.prefork.close()
             self._restore_signals()
             clean = self.ranks and all(c.proc.returncode == 0 for c in self.ranks) and not self.relay_failed
             self.sock.close(CLEAN_LINGER_MS if clean else LINGER_MS)  # bounds the flush of the last rank_exited
@@ -718,6 +740,19 @@ class Agent:
                 self.tmpdir = tempfile.mkdtemp(prefix="flodl-")  # 0700: only this user can dial it
             return f"ipc://{self.tmpdir}/relay.sock"
         return bind if bind.startswith("ipc://") else None
+
+    def _start_prefork(self) -> None:
+        """The prefork server, when the ranks' command can be forked from it: it imports
+        torch while the relay starts, once for every rank of this host."""
+        if not self.cfg.prefork or not Prefork.eligible(list(self.cfg.command)):
+            return
+        try:
+            self.prefork = Prefork.start(rank_env(self.cfg, 0, "", dict(os.environ)), self._preexec)
+        except OSError as e:
+            log.error("cannot start the prefork server (%s): the ranks start as plain processes", e)
+            return
+        self.poller.register(self.prefork.fileno(), zmq.POLLIN)
+        log.info("ranks fork from a preloaded interpreter (prefork server pid %d)", self.prefork.proc.pid)
 
     def _spawn_ranks(self, connect: str) -> None:
         base = dict(os.environ)
