@@ -40,6 +40,7 @@ end or this process's: see above). ``flodl_worker.forked`` is the agent's side.
 from __future__ import annotations
 
 import array
+import gc
 import json
 import os
 import select
@@ -139,6 +140,10 @@ def serve(fd: int) -> int:
     sock = socket.socket(fileno=fd)
     _show_as([sys.executable, "-m", "flodl_worker.prefork", str(fd)], None)  # the argv room, out of sight
     preload()
+    # What the imports made lives as long as every child: out of their collector's sight
+    # (no copy-on-write of pages a collection would touch, no walk over them at a child's
+    # exit_now scan: 0.3 s with torch's 300k objects), as the gc docs advise before a fork.
+    gc.freeze()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
