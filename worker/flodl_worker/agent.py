@@ -68,10 +68,11 @@ from flodl.wire import Endpoint, SeqTracker, WireError, decode, pb, split_routin
 from flodl import sdnotify
 from flodl.procutil import death_signal_hook
 
-from flodl.curve import ENV_SECRET_KEY, ENV_SERVER_KEY, CurveError, client_keys
-from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, ENV_MAX_MESSAGE_BYTES, MAX_ENVELOPE_BYTES
+from flodl.curve import CurveError, client_keys
+from flodl.limits import MAX_ENVELOPE_BYTES
 
-from .forked import Prefork
+from .agent_config import AgentConfig, rank_env, slowdown_for
+from .forked import Prefork, start_prefork
 from .relay import READY_PREFIX
 
 __all__ = ["AgentConfig", "Agent", "run_agent", "rank_env", "slowdown_for"]
@@ -115,124 +116,6 @@ TAIL_LINES = 12  # a failed rank's last stderr lines, repeated with its exit (a 
 EXIT_LINE_CHARS = 300  # ... each cut to this in the exit report (what the coordinator keeps)
 
 
-@dataclass(frozen=True, slots=True)
-class AgentConfig:
-    coordinator: str
-    ranks: int
-    command: tuple[str, ...]
-    # The global rank of the first rank (the next get offset+1, ...); None: no rank is
-    # pinned -- FLODL_RANK is unset and the coordinator gives each process the lowest free
-    # slot in admission order (HelloAck.rank); exit reports name the process by its local rank.
-    rank_offset: int | None = None
-    world_size: int = 0  # 0: rank_offset + ranks (unpinned: ranks)
-    session: str = "flodl"
-    host: str = ""
-    slowdown: tuple[float, ...] = ()
-    base_ms: float | None = None
-    trace_dir: str | None = None
-    relay_bind: str | None = None  # None: ipc:// in a private temporary directory
-    no_relay: bool = False
-    fold: bool = True  # the relay folds the host's averaging rounds (False: --no-fold)
-    term_timeout_s: float = 10.0
-    # CURVE (flodl.curve): the coordinator's public certificate and this host's secret
-    # certificate. They secure the agent's own DEALER and the relay's uplink; with
-    # --no-relay the ranks get them as FLODL_CURVE_SERVER_KEY / FLODL_CURVE_SECRET_KEY.
-    curve_server_key: str | None = None
-    curve_secret_key: str | None = None
-    # ZeroMQ MAXMSGSIZE (per part) of the relay's and the ranks' sockets (flodl.limits)
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    # A rank process that fails (a signal, or a code other than 0 and 2 = refused / bad
-    # configuration) is started again up to this many times, after RESTART_BACKOFF_S
-    # doubling, with FLODL_RESTART_COUNT in its environment (torchrun's --max-restarts).
-    # Before the world forms its slot is free again and the new process joins; once the
-    # run has formed the coordinator refuses it by name (it exits 2 and is not retried).
-    max_restarts: int = 0
-    # Each rank exit is appended here as one JSON line (rank, code, restarts, last_lines):
-    # what a launcher reads to say why its ranks ended (``flodl run``); None: not written.
-    exit_log: str | None = None
-    # Fork the ranks from one interpreter that imported torch once (flodl_worker.prefork)
-    # when the command is this interpreter running a module or a script; False
-    # (--no-prefork): every rank is a fresh process.
-    prefork: bool = True
-
-    @property
-    def world(self) -> int:
-        return self.world_size or (self.rank_offset or 0) + self.ranks
-
-    def rank_of(self, local: int) -> int | None:
-        """The global rank local rank ``local`` is pinned to; None when unpinned."""
-        return None if self.rank_offset is None else self.rank_offset + local
-
-    @property
-    def host_name(self) -> str:
-        return self.host or socket.gethostname()
-
-
-def slowdown_for(factors: tuple[float, ...], local: int, rank: int | None, ranks: int, world: int) -> float | None:
-    """The slowdown factor of one rank: a single factor applies to all; N factors are
-    indexed by local rank; world-size factors by global rank (one list for many agents:
-    pinned ranks only -- ``rank`` None is an unpinned one)."""
-    if not factors:
-        return None
-    if len(factors) == 1:
-        return factors[0]
-    if len(factors) == ranks:
-        return factors[local]
-    if len(factors) == world and rank is not None:
-        return factors[rank]
-    if len(factors) == world:
-        raise ValueError(f"--slowdown has {len(factors)} factors, one per global rank: that needs --rank-offset "
-                         f"(unpinned ranks get their global rank from the coordinator); give 1 or {ranks}")
-    counts = sorted({1, ranks, world})
-    raise ValueError(
-        f"--slowdown has {len(factors)} factors; give {', '.join(map(str, counts))} "
-        f"(one for all, one per local rank, or one per global rank)"
-    )
-
-
-def rank_env(cfg: AgentConfig, local: int, connect: str, base: dict[str, str], token: bytes = b"") -> dict[str, str]:
-    """The environment of local rank ``local`` (torchrun-style identity + emulation).
-
-    ``token``: the agent's own (FLODL_AGENT_TOKEN); the rank's hello names it, which is
-    what makes the coordinator believe this agent's exit reports about the rank."""
-    env = dict(base)
-    rank = cfg.rank_of(local)
-    env.pop("FLODL_RANK", None)  # never an inherited one: unpinned, the coordinator numbers it
-    if rank is not None:
-        env["FLODL_RANK"] = str(rank)
-    env.update(
-        FLODL_LOCAL_RANK=str(local),
-        FLODL_LOCAL_WORLD_SIZE=str(cfg.ranks),
-        FLODL_WORLD_SIZE=str(cfg.world),
-        FLODL_CONNECT=connect,
-        FLODL_SESSION=cfg.session,
-        FLODL_HOST=cfg.host_name,
-        FLODL_COORDINATOR=cfg.coordinator,  # what the user typed: errors name it, not the relay's ipc path
-        PYTHONUNBUFFERED="1",
-    )
-    env[ENV_MAX_MESSAGE_BYTES] = str(cfg.max_message_bytes)
-    env.pop("FLODL_AGENT_TOKEN", None)  # never an inherited one: only ours
-    if token:
-        env["FLODL_AGENT_TOKEN"] = token.hex()
-    factor = slowdown_for(cfg.slowdown, local, rank, cfg.ranks, cfg.world)
-    if factor is not None:
-        env["FLODL_SLOWDOWN"] = repr(factor)
-    if cfg.base_ms is not None:
-        env["FLODL_BASE_MS"] = repr(cfg.base_ms)
-    if cfg.trace_dir:
-        env["FLODL_TRACE_DIR"] = cfg.trace_dir
-    # CURVE keys only for ranks that dial the coordinator itself; behind the relay (ipc /
-    # loopback, a plaintext frontend) inherited ones would make every handshake fail.
-    for var in (ENV_SERVER_KEY, ENV_SECRET_KEY):
-        env.pop(var, None)
-    if cfg.no_relay and cfg.curve_server_key and cfg.curve_secret_key:
-        env[ENV_SERVER_KEY] = os.path.abspath(cfg.curve_server_key)
-        env[ENV_SECRET_KEY] = os.path.abspath(cfg.curve_secret_key)
-    # Like torchrun: N ranks each using every core would thrash. Respect an explicit value.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.ranks)))
-    return env
-
-
 @dataclass
 class _Child:
     name: str  # log prefix: "rank 3" / "relay"
@@ -246,7 +129,7 @@ class _Child:
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig):
+    def __init__(self, cfg: AgentConfig, prefork: Prefork | None = None):
         self.cfg = cfg
         curve = client_keys(cfg.curve_server_key, cfg.curve_secret_key)  # CurveError: one line, exit 2
         self.ctx = zmq.Context()
@@ -290,7 +173,8 @@ class Agent:
         self.run_ended_at: float | None = None  # the coordinator said the run is over
         self.connect = ""  # what the ranks dial (the relay's frontend, or the coordinator)
         self.refused = ""
-        self.prefork: Prefork | None = None  # started in run() when the command can be forked
+        # The ranks' prefork server: the one the command line started, or run() starts it.
+        self.prefork: Prefork | None = prefork
 
     # -- children -----------------------------------------------------------------------
 
@@ -742,14 +626,12 @@ class Agent:
         return bind if bind.startswith("ipc://") else None
 
     def _start_prefork(self) -> None:
-        """The prefork server, when the ranks' command can be forked from it: it imports
-        torch while the relay starts, once for every rank of this host."""
-        if not self.cfg.prefork or not Prefork.eligible(list(self.cfg.command)):
-            return
-        try:
-            self.prefork = Prefork.start(rank_env(self.cfg, 0, "", dict(os.environ)), self._preexec)
-        except OSError as e:
-            log.error("cannot start the prefork server (%s): the ranks start as plain processes", e)
+        """The prefork server, when the ranks' command can be forked from it (handed over
+        by the command line, which starts it first, or started here): it imports torch
+        while the relay starts, once for every rank of this host."""
+        if self.prefork is None and self.cfg.prefork:
+            self.prefork = start_prefork(list(self.cfg.command), rank_env(self.cfg, 0, "", dict(os.environ)))
+        if self.prefork is None:
             return
         self.poller.register(self.prefork.fileno(), zmq.POLLIN)
         log.info("ranks fork from a preloaded interpreter (prefork server pid %d)", self.prefork.proc.pid)
@@ -802,14 +684,17 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def run_agent(cfg: AgentConfig) -> int:
-    """Run the agent to the end; returns its exit code (0 all ranks 0, 1 otherwise, 2 setup)."""
+def run_agent(cfg: AgentConfig, prefork: Prefork | None = None) -> int:
+    """Run the agent to the end; returns its exit code (0 all ranks 0, 1 otherwise, 2 setup).
+    ``prefork``: a server started for the ranks already (closed here whatever happens)."""
     try:
-        agent = Agent(cfg)
+        agent = Agent(cfg, prefork)
     except CurveError as e:
         print(f"flodl agent: {e}", file=sys.stderr, flush=True)
-        return 2
     except zmq.ZMQError as e:
         print(f"flodl agent: cannot dial the coordinator at {cfg.coordinator}: {e}", file=sys.stderr, flush=True)
-        return 2
-    return agent.run()
+    else:
+        return agent.run()
+    if prefork is not None:
+        prefork.close()
+    return 2

@@ -34,9 +34,11 @@ import subprocess
 import sys
 import time
 
+from flodl.procutil import death_signal_hook
+
 from .prefork import MAX_PACKET, fits, server_command, server_env
 
-__all__ = ["ForkedProcess", "Prefork"]
+__all__ = ["ForkedProcess", "Prefork", "start_prefork"]
 
 log = logging.getLogger("flodl.agent")
 
@@ -207,6 +209,19 @@ class Prefork:
         for c in running:
             c.returncode = -signal.SIGKILL
         self.children.clear()
+
+
+def start_prefork(command: list[str], env: dict[str, str]) -> Prefork | None:
+    """The server for ranks that run ``command`` in ``env`` (a rank's, ``FLODL_*`` aside),
+    dying with this process; None when the command cannot be forked, or when the server
+    cannot start (logged: the ranks then start as plain processes)."""
+    if not Prefork.eligible(command):
+        return None
+    try:
+        return Prefork.start(env, death_signal_hook())
+    except OSError as e:
+        log.error("cannot start the prefork server (%s): the ranks start as plain processes", e)
+        return None
 
 
 def _shared(env: dict[str, str]) -> dict[str, str]:
