@@ -41,9 +41,10 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, BinaryIO, Callable, Optional, Sequence
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where an outer step or its state needs it: the
+    import numpy as np  # settings schema (`flodl run`'s flags) reads OUTER_KINDS alone
 
 __all__ = [
     "OUTER_KINDS",
@@ -138,6 +139,7 @@ class OuterOptimizer:
         """The global ``g_t`` for the consensus ``c_t`` of ``cycle`` (f32 arrays, new)."""
         if not self.enabled:
             return list(consensus)
+        import numpy as np
         prev = self.latest
         if prev is not None and (
             len(prev.anchor) != len(consensus)
@@ -171,6 +173,8 @@ class OuterOptimizer:
 
 def save_state(state: OuterState, fh: BinaryIO) -> None:
     """Write ``state`` as an uncompressed .npz (arrays g0.., u0..; no pickled objects)."""
+    import numpy as np
+
     arrays = {
         "format": np.array(_NPZ_FORMAT, dtype=np.int64),
         "kind": np.array(state.kind),
@@ -188,6 +192,8 @@ def save_state(state: OuterState, fh: BinaryIO) -> None:
 
 def load_state(path: str) -> OuterState:
     """Read what ``save_state`` wrote; ``OuterError`` naming the defect otherwise."""
+    import numpy as np
+
     try:
         with np.load(path, allow_pickle=False) as z:
             if int(z["format"]) != _NPZ_FORMAT:

@@ -24,8 +24,7 @@ import tomllib
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Optional, get_type_hints
 
-from flodl.core import CoreConfig
-from flodl.core._config import Setting, setting
+from flodl.core._config import CoreConfig, Setting, setting
 from flodl.envvars import WORKER_ENV
 from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, max_message_bytes_problem
 
