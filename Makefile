@@ -33,6 +33,7 @@ bench: setup
 	$(BIN)/python bench/planes.py
 	$(BIN)/python bench/faults.py
 	$(BIN)/python bench/timeline_overhead.py
+	$(BIN)/python bench/startup.py
 
 proto: setup
 	mkdir -p build/proto
