@@ -11,7 +11,9 @@ what they share).
 Theory of operation
 -------------------
 One process, one thread, one loop, no torch op ever run (a fork after one -- an OpenMP
-pool started -- can hang the child's first parallel region), no flodl module imported
+pool started -- can hang the child's first parallel region) and no CUDA initialised (a
+child forked after that cannot use the GPU: "Cannot re-initialize CUDA in forked
+subprocess"; the imports touch neither, and the tests check a child is not in a bad fork), no flodl module imported
 (those read ``FLODL_*`` at import, which differ per rank). The agent talks over a
 ``SOCK_SEQPACKET`` socketpair, one JSON message per packet:
 

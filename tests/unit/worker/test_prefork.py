@@ -128,6 +128,26 @@ def test_ps_and_proc_environ_show_a_forked_child_s_own_command_and_environment(s
         child.wait(30)
 
 
+def test_a_forked_child_can_use_the_gpu_as_a_fresh_interpreter_would(server, tmp_path):
+    """The preload runs no torch op and initialises no CUDA: a fork after CUDA's
+    initialisation leaves the child unable to use it ('Cannot re-initialize CUDA in forked
+    subprocess'). Here without a GPU the child must still not be in a bad fork, and say
+    what a fresh interpreter says; on a GPU host it puts a tensor on the device."""
+    script = _script(tmp_path, """
+        import torch
+        print("bad_fork", torch.cuda._is_in_bad_fork())
+        ok = torch.cuda.is_available()
+        print("available", ok)
+        print("value", torch.ones(1, device="cuda").add(1).item() if ok else None)
+    """)
+    child = server.spawn([sys.executable, script], dict(server.env))
+    code, out, err = _finish(child)
+    assert code == 0, err
+    fresh = subprocess.run([sys.executable, script], capture_output=True, text=True, env=dict(server.env), timeout=120)
+    assert fresh.returncode == 0, fresh.stderr
+    assert out == fresh.stdout and "bad_fork False" in out
+
+
 def test_a_command_too_long_to_show_as_its_own_is_not_forked(server, tmp_path):
     script = _script(tmp_path, "pass\n")
     assert not server.serves([sys.executable, script, "x" * 5000], dict(server.env))
