@@ -260,7 +260,10 @@ def on_hello(st: CoordinatorState, ev: RankHello, out: list[Command]) -> None:
         return
     rec = st.ranks[ev.rank]
     if rec.phase is VACANT or rec.phase is DEAD or rec.phase is LEFT:
-        refill = rec.phase is not VACANT
+        # A refill: the slot a DEAD or LEFT rank held -- or a refill's joiner that was lost
+        # before its seed (JOINING --lost--> VACANT keeps ``rec.refill``): its next process
+        # is the same restart, one try later.
+        refill = rec.phase is not VACANT or rec.refill
         transition(rec, "admit")
         rec.route, rec.incarnation = ev.route, ev.incarnation
         rec.host, rec.pid, rec.reason = ev.host, ev.pid, ""

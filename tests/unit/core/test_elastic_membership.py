@@ -172,6 +172,31 @@ def test_a_dead_ranks_slot_is_refilled_by_its_restart_and_max_failure_counts_ran
     assert replay(c.config, c.journal) == c.state
 
 
+def test_a_restart_lost_before_its_seed_leaves_the_slot_a_refill_for_the_next_one():
+    """Seen in a netns partition run: the first restarted process was lost while joining
+    (its seed broadcast failed), the second joined -- and was reported as a new rank."""
+    c = Cluster(policy="cadence", world_size=3, total=300, batch_size=8, epochs=3, agent_reports_exit=True)
+    c.join_all()
+    c.run_until(lambda: c.state.rounds.version >= 2)
+    c.kill(1)
+    assert _ack(c.respawn(1, restart_count=1)).accepted
+    c.silence(1)  # blocked before its seed reached it: its heartbeat goes stale
+    for _ in range(120):
+        if c.state.ranks[1].phase is VACANT:
+            break
+        c.advance(0.5)
+    assert c.state.ranks[1].phase is VACANT  # the slot reopens
+    ack = _ack(c.respawn(1, restart_count=2))
+    assert ack.accepted and ack.run.join_running
+    c.run_until(lambda: c.state.ranks[1].phase is ACTIVE)
+    fin = c.run()
+    assert fin.ok, fin.reason
+    _exact(fin)
+    (join,) = fin.summary["elastic"]["joins"]
+    assert (join["rank"], join["refill"], join["restart_count"]) == (1, True, 2)
+    assert replay(c.config, c.journal) == c.state
+
+
 def test_a_live_rank_id_is_still_refused_while_training():
     c = _formed_with_two()
     ack = _ack(c.hello(1, route=(b"impostor",), incarnation=99))
