@@ -152,6 +152,16 @@ def test_the_seed_waits_for_an_open_round_to_finish():
     assert c.state.ranks[2].phase is ACTIVE
 
 
+def _ends_exact_with_one_refill(c, rank: int, restart_count: int) -> None:
+    """The run ends ok, every sample once, one join: ``rank``'s restart into its own slot."""
+    fin = c.run()
+    assert fin.ok, fin.reason
+    _exact(fin)
+    (join,) = fin.summary["elastic"]["joins"]
+    assert (join["rank"], join["refill"], join["restart_count"]) == (rank, True, restart_count)
+    assert replay(c.config, c.journal) == c.state
+
+
 def test_a_dead_ranks_slot_is_refilled_by_its_restart_and_max_failure_counts_ranks_down_now():
     c = Cluster(policy="cadence", world_size=3, total=300, batch_size=8, epochs=3, max_failure="2",
                 agent_reports_exit=True)  # fmt: skip
@@ -164,12 +174,7 @@ def test_a_dead_ranks_slot_is_refilled_by_its_restart_and_max_failure_counts_ran
     c.run_until(lambda: c.state.ranks[1].phase is ACTIVE)
     c.run_until(lambda: bool(c.ranks[1].trained))
     c.kill(2)  # one rank down now: under max_failure 2 (it would be 2 deaths ever)
-    fin = c.run()
-    assert fin.ok, fin.reason
-    _exact(fin)
-    (join,) = fin.summary["elastic"]["joins"]
-    assert (join["rank"], join["refill"], join["restart_count"]) == (1, True, 1)
-    assert replay(c.config, c.journal) == c.state
+    _ends_exact_with_one_refill(c, rank=1, restart_count=1)
 
 
 def test_a_restart_lost_before_its_seed_leaves_the_slot_a_refill_for_the_next_one():
@@ -189,12 +194,7 @@ def test_a_restart_lost_before_its_seed_leaves_the_slot_a_refill_for_the_next_on
     ack = _ack(c.respawn(1, restart_count=2))
     assert ack.accepted and ack.run.join_running
     c.run_until(lambda: c.state.ranks[1].phase is ACTIVE)
-    fin = c.run()
-    assert fin.ok, fin.reason
-    _exact(fin)
-    (join,) = fin.summary["elastic"]["joins"]
-    assert (join["rank"], join["refill"], join["restart_count"]) == (1, True, 2)
-    assert replay(c.config, c.journal) == c.state
+    _ends_exact_with_one_refill(c, rank=1, restart_count=2)
 
 
 def test_a_live_rank_id_is_still_refused_while_training():
