@@ -60,6 +60,7 @@ import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -71,8 +72,8 @@ from flodl.procutil import death_signal_hook
 from flodl.curve import CurveError, client_keys
 from flodl.limits import MAX_ENVELOPE_BYTES
 
-from .agent_config import AgentConfig, rank_env, slowdown_for
-from .forked import Prefork, start_prefork
+from .agent_config import AgentConfig, rank_env, ranks_prefork, slowdown_for
+from .forked import Prefork
 from .relay import READY_PREFIX
 
 __all__ = ["AgentConfig", "Agent", "run_agent", "rank_env", "slowdown_for"]
@@ -173,7 +174,7 @@ class Agent:
         self.run_ended_at: float | None = None  # the coordinator said the run is over
         self.connect = ""  # what the ranks dial (the relay's frontend, or the coordinator)
         self.refused = ""
-        # The ranks' prefork server: the one the command line started, or run() starts it.
+        # The ranks' prefork server (run_agent's, started before this module was imported).
         self.prefork: Prefork | None = prefork
 
     # -- children -----------------------------------------------------------------------
@@ -561,7 +562,7 @@ class Agent:
             # The ranks take longest to start (torch): when the relay's address is known
             # before it binds, they start first and dial it while it comes up (ZeroMQ
             # connects to an ipc path that does not exist yet, and retries).
-            self._start_prefork()
+            self._watch_prefork()
             early = None if cfg.no_relay else self._known_relay_bind()
             if early is not None:
                 self._spawn_ranks(early)
@@ -625,12 +626,9 @@ class Agent:
             return f"ipc://{self.tmpdir}/relay.sock"
         return bind if bind.startswith("ipc://") else None
 
-    def _start_prefork(self) -> None:
-        """The prefork server, when the ranks' command can be forked from it (handed over
-        by the command line, which starts it first, or started here): it imports torch
+    def _watch_prefork(self) -> None:
+        """Watch the prefork server ``run_agent`` handed over, if any: it imports torch
         while the relay starts, once for every rank of this host."""
-        if self.prefork is None and self.cfg.prefork:
-            self.prefork = start_prefork(list(self.cfg.command), rank_env(self.cfg, 0, "", dict(os.environ)))
         if self.prefork is None:
             return
         self.poller.register(self.prefork.fileno(), zmq.POLLIN)
@@ -684,9 +682,15 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def run_agent(cfg: AgentConfig, prefork: Prefork | None = None) -> int:
+_START = object()  # run_agent's default: start the ranks' prefork server here
+
+
+def run_agent(cfg: AgentConfig, prefork: Any = _START) -> int:
     """Run the agent to the end; returns its exit code (0 all ranks 0, 1 otherwise, 2 setup).
-    ``prefork``: a server started for the ranks already (closed here whatever happens)."""
+    ``prefork``: the ranks' server (``ranks_prefork``), which the command line starts
+    before it imports this module, or None; closed here whatever happens."""
+    if prefork is _START:
+        prefork = ranks_prefork(cfg)
     try:
         agent = Agent(cfg, prefork)
     except CurveError as e:

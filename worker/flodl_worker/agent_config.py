@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from flodl.curve import ENV_SECRET_KEY, ENV_SERVER_KEY
 from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, ENV_MAX_MESSAGE_BYTES
 
-__all__ = ["AgentConfig", "rank_env", "slowdown_for"]
+__all__ = ["AgentConfig", "rank_env", "ranks_prefork", "slowdown_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,3 +135,14 @@ def rank_env(cfg: AgentConfig, local: int, connect: str, base: dict[str, str], t
     # Like torchrun: N ranks each using every core would thrash. Respect an explicit value.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.ranks)))
     return env
+
+
+def ranks_prefork(cfg: AgentConfig):
+    """The prefork server for ``cfg``'s ranks (``flodl_worker.forked.Prefork``), started
+    with their environment; None under ``--no-prefork``, for a command that cannot be
+    forked, or a server that cannot start (logged)."""
+    if not cfg.prefork:
+        return None
+    from .forked import start_prefork
+
+    return start_prefork(list(cfg.command), rank_env(cfg, 0, "", dict(os.environ)))

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                          identity=args.identity,
                          max_message_bytes=args.max_message_bytes)
 
-    from .agent_config import AgentConfig, rank_env, slowdown_for
+    from .agent_config import AgentConfig, ranks_prefork, slowdown_for
 
     if not command:
         p.error("agent: give the rank command after --, e.g. -- python train.py")
@@ -262,11 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # The prefork server first, before the rest of the agent is imported: its torch
     # import is the longest part of this host's start-up (flodl_worker.agent_config).
-    prefork = None
-    if cfg.prefork:
-        from .forked import start_prefork
-
-        prefork = start_prefork(list(cfg.command), rank_env(cfg, 0, "", dict(os.environ)))
+    prefork = ranks_prefork(cfg)
     from .agent import run_agent
 
     return run_agent(cfg, prefork)

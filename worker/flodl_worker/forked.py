@@ -5,8 +5,8 @@ interpreter, each seen through the part of ``subprocess.Popen`` the agent uses.
 ranks' environment (less their ``FLODL_*`` variables, which it never reads), and
 ``Prefork.serves(argv, env)`` says whether a command can be forked from it: the agent's
 own interpreter running ``-m MODULE`` or a script, in an environment that differs from
-the server's only in ``FLODL_*``. and that fit the room the server keeps for what ``/proc`` shows of a child. Anything
-else is a plain ``Popen``, as it always was.
+the server's only in ``FLODL_*``, and that fits the room the server keeps for what
+``/proc`` shows of a child. Anything else is a plain ``Popen``, as it always was.
 
 ``Prefork.spawn(argv, env)`` returns a ``ForkedProcess`` at once (the server may still
 be importing torch: the request waits in the socket). Its ``stdout`` / ``stderr`` are the
@@ -36,7 +36,7 @@ import time
 
 from flodl.procutil import death_signal_hook
 
-from .prefork import MAX_PACKET, fits, server_command, server_env
+from .prefork import MAX_PACKET, fits, room, server_command, server_env
 
 __all__ = ["ForkedProcess", "Prefork", "start_prefork"]
 
@@ -55,7 +55,6 @@ class ForkedProcess:
         self.returncode: int | None = None
         self.stdout = stdout
         self.stderr = stderr
-        self.args = None
 
     def poll(self) -> int | None:
         self._server.pump(0.0)
@@ -82,12 +81,11 @@ class ForkedProcess:
 
 
 class Prefork:
-    def __init__(self, proc: subprocess.Popen, sock: socket.socket, env: dict[str, str], argv: list[str],
-                 started_env: dict[str, str]):  # fmt: skip
+    def __init__(self, proc: subprocess.Popen, sock: socket.socket, env: dict[str, str], room: tuple[int, int]):
         self.proc = proc
         self.sock = sock
         self.env = env  # the server's: what a forked rank's environment may differ from only in FLODL_*
-        self._argv, self._started_env = argv, started_env  # what it was exec'd with: the room a child shows
+        self._room = room  # bytes of argv and environment it was exec'd with: what a child can show
         self.children: dict[int, ForkedProcess] = {}
         self.next_id = 0
         self.dead = False
@@ -105,7 +103,7 @@ class Prefork:
         finally:
             theirs.close()
         ours.setblocking(False)
-        return cls(proc, ours, shared, argv, started_env)
+        return cls(proc, ours, shared, room(argv, started_env))
 
     @staticmethod
     def eligible(argv: list[str]) -> bool:
@@ -123,7 +121,7 @@ class Prefork:
     def serves(self, argv: list[str], env: dict[str, str]) -> bool:
         """Can ``argv`` in ``env`` be forked from this server (see the module doc)?"""
         return (not self.dead and self.eligible(argv) and _shared(env) == self.env
-                and fits(argv, env, self._argv, self._started_env))  # fmt: skip
+                and fits(argv, env, self._room))  # fmt: skip
 
     def spawn(self, argv: list[str], env: dict[str, str]) -> ForkedProcess:
         out_r, out_w = os.pipe()

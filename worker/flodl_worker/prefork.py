@@ -49,9 +49,9 @@ import select
 import signal
 import socket
 import sys
-import time
 
-__all__ = ["ARGV_ROOM", "ENV_ROOM", "MAX_PACKET", "ROOM_VAR", "fits", "preload", "serve", "server_command"]
+__all__ = ["ARGV_ROOM", "ENV_ROOM", "MAX_PACKET", "ROOM_VAR", "fits", "preload", "room", "serve", "server_command",
+           "server_env"]
 
 MAX_PACKET = 1 << 20  # one spawn request: an environment and an argv
 PRELOAD = ("torch", "torch._dynamo")  # what every rank imports; the second is torch.optim's first step
@@ -79,10 +79,15 @@ def _env_words(env: dict[str, str]) -> list[str]:
     return [f"{k}={v}" for k, v in env.items()]
 
 
-def fits(argv: list[str], env: dict[str, str], server_argv: list[str], server_environ: dict[str, str]) -> bool:
-    """Do ``argv`` and ``env`` fit where the server started with these shows its own?"""
-    return (len(_block(argv)) <= len(_block(server_argv))
-            and len(_block(_env_words(env))) <= len(_block(_env_words(server_environ))))  # fmt: skip
+def room(argv: list[str], env: dict[str, str]) -> tuple[int, int]:
+    """Bytes of argv and of environment a process exec'd with these shows in /proc."""
+    return len(_block(argv)), len(_block(_env_words(env)))
+
+
+def fits(argv: list[str], env: dict[str, str], server_room: tuple[int, int]) -> bool:
+    """Do ``argv`` and ``env`` fit in the room of a server (``room`` of what it was exec'd with)?"""
+    need = room(argv, env)
+    return need[0] <= server_room[0] and need[1] <= server_room[1]
 
 
 def _show_as(argv: list[str], env: dict[str, str] | None) -> None:
@@ -107,16 +112,14 @@ def _show_as(argv: list[str], env: dict[str, str] | None) -> None:
             ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
 
 
-def preload() -> float:
-    """Import what every rank will; seconds it took. A module that cannot be imported
-    is skipped: the rank that needs it fails the same way a fresh process would."""
-    t = time.perf_counter()
+def preload() -> None:
+    """Import what every rank will. A module that cannot be imported is skipped: the
+    rank that needs it fails the same way a fresh process would."""
     for name in PRELOAD:
         try:
             __import__(name)
         except Exception:  # noqa: BLE001 - the child says why, as a fresh interpreter would
             break
-    return time.perf_counter() - t
 
 
 def _send(sock: socket.socket, msg: dict) -> None:
@@ -140,7 +143,7 @@ def _recv(sock: socket.socket) -> tuple[dict | None, list[int]]:
 
 def serve(fd: int) -> int:
     sock = socket.socket(fileno=fd)
-    _show_as([sys.executable, "-m", "flodl_worker.prefork", str(fd)], None)  # the argv room, out of sight
+    _show_as(server_command(sys.executable, fd)[:-1], None)  # the argv room (its last word), out of sight
     preload()
     # What the imports made lives as long as every child: out of their collector's sight
     # (no copy-on-write of pages a collection would touch, no walk over them at a child's
