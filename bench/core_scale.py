@@ -12,6 +12,10 @@ neighbours) -- medians of ``--repeats`` replays:
 * ``formation_ms``: the step that forms the world (it also dispatches epoch 0);
 * ``epoch_dispatch_ms``: the step that aggregates epoch 0 (and, but under Async, which
   streamed into it already, dispatches epoch 1);
+* ``formation_gc_ms`` / ``epoch_dispatch_gc_ms``: a collection that fell inside either
+  step (not in its time). The replay treats the collector as the service does
+  (``flodl_coordinator.gcsettle``): one collection and a ``gc.freeze()`` after each of
+  those steps, so later collections do not walk the world's long-lived state;
 * ``formation_build_ms`` / ``epoch_dispatch_build_ms``: reading every ``Send``'s
   ``control`` those two steps returned -- what the shell pays on top when it sends them
   (a command to every rank is built when first read; the code before built it in the
@@ -87,39 +91,79 @@ def workload(n: int, policy: str, *, batches: int, base_ms: float, batch_size: i
     )
 
 
+class _Collections:
+    """CPU seconds the cyclic collector took (``gc.callbacks``), so that a step's own
+    time and a collection that happened to fall inside it are reported apart."""
+
+    def __init__(self, clock: Any) -> None:
+        self.clock, self.s, self._t0 = clock, 0.0, 0.0
+
+    def __call__(self, phase: str, _info: dict) -> None:
+        if phase == "start":
+            self._t0 = self.clock()
+        else:
+            self.s += self.clock() - self._t0
+
+
 def replay_timed(config: Any, events: list) -> dict[str, Any]:
-    """Step every event of the journal once, timing each step."""
+    """Step every event of the journal once, timing each step.
+
+    The collector is treated as the service treats it (``flodl_coordinator.gcsettle``):
+    after the step that forms the world and after each epoch's, one collection and a
+    ``gc.freeze()`` (not timed: the service does it after that pass's sends). A
+    collection that still falls inside the formation or the epoch step is reported
+    beside that step's own time (``*_gc_ms``), not in it."""
     st = initial_state(config)
     total = heartbeat = 0.0
     beats = 0
     formation: Optional[float] = None
     boundary: Optional[float] = None
     builds: dict[str, float] = {}
+    in_gc: dict[str, float] = {}
     clock = time.thread_time  # CPU time: the machine may be shared, the core's work is what counts
     gc.collect()
-    for ev in events:
-        t0 = clock()
-        st, cmds = step(st, ev)
-        dt = clock() - t0
-        total += dt
-        if type(ev) is HeartbeatSeen:
-            heartbeat += dt
-            beats += 1
-        if boundary is None:
-            kinds = {c.kind for c in cmds if isinstance(c, Notice)}
-            if formation is None and "world_formed" in kinds:
-                formation = dt
-                builds["formation"] = _build_s(cmds, clock)
-            elif "epoch" in kinds:
-                boundary = dt
-                builds["boundary"] = _build_s(cmds, clock)
+    collections = _Collections(clock)
+    gc.callbacks.append(collections)
+    try:
+        for ev in events:
+            gc0 = collections.s
+            t0 = clock()
+            st, cmds = step(st, ev)
+            dt = clock() - t0
+            total += dt
+            if type(ev) is HeartbeatSeen:
+                heartbeat += dt
+                beats += 1
+            kinds = {c.kind for c in cmds if isinstance(c, Notice)} if cmds else ()
+            if boundary is None:
+                if formation is None and "world_formed" in kinds:
+                    in_gc["formation"] = collections.s - gc0
+                    formation = dt - in_gc["formation"]
+                    builds["formation"] = _build_s(cmds, clock)
+                elif "epoch" in kinds:
+                    in_gc["boundary"] = collections.s - gc0
+                    boundary = dt - in_gc["boundary"]
+                    builds["boundary"] = _build_s(cmds, clock)
+            if "world_formed" in kinds or "epoch" in kinds:
+                del cmds
+                gc.collect()
+                gc.freeze()
+    finally:
+        gc.callbacks.remove(collections)
+        gc.unfreeze()
+
+    def ms(x: Optional[float]) -> Optional[float]:
+        return x * 1e3 if x is not None else None
+
     return {
         "core_s": total,
         "heartbeat_us": heartbeat / beats * 1e6 if beats else None,
-        "formation_ms": formation * 1e3 if formation is not None else None,
-        "epoch_dispatch_ms": boundary * 1e3 if boundary is not None else None,
-        "formation_build_ms": builds["formation"] * 1e3 if "formation" in builds else None,
-        "epoch_dispatch_build_ms": builds["boundary"] * 1e3 if "boundary" in builds else None,
+        "formation_ms": ms(formation),
+        "formation_gc_ms": ms(in_gc.get("formation")),
+        "epoch_dispatch_ms": ms(boundary),
+        "epoch_dispatch_gc_ms": ms(in_gc.get("boundary")),
+        "formation_build_ms": ms(builds.get("formation")),
+        "epoch_dispatch_build_ms": ms(builds.get("boundary")),
         "ok": bool(st.run.ok),
     }
 
@@ -160,6 +204,8 @@ def summarise(rows: list[dict], events: int, peak: Optional[float]) -> dict[str,
         "heartbeat_us": _median(rows, "heartbeat_us"),
         "formation_ms": _median(rows, "formation_ms"),
         "epoch_dispatch_ms": _median(rows, "epoch_dispatch_ms"),
+        "formation_gc_ms": _median(rows, "formation_gc_ms"),
+        "epoch_dispatch_gc_ms": _median(rows, "epoch_dispatch_gc_ms"),
         "formation_build_ms": _median(rows, "formation_build_ms"),
         "epoch_dispatch_build_ms": _median(rows, "epoch_dispatch_build_ms"),
         "peak_mib": peak,
