@@ -723,6 +723,10 @@ def _print_summary(s: dict) -> None:
         print(f"coordinator: busy {100 * loop['busy_share']:.1f} % of its time, {loop['frames']} frames, each handled in"
               f" <= {loop['frame_p50_le_ms']:g} ms (median), <= {loop['frame_p99_le_ms']:g} ms (p99), max {loop['frame_max_ms']:g} ms"
               + (f" (a {loop['frame_max_event']})" if loop.get("frame_max_event") else ""))
+        if loop.get("round_triggers"):
+            print(f"  {loop['round_triggers']} rounds opened, each decided and sent to its ranks in"
+                  f" <= {loop['round_trigger_p50_le_ms']:g} ms (median), <= {loop['round_trigger_p99_le_ms']:g} ms (p99),"
+                  f" max {loop['round_trigger_max_ms']:g} ms")
     cov = s.get("coverage", [])
     exact = all(c.get("duplicates") == 0 and c.get("missing") == 0 for c in cov) and bool(cov)
     print(f"coverage: {len(cov)} epochs, every sample exactly once: {exact}")

@@ -393,15 +393,23 @@ def _loop_families(loop: dict, run: str) -> Iterable[Any]:
     """The coordinator's own load (``loopmeter``): absent until the service measured it."""
     if not loop:
         return
-    h = HistogramMetricFamily("flodl_coordinator_frame_seconds",
-                              "a frame's handling: read off the socket to its step done and its commands queued", labels=["run"])  # fmt: skip
-    buckets = [(_le(b), float(n)) for b, n in zip(FRAME_BUCKETS_S, loop["buckets"])]
-    buckets.append(("+Inf", float(loop["count"])))
-    h.add_metric([run], buckets, loop["sum_s"])
-    yield h
+    yield _handling("flodl_coordinator_frame_seconds",
+                    "a frame's handling: read off the socket to its step done and its commands queued",
+                    loop["buckets"], loop["count"], loop["sum_s"], run)  # fmt: skip
+    yield _handling("flodl_coordinator_round_trigger_seconds",
+                    "a frame that opened an averaging round: read off the socket to every rank's RequestParams queued",
+                    loop["round_buckets"], loop["round_count"], loop["round_sum_s"], run)  # fmt: skip
     yield from _gauge("flodl_coordinator_busy_ratio",
                       "the coordinator loop's busy time over wall time since the last publish (1: saturated)",
                       loop["busy_ratio"], run)  # fmt: skip
+
+
+def _handling(name: str, doc: str, cumulative: tuple, count: int, sum_s: float, run: str) -> HistogramMetricFamily:
+    h = HistogramMetricFamily(name, doc, labels=["run"])
+    buckets = [(_le(b), float(n)) for b, n in zip(FRAME_BUCKETS_S, cumulative)]
+    buckets.append(("+Inf", float(count)))
+    h.add_metric([run], buckets, sum_s)
+    return h
 
 
 def _rank_key(s: Sample, rank: int) -> Optional[str]:

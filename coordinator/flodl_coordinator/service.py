@@ -219,6 +219,7 @@ class CoordinatorService:
         self.gc = CollectorSettle()
         self._gc_settling = False
         self._last_event = NO_EVENT  # the kind of the event this frame stepped last (LoopMeter.slowest)
+        self._opened_round = False  # this frame's step opened an averaging round (LoopMeter: a round's trigger)
         self._stop_signals = 0
         # Wakes the loop from outside it (signal handler, tests) without touching a socket.
         self._wake_r, self._wake_w = socket.socketpair()
@@ -515,6 +516,7 @@ class CoordinatorService:
                     return
                 t0 = clock()
                 self._last_event = NO_EVENT  # (until the core steps one for this frame)
+                self._opened_round = False  # (until its step opens a round)
                 if curve or route is None:
                     self._on_frames(payload if not curve else frames)
                 else:
@@ -522,7 +524,7 @@ class CoordinatorService:
                 dt = clock() - t0  # (its commands go out at the pass's end, with the others')
                 if dt > meter.frame_max_s:  # the operator's first question about a slow frame: what was it
                     meter.slowest = self._last_event
-                meter.frame(dt)
+                meter.frame(dt, opened_round=self._opened_round)
                 if self.finished is not None:
                     return
 
@@ -929,6 +931,7 @@ class CoordinatorService:
         self._send_frames(self.endpoint.frames("hello_ack", ack, route=cmd.route))
 
     def _execute_open_round(self, cmd: OpenRound) -> None:
+        self._opened_round = True  # (the loop meter times this frame as a round's trigger)
         if self.config.plane == "collective":
             return  # the ranks all-reduce among themselves (flodl_worker.collective): no reducer round
         # FoldOpen goes out before the ranks' RequestParams (later commands of this

@@ -71,3 +71,8 @@ def test_consensus_checkpoints_commit_and_hold_the_final_parameters(tmp_path):
     model = torch.load(latest.model_path, map_location="cpu", weights_only=True)["model"]
     digest = hashlib.sha256(b"".join(v.to(torch.float32).numpy().astype("<f4").tobytes() for v in model.values()))
     assert {r["param_digest"] for r in summary["ranks"]} == {digest.hexdigest()}  # the final consensus
+    # The loop meter timed each round's trigger frame (a rank's frame after which the
+    # round opened: its decision and its RequestParams to both ranks).
+    loop = summary["coordinator_loop"]
+    assert loop["round_triggers"] == summary["averages"]
+    assert 0.0 < loop["round_trigger_p50_le_ms"] <= loop["round_trigger_p99_le_ms"] <= loop["round_trigger_max_ms"]

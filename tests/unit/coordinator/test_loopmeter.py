@@ -48,7 +48,23 @@ def test_the_busy_ratio_is_over_the_last_interval_and_the_summary_over_the_run()
     s = m.summary()
     assert s == {"frames": 2, "busy_share": pytest.approx(0.502 / 4, abs=1e-4), "frame_mean_ms": pytest.approx(100.5),
                  "frame_p50_le_ms": 1.0, "frame_p99_le_ms": 200.0, "frame_max_ms": 200.0,
-                 "frame_max_event": ""}  # fmt: skip
+                 "frame_max_event": "", "round_triggers": 0, "round_trigger_p50_le_ms": 0.0,
+                 "round_trigger_p99_le_ms": 0.0, "round_trigger_max_ms": 0.0}  # fmt: skip
+
+
+def test_the_frames_that_opened_a_round_are_counted_apart_as_well():
+    m = LoopMeter(Clock())
+    for _ in range(300):
+        m.frame(0.0002)  # batches: most frames
+    m.frame(0.003, opened_round=True)  # a trigger: the decision and its fan-out
+    m.frame(0.012, opened_round=True)
+    s = m.summary()
+    assert (s["frames"], s["round_triggers"]) == (302, 2)
+    assert s["frame_p99_le_ms"] == 0.25  # 2 frames in 302: the p99 of all of them hides the triggers
+    assert (s["round_trigger_p50_le_ms"], s["round_trigger_p99_le_ms"], s["round_trigger_max_ms"]) == (5.0, 12.0, 12.0)
+    stats = m.stats()
+    assert (stats["count"], stats["round_count"]) == (302, 2)
+    assert stats["round_buckets"][FRAME_BUCKETS_S.index(0.005)] == 1 and stats["round_buckets"][-1] == 2
 
 
 def test_the_scrape_shows_the_frame_histogram_and_the_busy_ratio():
@@ -65,6 +81,8 @@ def test_the_scrape_shows_the_frame_histogram_and_the_busy_ratio():
     h = {s.labels["le"]: s.value for s in fams["flodl_coordinator_frame_seconds"].samples if s.name.endswith("_bucket")}
     assert len(h) == len(FRAME_BUCKETS_S) + 1
     assert (h["0.0001"], h["0.001"], h["0.025"], h["+Inf"]) == (1.0, 3.0, 4.0, 4.0)
+    rounds = [s for s in fams["flodl_coordinator_round_trigger_seconds"].samples if s.name.endswith("_count")]
+    assert [s.value for s in rounds] == [0.0]  # no frame opened a round
     busy = [s.value for s in fams["flodl_coordinator_busy_ratio"].samples]
     assert busy == [pytest.approx(0.02145 / 0.1)]
     book.publish(st, status_view(st), reducer=BusReducer(), dropped={}, journal={}, events=0)
