@@ -74,6 +74,7 @@ from flodl.limits import MAX_ENVELOPE_BYTES
 
 from .agent_config import AgentConfig, rank_env, ranks_prefork, slowdown_for
 from .forked import Prefork
+from .peerlink import PeerLink
 from .relay import READY_PREFIX
 
 __all__ = ["AgentConfig", "Agent", "run_agent", "rank_env", "slowdown_for"]
@@ -140,6 +141,7 @@ class Agent:
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_ENVELOPE_BYTES)  # it only ever gets control frames
         if curve is not None:
             curve.apply(self.sock)
+        self.link = PeerLink(self.sock)  # is the coordinator there when we close (the linger)
         self.sock.connect(cfg.coordinator)
         self.ep = Endpoint(cfg.session, pb.Sender.KIND_AGENT, host=cfg.host_name, incarnation=secrets.randbits(63))
         self.token = secrets.token_bytes(16)  # handed to our ranks only (FLODL_AGENT_TOKEN)
@@ -608,12 +610,27 @@ class Agent:
                 self.prefork.close()
             self._restore_signals()
             clean = self.ranks and all(c.proc.returncode == 0 for c in self.ranks) and not self.relay_failed
-            self.sock.close(CLEAN_LINGER_MS if clean else LINGER_MS)  # bounds the flush of the last rank_exited
-            self.ctx.term()
-            self.wake_r.close()
-            self.wake_w.close()
+            self.close(self._linger_ms(bool(clean)))  # bounds the flush of the last rank_exited
             if self.tmpdir:
                 shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the agent's sockets: the coordinator's, after ``linger_ms`` for what it
+        still holds (the monitor first: the context waits for every socket)."""
+        self.link.close()
+        self.sock.close(linger_ms)
+        self.ctx.term()
+        self.wake_r.close()
+        self.wake_w.close()
+
+    def _linger_ms(self, clean: bool) -> int:
+        """How long the last frames may wait for the coordinator: a failure's reports
+        ``LINGER_MS`` (a coordinator that crashed may be coming back for them); after a
+        clean run ``CLEAN_LINGER_MS``, or none at all once the coordinator hung up (it
+        ended the run and exited: nobody would take them)."""
+        if not clean:
+            return LINGER_MS
+        return CLEAN_LINGER_MS if self.link.connected() else 0
 
     def _known_relay_bind(self) -> str | None:
         """The address the ranks will dial, if it is known before the relay binds: an ipc

@@ -175,8 +175,7 @@ def test_a_relay_that_dies_before_it_is_ready_is_started_again(monkeypatch):
             a._first_relay()
         assert len(tries) == len(agent_mod.RELAY_RESTART_DELAYS_S) + 1  # then it gives up
     finally:
-        a.sock.close(0)
-        a.ctx.term()
+        a.close()
 
 
 @pytest.mark.integration

@@ -41,8 +41,7 @@ def test_a_failed_rank_is_not_restarted_once_the_run_ended():
         a._maybe_restart(agent_mod._Child("rank 1", proc=None, rank=1, local=1), 1)
         assert a.restart_at == {}  # a rank failing after the end is not restarted either
     finally:
-        a.sock.close(0)
-        a.ctx.term()
+        a.close()
 
 
 @pytest.mark.integration

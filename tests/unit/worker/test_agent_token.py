@@ -48,10 +48,7 @@ def test_an_agent_without_rank_offset_pins_no_rank_and_names_its_processes_by_lo
         assert list(report.last_lines) == ["Traceback (most recent call last):", "x" * 300]  # cut to 300
         assert not a._exit_report(_Child("rank 3", None, 3, 1), 0, False).HasField("unpinned_slot")
     finally:
-        a.sock.close(0)
-        a.ctx.term()
-        a.wake_r.close()
-        a.wake_w.close()
+        a.close()
 
 
 @pytest.mark.integration
