@@ -108,15 +108,11 @@ def select_feed(report: WindowReport) -> tuple[list[float], list[int]]:
     """
     if not report.delivered_coherent:
         return list(report.wall_ms), list(report.steps)
-    ms: list[float] = []
-    batches: list[int] = []
-    for r in range(len(report.wall_ms)):
-        if report.delivered_batches[r] > 0 and report.delivered_ms[r] > 0.0:
-            ms.append(report.delivered_ms[r])
-            batches.append(report.delivered_batches[r])
-        else:
-            ms.append(report.wall_ms[r])
-            batches.append(report.steps[r])
+    # (Two comprehensions over zips, not an indexed loop: a world of thousands, each rank
+    # a handful of tuple lookups.)
+    delivered = [db > 0 and dm > 0.0 for db, dm in zip(report.delivered_batches, report.delivered_ms)]
+    ms = [dm if d else w for d, dm, w in zip(delivered, report.delivered_ms, report.wall_ms)]
+    batches = [db if d else n for d, db, n in zip(delivered, report.delivered_batches, report.steps)]
     return ms, batches
 
 
@@ -230,13 +226,12 @@ class WindowLedger:
         return True
 
     def fixed_ms_each(self) -> list[float]:
-        """``fixed_ms`` of every rank, in one pass."""
-        return [fill + wait for fill, wait in zip(self.fill_excess_ms_each(), self.wait_ms)]
-
-    def fill_excess_ms_each(self) -> list[float]:
-        """``fill_excess_ms`` of every rank, in one pass."""
-        return [max(0.0, first - dm / db) if db > 0 and dm > 0.0 else 0.0
-                for first, dm, db in zip(self.first_batch_ms, self.delivered_ms, self.delivered_batches)]  # fmt: skip
+        """``fixed_ms`` of every rank, in one pass (``fill_excess_ms`` + the wait, inline)."""
+        out = []
+        for first, dm, db, wait in zip(self.first_batch_ms, self.delivered_ms, self.delivered_batches, self.wait_ms):
+            excess = first - dm / db if db > 0 and dm > 0.0 else 0.0
+            out.append((excess if excess > 0.0 else 0.0) + wait)
+        return out
 
     def window_report(
         self,
