@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from functools import reduce
-from operator import add
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Optional, Sequence
@@ -151,17 +149,21 @@ class TrustRings:
     ``missed[r]``: windows in a row without a usable reading (a full ring of them clears
     the rank's readings)."""
 
-    __slots__ = ("readings", "count", "missed")  # (no __dict__: the state's ``_plain`` compares it by ``==``)
+    __slots__ = ("readings", "count", "missed", "_means")  # (no __dict__: the state's ``_plain`` compares it by ``==``)
+    _STATE = ("readings", "count", "missed")
 
     def __init__(self, world_size: int) -> None:
         self.readings = np.zeros((world_size, TRUST_WINDOW_CAP), dtype=np.float64)
         self.count = np.zeros(world_size, dtype=np.int64)
         self.missed = np.zeros(world_size, dtype=np.int64)
+        # Every rank's mean as Python floats (None: no reading), kept until the rings
+        # change (once a window): a chunk asks for one rank's pace, on the batch path.
+        self._means: Optional[list[Optional[float]]] = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TrustRings):
             return NotImplemented
-        return all(np.array_equal(getattr(self, k), getattr(other, k)) for k in self.__slots__)
+        return all(np.array_equal(getattr(self, k), getattr(other, k)) for k in self._STATE)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -178,10 +180,12 @@ class TrustRings:
             self.missed[rows] = 0
         self.missed[~ok] += 1
         self.clear(np.flatnonzero(~ok & (self.missed >= TRUST_WINDOW_CAP)))
+        self._means = None
 
     def clear(self, rows: np.ndarray) -> None:
         self.readings[rows] = 0.0
         self.count[rows] = 0
+        self._means = None
 
     def seed(self, means: Sequence[float]) -> None:
         """Each ring holds one reading, its saved mean (none where that is not positive)."""
@@ -190,6 +194,7 @@ class TrustRings:
         rows = np.flatnonzero(values > 0.0)
         self.readings[rows, -1] = values[rows]
         self.count[rows] = 1
+        self._means = None
 
     def means(self) -> np.ndarray:
         """Every rank's mean (0.0 without readings)."""
@@ -200,9 +205,11 @@ class TrustRings:
         return np.where(self.count > 0, total / np.maximum(self.count, 1), 0.0)
 
     def mean(self, rank: int) -> Optional[float]:
-        """One rank's mean, None without readings: the same additions as ``means``."""
-        n = int(self.count[rank])
-        return reduce(add, self.readings[rank].tolist(), 0.0) / n if n else None
+        """One rank's mean, None without readings (``means``' value)."""
+        cached = self._means
+        if cached is None:
+            cached = self._means = [m if n else None for m, n in zip(self.means().tolist(), self.count.tolist())]
+        return cached[rank]
 
 
 def round_half_away(x: float) -> int:
