@@ -77,6 +77,7 @@ WARNING_NOTICES = frozenset({
 # Per-window decisions are one per round per rank: the curve and the lanes show them.
 _QUIET_NOTICES = frozenset({"window", "epoch_opened"})
 _RELEASES_THROTTLE = frozenset({"update", "shutdown", "shutdown_with_save"})
+_DRAWN_SENDS = _RELEASES_THROTTLE | {"throttle"}  # the sends the timeline draws from
 _TEXT_MAX = 240
 
 
@@ -163,7 +164,13 @@ class Timeline:
             if on_event is not None:
                 on_event(self, ev, t)
             for cmd in commands:
-                if type(cmd) in _COMMANDS_READ or isinstance(cmd, Notice):
+                if type(cmd) is Send:
+                    # Most of a step's commands: a round's or a dispatch's N sends. Only
+                    # a throttle and what lifts one draw here; the rest cost a lookup.
+                    kind = cmd.kind
+                    if kind in _DRAWN_SENDS:
+                        self._send(cmd, kind, t)
+                elif type(cmd) in _COMMANDS_READ or isinstance(cmd, Notice):
                     self._command(cmd, ev, t)
 
     def _lane(self, rank: int) -> Optional[_Lane]:
@@ -202,6 +209,15 @@ class Timeline:
         if lane is not None and ev.host:
             lane.host = ev.host[:64]
 
+    def _send(self, cmd: Send, kind: str, t: float) -> None:
+        lane = self._lane(cmd.rank)
+        if lane is None:
+            return
+        if kind == "throttle":
+            lane.begin("throttle", t)
+        elif kind in _RELEASES_THROTTLE:
+            lane.end("throttle", t)
+
     def _command(self, cmd, ev, t: float) -> None:
         if isinstance(cmd, OpenRound):
             for r in cmd.ranks:
@@ -210,15 +226,8 @@ class Timeline:
                     lane.end("train", t, {"steps": lane.steps})
                     lane.begin("round", t, {"cycle": cmd.cycle})
             self._curve_point(t, CURVE_MIN_DT_S)
-        elif isinstance(cmd, Send):
-            kind = cmd.kind
-            lane = self._lane(cmd.rank)
-            if lane is None:
-                return
-            if kind == "throttle":
-                lane.begin("throttle", t)
-            elif kind in _RELEASES_THROTTLE:
-                lane.end("throttle", t)
+        elif isinstance(cmd, Send):  # (a subclass: the loop reads Send itself)
+            self._send(cmd, cmd.kind, t)
         elif isinstance(cmd, Reply) and isinstance(ev, RankHello) and cmd.ack.accepted and not cmd.ack.deferred:
             lane = self._lane(ev.rank)
             if lane is not None:
