@@ -69,6 +69,10 @@ def test_two_ranks_of_a_second_agent_join_a_running_world(tmp_path):
     try:
         procs.append(_agent(endpoint, tmp_path, "first", "--ranks", "2", "--rank-offset", "0", "--slowdown", "60"))
         _wait_for(coord_log, "world_formed", coord)  # the quorum formed the world: it trains
+        # ... and trained an epoch on its own: the throughput the joiners add is measured
+        # against it (forked ranks come up in under a second: started at the formation,
+        # they joined inside epoch 0, and no epoch was left without them).
+        _wait_for(coord_log, "epoch 1/20", coord)
         # No --rank-offset: its ranks are numbered by the coordinator, the lowest free slots.
         procs.append(_agent(endpoint, tmp_path, "second", "--ranks", "2", "--slowdown", "1"))
         assert coord.wait(timeout=300) == 0, coord_log.read_text()[-4000:]
