@@ -61,6 +61,7 @@ from typing import Any, Optional
 
 from flodl.core import HeartbeatSeen, Notice, Send, initial_state, step
 from flodl.sim import SimConfig, simulate
+from flodl_coordinator.gcsettle import CollectorSettle
 
 SPEEDS = (1.0, 2.0, 4.0)
 
@@ -96,26 +97,13 @@ def workload(n: int, policy: str, *, batches: int, base_ms: float, batch_size: i
     )
 
 
-class _Collections:
-    """CPU seconds the cyclic collector took (``gc.callbacks``), so that a step's own
-    time and a collection that happened to fall inside it are reported apart."""
-
-    def __init__(self, clock: Any) -> None:
-        self.clock, self.s, self._t0 = clock, 0.0, 0.0
-
-    def __call__(self, phase: str, _info: dict) -> None:
-        if phase == "start":
-            self._t0 = self.clock()
-        else:
-            self.s += self.clock() - self._t0
-
-
 def replay_timed(config: Any, events: list) -> dict[str, Any]:
     """Step every event of the journal once, timing each step.
 
-    The collector is treated as the service treats it (``flodl_coordinator.gcsettle``):
-    after the step that forms the world and after each epoch's, one collection and a
-    ``gc.freeze()`` (not timed: the service does it after that pass's sends). A
+    The collector is treated as the service treats it, by the service's own
+    ``gcsettle.CollectorSettle``: after the step that forms the world and after each
+    epoch's, one collection and a ``gc.freeze()`` (not timed: the service does it after
+    that pass's sends). A
     collection that still falls inside the formation or the epoch step is reported
     beside that step's own time (``*_gc_ms``), not in it."""
     st = initial_state(config)
@@ -127,11 +115,11 @@ def replay_timed(config: Any, events: list) -> dict[str, Any]:
     in_gc: dict[str, float] = {}
     clock = time.thread_time  # CPU time: the machine may be shared, the core's work is what counts
     gc.collect()
-    collections = _Collections(clock)
-    gc.callbacks.append(collections)
+    collections = CollectorSettle(clock)  # times every collection, settles as the service does
+    collections.install()
     try:
         for ev in events:
-            gc0 = collections.s
+            gc0 = collections.collect_s
             t0 = clock()
             st, cmds = step(st, ev)
             dt = clock() - t0
@@ -142,19 +130,19 @@ def replay_timed(config: Any, events: list) -> dict[str, Any]:
             kinds = {c.kind for c in cmds if isinstance(c, Notice)} if cmds else ()
             if boundary is None:
                 if formation is None and "world_formed" in kinds:
-                    in_gc["formation"] = collections.s - gc0
+                    in_gc["formation"] = collections.collect_s - gc0
                     formation = dt - in_gc["formation"]
                     builds["formation"] = _build_s(cmds, clock)
                 elif "epoch" in kinds:
-                    in_gc["boundary"] = collections.s - gc0
+                    in_gc["boundary"] = collections.collect_s - gc0
                     boundary = dt - in_gc["boundary"]
                     builds["boundary"] = _build_s(cmds, clock)
-            if "world_formed" in kinds or "epoch" in kinds:
-                del cmds
-                gc.collect()
-                gc.freeze()
+            for kind in kinds:
+                collections.notice(kind)
+            del cmds
+            collections.settle()
     finally:
-        gc.callbacks.remove(collections)
+        collections.uninstall()
         gc.unfreeze()
 
     def ms(x: Optional[float]) -> Optional[float]:
