@@ -88,7 +88,7 @@ def spans_per_rank(world_size: int) -> int:
 
 # What the timeline reads of the commands (the rest is skipped without a look: the hot
 # path); the events it reads are the keys of ``_ON_EVENT`` (after the class).
-_COMMANDS_READ = frozenset({OpenRound, Send, Reply})
+_COMMANDS_READ = frozenset({OpenRound, Reply})  # (and Send: ``observe`` reads it by its kind)
 
 
 class _Lane:
@@ -226,8 +226,6 @@ class Timeline:
                     lane.end("train", t, {"steps": lane.steps})
                     lane.begin("round", t, {"cycle": cmd.cycle})
             self._curve_point(t, CURVE_MIN_DT_S)
-        elif isinstance(cmd, Send):  # (a subclass: the loop reads Send itself)
-            self._send(cmd, cmd.kind, t)
         elif isinstance(cmd, Reply) and isinstance(ev, RankHello) and cmd.ack.accepted and not cmd.ack.deferred:
             lane = self._lane(ev.rank)
             if lane is not None:

@@ -17,7 +17,6 @@ __all__ = ["PeerLink"]
 
 _UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DOWN = zmq.EVENT_DISCONNECTED
-_CLOSED = zmq.EVENT_MONITOR_STOPPED
 
 
 class PeerLink:
@@ -38,8 +37,6 @@ class PeerLink:
                 self._up += 1
             elif event == _DOWN:
                 self._up = max(0, self._up - 1)
-            elif event == _CLOSED:
-                break
         return self._up > 0
 
     def close(self) -> None:
