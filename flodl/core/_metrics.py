@@ -126,8 +126,10 @@ def aggregate_sums(epoch: int, sums: dict[int, list[Any]], world_size: int) -> d
         w = sum(batches[r] for r in have)
         if w > 0:
             scalars[k] = sum(batches[r] * per_rank[r][k] for r in have) / w
-        else:
+        elif have:
             scalars[k] = sum(per_rank[r][k] for r in have) / len(have)
+        # else: named by ranks with no reading of it (count 0): no mean to give, and a
+        # rank's odd frame must not divide by zero inside the epoch's step.
     thr = [0.0] * world_size
     for r in sums:
         denom = share_ms[r] if share_ms[r] > 0 else epoch_ms[r]

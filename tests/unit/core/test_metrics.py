@@ -57,6 +57,18 @@ def test_aggregate_custom_scalar_scenario_50():
     assert [p.values["custom_metric"] for p in wire.per_rank] == [10.0, 11.0]
 
 
+def test_a_scalar_no_rank_counted_has_no_mean_and_does_not_break_the_epoch():
+    # A rank's frame may name a scalar with count 0 (an odd recorder, a hostile peer): the
+    # epoch still aggregates -- it divided by zero inside the step before.
+    chunks = {0: [_chunk(0, scalars=(("acc", 0.0, 0), ("loss", 2.0, 4)))], 1: [_chunk(1, scalars=(("acc", 5.0, 0),))]}
+    m = aggregate(0, chunks, 2)
+    assert m["scalars"] == {"loss": 0.5}
+    assert m["per_rank"] == [{"acc": 0.0, "loss": 0.5}, {"acc": 0.0, "loss": 0.0}]
+    assert "acc" not in to_pb(m).scalars and to_pb(m).per_rank[1].values["acc"] == 0.0
+    m = aggregate(0, {0: [_chunk(0, b=0, scalars=(("acc", 1.0, 0),))]}, 1)  # no batch either
+    assert m["scalars"] == {}
+
+
 def test_aggregate_rank_without_chunks_is_zero_and_loss_none():
     m = aggregate(0, {0: [_chunk(0)]}, 2)
     assert m["per_rank_loss"] == [0.5, None]
