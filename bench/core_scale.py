@@ -16,10 +16,10 @@ neighbours) -- medians of ``--repeats`` replays:
   step (not in its time). The replay treats the collector as the service does
   (``flodl_coordinator.gcsettle``): one collection and a ``gc.freeze()`` after each of
   those steps, so later collections do not walk the world's long-lived state;
-* ``formation_build_ms`` / ``epoch_dispatch_build_ms``: reading every ``Send``'s
-  ``control`` those two steps returned -- what the shell pays on top when it sends them
-  (a command to every rank is built when first read; the code before built it in the
-  step, so its figure is ~0);
+* ``formation_build_ms`` / ``epoch_dispatch_build_ms``: the bytes of every ``Send``
+  those two steps returned, as the shell takes them (``Send.wire``: a broadcast's body
+  serialised once, a round's ``Update`` written directly; a checkout without it: the
+  ``control`` built, then serialised) -- what the shell pays on top when it sends them;
 * ``peak_mib``: tracemalloc's peak over one more replay (the core's state and commands);
 * ``sim_s`` / ``sim_cpu_s``: the simulation's wall and CPU seconds (the ranks' side too).
 
@@ -162,11 +162,13 @@ def replay_timed(config: Any, events: list) -> dict[str, Any]:
 
 
 def _build_s(cmds: list, clock: Any) -> float:
-    """CPU seconds to read every ``Send``'s control (built then, if it was not yet)."""
+    """CPU seconds to write every ``Send``'s bytes as the shell does (``wire``; before
+    it existed, the control built when first read, then serialised)."""
+    wire = getattr(Send, "wire", None) is not None
     t0 = clock()
     for c in cmds:
         if isinstance(c, Send):
-            c.control
+            c.wire if wire else c.control.SerializeToString()
     return clock() - t0
 
 

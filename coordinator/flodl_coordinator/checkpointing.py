@@ -114,8 +114,10 @@ class Checkpointing:
 
     # -- outbound stamping ---------------------------------------------------------------
 
+    STAMPS = "checkpoint"  # the only kind of Control ``stamp`` may change
+
     def stamp(self, rank: int, control: pb.Control) -> pb.Control:
-        if control.WhichOneof("cmd") != "checkpoint" or self.store is None:
+        if control.WhichOneof("cmd") != self.STAMPS or self.store is None:
             return control
         out = pb.Control()
         out.CopyFrom(control)

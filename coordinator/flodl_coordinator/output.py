@@ -75,9 +75,11 @@ class ModelOutput:
     def model_path(self) -> str:
         return os.path.join(self.dir, MODEL_FILE) if self.dir else ""
 
+    STAMPS = "execute_eval"  # the only kind of Control ``stamp`` may change
+
     def stamp(self, rank: int, control: pb.Control) -> pb.Control:
         """The final eval for ``rank``, with where to write the model it evaluates."""
-        if not self.dir or control.WhichOneof("cmd") != "execute_eval" or not control.execute_eval.final:
+        if not self.dir or control.WhichOneof("cmd") != self.STAMPS or not control.execute_eval.final:
             return control
         self.asked.add(rank)
         out = pb.Control()

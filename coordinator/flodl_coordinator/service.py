@@ -919,8 +919,11 @@ class CoordinatorService:
         if route is None:
             self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
             return
-        control = self.output.stamp(cmd.rank, self.checkpointing.stamp(cmd.rank, cmd.control))
-        frames = self.endpoint.frames("control", control, route=tuple(route))
+        if cmd.kind in _STAMPED:  # a checkpoint (its directory), the final eval (the model's path)
+            body = self.output.stamp(cmd.rank, self.checkpointing.stamp(cmd.rank, cmd.control))
+        else:
+            body = cmd.wire  # (a broadcast's body serialised once for all its Sends)
+        frames = self.endpoint.frames("control", body, route=tuple(route))
         if not self._send_frames(frames, failed=(cmd.rank, cmd.kind)):
             self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
 
@@ -1159,6 +1162,8 @@ _EXECUTORS = {
     RunFinished: CoordinatorService._execute_finished,
 }
 
+
+_STAMPED = frozenset((Checkpointing.STAMPS, ModelOutput.STAMPS))  # the kinds of Control the shell adds to
 
 _SEND_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: or-ing zmq's flag enums per part costs
 _SEND_LAST = int(zmq.NOBLOCK)

@@ -59,10 +59,10 @@ from __future__ import annotations
 from itertools import repeat
 from typing import Any, Callable, Optional
 
-from flodl.wire import pb
+from flodl.wire import LEN, VARINT, pb, tag, varint
 
 from . import _coverage
-from ._commands import Command, Notice, OpenRound
+from ._commands import Command, Notice, OpenRound, command_id_field
 from ._dispatch import SYNC, Dispatcher
 from ._errors import LocalViolation
 from ._events import ContributionRefused, SyncAcked
@@ -152,6 +152,33 @@ def _update(ctl: pb.Control, version: int, cycle: int, report_at_step: int, plan
     upd.global_step, upd.samples_committed = global_step, committed  # (what SetGlobalStep said, protocol 1.0)
     if plan is not None:
         upd.next_plan.CopyFrom(plan)
+
+
+_UPDATE_FIELDS = pb.Control.Update.DESCRIPTOR.fields_by_name
+_UPDATE_TAG = tag(pb.Control.DESCRIPTOR.fields_by_name["update"].number, LEN)
+_VERSION, _CYCLE, _AT, _GSTEP, _COMMITTED = (
+    tag(_UPDATE_FIELDS[name].number, VARINT)
+    for name in ("version", "cycle", "report_at_step", "global_step", "samples_committed")
+)
+_PLAN = tag(_UPDATE_FIELDS["next_plan"].number, LEN)
+
+
+def _update_wire(command_id: int, version: int, cycle: int, report_at_step: int, plan: Optional[pb.EpochPlan],
+                 global_step: int, committed: int) -> bytes:  # fmt: skip
+    """``_update``'s Control as protobuf serialises it (fields in number order, proto3's
+    zeros left out, the two optional fields always set), written without building it: a
+    round answers every rank (tests/unit/core/test_send_wire.py holds it to protobuf's)."""
+    parts = [_VERSION, varint(version)] if version else []
+    if plan is not None:
+        p = plan.SerializeToString()
+        parts += (_PLAN, varint(len(p)), p)
+    if cycle:
+        parts += (_CYCLE, varint(cycle))
+    if report_at_step:
+        parts += (_AT, varint(report_at_step))
+    parts += (_GSTEP, varint(global_step), _COMMITTED, varint(committed))
+    body = b"".join(parts)
+    return b"".join((command_id_field(command_id), _UPDATE_TAG, varint(len(body)), body))
 
 
 def on_refused(st: CoordinatorState, ev: ContributionRefused) -> None:
@@ -284,4 +311,4 @@ def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> 
     committed = _coverage.committed_samples(st.coverage)  # the ranks' LR schedules follow it
     args = list(zip(repeat(rs.version), repeat(rs.cycle), ends, map(plans.get, alive), repeat(rs.global_step),
                     repeat(committed)))  # fmt: skip
-    st.send_built_zip(out, alive, "update", _update, args)  # (zipped: a round answers thousands)
+    st.send_built_zip(out, alive, "update", _update, args, wire=_update_wire)  # (zipped: a round answers thousands)

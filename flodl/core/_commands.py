@@ -14,7 +14,7 @@ from functools import partial
 from itertools import repeat
 from typing import Any, Callable, Iterable
 
-from flodl.wire import pb
+from flodl.wire import VARINT, pb, tag, varint
 
 __all__ = [
     "Command",
@@ -28,6 +28,8 @@ __all__ = [
     "RunFinished",
     "FINAL_SCHEDULE_ID",
     "CHECKPOINT_META",
+    "Encoder",
+    "command_id_field",
 ]
 
 FINAL_SCHEDULE_ID = 2**64 - 1  # ExecuteEval.schedule_id of the run's closing eval (u64::MAX upstream)
@@ -70,18 +72,22 @@ class Send(Command):
     def built(cls, rank: int, command_id: int, kind: str, build: Callable[..., None], args: tuple) -> "Send":
         s = _new(cls)
         _set(s, "rank", rank)
-        _set(s, "_body", (command_id, kind, build, args))
+        _set(s, "_body", (command_id, kind, build, args, None))
         return s
 
     @classmethod
     def each(cls, ranks: Iterable[int], first_id: int, kind: str, build: Callable[..., None], args: tuple) -> list["Send"]:
-        """``Send.built`` to each of ``ranks``, numbered from ``first_id`` in order."""
-        return cls.each_of(ranks, first_id, kind, build, repeat(args))
+        """``Send.built`` to each of ``ranks``, numbered from ``first_id`` in order. The
+        same ``args`` for all: their message differs only in its ``command_id``, so its
+        body is serialised once for all of them (``wire``)."""
+        return cls.each_of(ranks, first_id, kind, build, repeat(args), _SharedBody(build, args))
 
     @classmethod
     def each_of(cls, ranks: Iterable[int], first_id: int, kind: str, build: Callable[..., None],
-                args: Iterable[tuple]) -> list["Send"]:  # fmt: skip
-        """``Send.built`` to each of ``ranks`` with its own ``args`` (zipped), numbered in order."""
+                args: Iterable[tuple], wire: "Encoder | None" = None) -> list["Send"]:  # fmt: skip
+        """``Send.built`` to each of ``ranks`` with its own ``args`` (zipped), numbered in order.
+        ``wire``: writes the message's bytes from ``(command_id, *args)`` without building
+        it, the bytes ``build`` then ``SerializeToString`` give (``Send.wire``)."""
         ranks = ranks if type(ranks) is list else list(ranks)
         if len(ranks) < _BULK:  # (a heartbeat, a few ranks: a plain loop is cheaper)
             sends = []
@@ -89,13 +95,13 @@ class Send(Command):
             for rank, a in zip(ranks, args):
                 s = _new(cls)
                 _set(s, "rank", rank)
-                _set(s, "_body", (cid, kind, build, a))
+                _set(s, "_body", (cid, kind, build, a, wire))
                 sends.append(s)
                 cid += 1
             return sends
         # A dispatch makes thousands: the slots are filled by C-level maps, not a Python
         # loop (a third cheaper per Send); zip's truncation to the shorter is kept.
-        bodies = list(zip(range(first_id, first_id + len(ranks)), repeat(kind), repeat(build), args))
+        bodies = list(zip(range(first_id, first_id + len(ranks)), repeat(kind), repeat(build), args, repeat(wire)))
         sends = list(map(_new, repeat(cls, len(bodies))))
         _drain(map(_set_rank, sends, ranks))
         _drain(map(_set_body, sends, bodies))
@@ -105,12 +111,24 @@ class Send(Command):
     def control(self) -> pb.Control:
         body = self._body
         if type(body) is tuple:
-            command_id, _, build, args = body
+            command_id, _, build, args, _ = body
             ctl = pb.Control(command_id=command_id)
             build(ctl, *args)
             _set(self, "_body", ctl)
             return ctl
         return body
+
+    @property
+    def wire(self) -> bytes:
+        """``control`` serialised, as the shell sends it. A recipe with an encoder
+        (``each_of``'s ``wire``; a broadcast's body, serialised once for all its Sends)
+        writes the bytes without building the message: at a 4,096-rank epoch boundary,
+        thousands of messages built and serialised one by one were most of the shell's
+        work. The ``control`` is not built here (read it, and it is)."""
+        body = self._body
+        if type(body) is tuple and body[4] is not None:
+            return body[4](body[0], *body[3])
+        return self.control.SerializeToString()
 
     @property
     def kind(self) -> str:
@@ -139,6 +157,37 @@ class Send(Command):
     def __reduce__(self) -> tuple:
         return (Send, (self.rank, self.control))
 
+
+Encoder = Callable[..., bytes]  # (command_id, *args) -> a Control's bytes
+
+
+def command_id_field(command_id: int) -> bytes:
+    """``Control.command_id`` (field 1) as protobuf writes it: first, none when 0."""
+    return _ID_TAG + varint(command_id) if command_id else b""
+
+
+class _SharedBody:
+    """The body a broadcast's Sends share (``Send.each``): ``build(pb.Control(), *args)``
+    serialised on first use, for all of them, behind each one's own ``command_id`` --
+    field 1, which protobuf writes first, so these are ``control.SerializeToString()``'s
+    bytes. ``args`` change no more than a recipe's may."""
+
+    __slots__ = ("build", "args", "_bytes")
+
+    def __init__(self, build: Callable[..., None], args: tuple) -> None:
+        self.build, self.args = build, args
+        self._bytes: bytes | None = None
+
+    def __call__(self, command_id: int, *_args: Any) -> bytes:
+        data = self._bytes
+        if data is None:
+            ctl = pb.Control()
+            self.build(ctl, *self.args)
+            data = self._bytes = ctl.SerializeToString()
+        return command_id_field(command_id) + data
+
+
+_ID_TAG = tag(pb.Control.DESCRIPTOR.fields_by_name["command_id"].number, VARINT)
 
 _set_rank = Send.__dict__["rank"].__set__  # the slots' own setters (frozen: __setattr__ refuses)
 _set_body = Send.__dict__["_body"].__set__

@@ -61,7 +61,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from flodl.wire import pb
 
-from ._commands import Command, Send
+from ._commands import Command, Encoder, Send
 from ._config import CoreConfig
 from ._errors import LocalViolation
 from ._rank_index import INDEXED_FIELDS, RankIndex
@@ -548,11 +548,12 @@ class CoordinatorState:
         self.next_command_id = cid + len(ranks)
 
     def send_built_zip(self, out: list[Command], ranks: list[int], kind: str, build: Callable[..., None],
-                       args: list[tuple]) -> None:  # fmt: skip
-        """``send_built`` to each of ``ranks`` in order, ``args[i]`` for ``ranks[i]``."""
+                       args: list[tuple], wire: Optional[Encoder] = None) -> None:  # fmt: skip
+        """``send_built`` to each of ``ranks`` in order, ``args[i]`` for ``ranks[i]``;
+        ``wire``: ``build``'s bytes written directly (``Send.each_of``)."""
         self._check_all_addressable(ranks)
         cid = self.next_command_id
-        out.extend(Send.each_of(ranks, cid, kind, build, args))
+        out.extend(Send.each_of(ranks, cid, kind, build, args, wire))
         self.next_command_id = cid + len(ranks)
 
     def _check_all_addressable(self, ranks: Sequence[int]) -> None:

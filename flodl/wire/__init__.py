@@ -6,6 +6,7 @@ lists of frames and get lists of frames back.
 """
 
 from . import flodl_pb2 as pb
+from ._protowire import LEN, VARINT, tag, varint
 from ._codec import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DELIMITER,
@@ -34,6 +35,10 @@ from ._errors import (
 from ._tensors import bf16_to_f32, f32_to_bf16, pack_round, split_buffers, unpack_round
 
 __all__ = [
+    "tag",
+    "varint",
+    "VARINT",
+    "LEN",
     "pb",
     "PROTOCOL_MAJOR",
     "PROTOCOL_MINOR",

@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from ..limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_ENVELOPE_BYTES  # see flodl.limits
 from . import flodl_pb2 as pb
 from ._errors import MalformedFrame, OutOfSequence, Oversized, VersionMismatch, WrongSession
+from ._protowire import LEN, VARINT, tag as _tag, varint as _varint
 
 __all__ = [
     "PROTOCOL_MAJOR",
@@ -192,9 +193,10 @@ class Endpoint:
         ).SerializeToString()
 
     def frames(self, body_field: str, body, blobs: Sequence = (), route: Sequence[bytes] = ()) -> list:
-        """Build the multipart for one message: route + delimiter + envelope + blobs."""
+        """Build the multipart for one message: route + delimiter + envelope + blobs.
+        ``body``: the message, or its serialisation (``Send.wire``)."""
         self._seq += 1
-        data = body.SerializeToString()
+        data = body if type(body) is bytes else body.SerializeToString()
         parts = [self._prefix, _SEQ_TAG, _varint(self._seq)]
         if blobs:  # proto3: a zero count is not written
             parts += [_BLOBS_TAG, _varint(len(blobs))]
@@ -202,27 +204,7 @@ class Endpoint:
         return [*route, DELIMITER, b"".join(parts), *blobs]
 
 
-def _varint(n: int) -> bytes:
-    if n < 0x80:
-        return _SMALL[n]
-    if n < 0x4000:  # two or three bytes: the first 2 million sequence numbers, most body lengths
-        return bytes(((n & 0x7F) | 0x80, n >> 7))
-    if n < 0x200000:
-        return bytes(((n & 0x7F) | 0x80, ((n >> 7) & 0x7F) | 0x80, n >> 14))
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _tag(number: int, wire_type: int) -> bytes:
-    return _varint((number << 3) | wire_type)
-
-
-_SMALL = [bytes((i,)) for i in range(0x80)]
 _FIELDS = pb.Envelope.DESCRIPTOR.fields_by_name
-_SEQ_TAG = _tag(_FIELDS["seq"].number, 0)  # varint
-_BLOBS_TAG = _tag(_FIELDS["blob_count"].number, 0)
-_BODY_TAGS = {f.name: _tag(f.number, 2) for f in pb.Envelope.DESCRIPTOR.oneofs_by_name["body"].fields}  # length-delimited
+_SEQ_TAG = _tag(_FIELDS["seq"].number, VARINT)
+_BLOBS_TAG = _tag(_FIELDS["blob_count"].number, VARINT)
+_BODY_TAGS = {f.name: _tag(f.number, LEN) for f in pb.Envelope.DESCRIPTOR.oneofs_by_name["body"].fields}
