@@ -53,10 +53,10 @@ from itertools import accumulate, repeat
 from operator import itemgetter
 from typing import Container, Optional, Protocol
 
-from flodl.wire import pb
+from flodl.wire import LEN, VARINT, pb, tag, varint
 
 from . import _coverage, _repartition
-from ._commands import Command
+from ._commands import Command, command_id_field
 from ._errors import LocalViolation, RankViolation
 from ._events import BatchDone
 from ._extend import extend
@@ -121,14 +121,14 @@ def send_plan(st: CoordinatorState, out: list[Command], rank: int, epoch: int, o
               role: Optional[int] = None) -> None:  # fmt: skip
     """``StartEpoch{plan, epoch_callback_role}`` to ``rank``, built when the shell sends
     it (a dispatch sends one per rank: ``CoordinatorState.send_built``)."""
-    st.send_built(out, rank, "start_epoch", _start_epoch, (epoch, offset, size, role))
+    st.send_built(out, rank, "start_epoch", _start_epoch, (epoch, offset, size, role))  # (one: built when read)
 
 
 def send_plans(st: CoordinatorState, out: list[Command], epoch: int, plans: dict[int, tuple[int, int]],
                role: Optional[int] = None) -> None:  # fmt: skip
     """``send_plan`` to each rank of ``plans`` (``rank -> (offset, size)``), in its order."""
     st.send_built_zip(out, list(plans), "start_epoch", _start_epoch,
-                      [(epoch, off, size, role) for off, size in plans.values()])  # fmt: skip
+                      [(epoch, off, size, role) for off, size in plans.values()], wire=_start_epoch_wire)  # fmt: skip
 
 
 def _one(plan: tuple[int, int]) -> list[tuple[int, int]]:
@@ -141,6 +141,34 @@ def _start_epoch(ctl: pb.Control, epoch: int, offset: int, size: int, role: Opti
     plan.epoch, plan.partition_offset, plan.partition_size = epoch, offset, size
     if role is not None:
         start.epoch_callback_role = role
+
+
+_PLAN_FIELDS = pb.EpochPlan.DESCRIPTOR.fields_by_name
+_EPOCH, _OFFSET, _SIZE = (tag(_PLAN_FIELDS[n].number, VARINT) for n in ("epoch", "partition_offset", "partition_size"))
+_START_FIELDS = pb.Control.StartEpoch.DESCRIPTOR.fields_by_name
+_START_PLAN, _START_ROLE = tag(_START_FIELDS["plan"].number, LEN), tag(_START_FIELDS["epoch_callback_role"].number, VARINT)
+_START_TAG = tag(pb.Control.DESCRIPTOR.fields_by_name["start_epoch"].number, LEN)
+
+
+def plan_wire(epoch: int, offset: int, size: int) -> bytes:
+    """An ``EpochPlan``'s bytes as protobuf writes them (proto3: zeros left out)."""
+    parts = []
+    if epoch:
+        parts += (_EPOCH, varint(epoch))
+    if offset:
+        parts += (_OFFSET, varint(offset))
+    if size:
+        parts += (_SIZE, varint(size))
+    return b"".join(parts)
+
+
+def _start_epoch_wire(command_id: int, epoch: int, offset: int, size: int, role: Optional[int]) -> bytes:
+    """``_start_epoch``'s Control as protobuf serialises it, written without building it
+    (a dispatch sends one to every rank; tests/unit/core/test_send_wire.py): the plan is
+    always present (its fields are set, even to 0), the role when given."""
+    plan = plan_wire(epoch, offset, size)
+    body = b"".join((_START_PLAN, varint(len(plan)), plan, b"" if role is None else _START_ROLE + varint(role)))
+    return b"".join((command_id_field(command_id), _START_TAG, varint(len(body)), body))
 
 
 def _set_role(ctl: pb.Control, role: int) -> None:

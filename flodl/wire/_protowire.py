@@ -21,6 +21,8 @@ def varint(n: int) -> bytes:
         return bytes(((n & 0x7F) | 0x80, n >> 7))
     if n < 0x200000:
         return bytes(((n & 0x7F) | 0x80, ((n >> 7) & 0x7F) | 0x80, n >> 14))
+    if n >> 64:
+        raise ValueError(f"a varint here is at most 64 bits: {n}")  # protobuf refuses it too, not wraps it
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)

@@ -12,6 +12,7 @@ import pytest
 
 from flodl.core._averaging import _request_params, _throttle, _update, _update_wire
 from flodl.core._commands import Send, command_id_field
+from flodl.core._dispatch import _start_epoch, _start_epoch_wire
 from flodl.core._membership import _beat
 from flodl.core._metrics import _epoch_aggregated, _per_rank_wire, aggregate_sums, to_pb
 from flodl.wire import pb, varint
@@ -26,9 +27,12 @@ def test_the_command_id_field_is_protobufs_at_every_length():
         assert command_id_field(n) == pb.Control(command_id=n).SerializeToString(), n
 
 
-def test_a_negative_varint_is_refused_not_written_wrong():
+def test_a_varint_out_of_uint64_is_refused_not_written_wrong():
     with pytest.raises(ValueError, match="unsigned"):
         varint(-1)
+    with pytest.raises(ValueError, match="64 bits"):
+        varint(2**64)  # (a rank would read it wrapped)
+    assert varint(2**64 - 1) == pb.Envelope(seq=2**64 - 1).SerializeToString()[1:]
 
 
 @pytest.mark.parametrize(
@@ -106,3 +110,13 @@ def test_the_whole_metrics_per_rank_maps_are_the_maps_one_by_one(world, data):
 
 def test_per_rank_wire_of_no_ranks_is_empty():
     assert _per_rank_wire([]) == b""
+
+
+@settings(max_examples=400, deadline=None)
+@given(IDS, SMALL, U64, SMALL, st.one_of(st.none(), st.integers(min_value=0, max_value=2**32 - 1)))
+def test_a_dispatch_s_start_epoch_is_written_as_protobuf_writes_it(cid, epoch, offset, size, role):
+    args = (epoch, offset, size, role)
+    ctl = pb.Control(command_id=cid)
+    _start_epoch(ctl, *args)
+    assert _start_epoch_wire(cid, *args) == ctl.SerializeToString()
+    assert _start_epoch_wire(cid, 0, 0, 0, None) == pb.Control(command_id=cid, start_epoch={"plan": {}}).SerializeToString()
