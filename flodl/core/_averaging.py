@@ -302,7 +302,8 @@ def finish(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) -> 
     rs.open_s += max(0.0, st.now - rs.opened_at)
     rs.version += 1
     rs.global_step += rs.window_steps
-    alive = [r for r in rs.ranks if st.ranks[r].phase is ACTIVE]
+    active = st.index.phases[ACTIVE]  # (the index follows every phase write; all alive, as a rule: one C pass)
+    alive = list(rs.ranks) if active.issuperset(rs.ranks) else [r for r in rs.ranks if r in active]
     plans = dispatcher.on_round_finished(st, alive, out)
     # Built when sent (``CoordinatorState.send_built``): a round answers every rank. The
     # plans are the dispatcher's fresh messages, held by nothing else; the window's end

@@ -39,7 +39,6 @@ moved and before the next windows are folded into the ``Update``s -- the head of
 
 from __future__ import annotations
 
-from itertools import repeat
 from typing import Any, Optional
 
 from .._commands import Command, Notice
@@ -78,7 +77,6 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
     """The feedback half of a finished round (see the module doc)."""
     cad, rs = st.cadence, st.rounds
     el = cad.elche
-    ws = len(st.ranks)
     before = el.anchor
     report = cad.ledger.window_report(
         alive=[rec.phase is ACTIVE for rec in st.ranks],
@@ -87,9 +85,12 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
     )
     calibration = el.report_window(report)  # once calibrated, the step elects the Fastest roles
     overhead = overhead_estimate(before, el.slow_ms(), el.anchor_rank, report)
-    window = list(map(rs.window.get, range(ws), repeat(0)))  # (maps: a round of thousands)
-    evidence = DivergenceReport(deltas=tuple(map(rs.divergence.get, range(ws), repeat(0.0))))
-    verdict = cad.guard.report(evidence, sum(window), max(window, default=0))
+    # The acked ranks' values only: a rank without an ack counts 0 in both, and every
+    # window is >= 0 (``_averaging.on_ack``), as is the divergence's floor -- no N-long
+    # list per round.
+    k_used, k_max = sum(rs.window.values()), max(rs.window.values(), default=0)
+    evidence = DivergenceReport(deltas=tuple(rs.divergence.values()))
+    verdict = cad.guard.report(evidence, k_used, k_max)
     nudge = _observe_meta(cad, verdict)
     el.apply_verdict(verdict)
     cad.overshoot.fold(verdict, overshoot=cad.overshoot_on)  # moves only under Async
@@ -117,8 +118,8 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
                 "sync_ms": report.sync_ms,
                 "round_ms": round_ms,
                 "overhead": overhead,
-                "k_used": sum(window),
-                "k_max": max(window, default=0),
+                "k_used": k_used,
+                "k_max": k_max,
                 "divergence": evidence.max_relative_delta(),
                 "verdict": cad.last_verdict,
                 "reason": verdict.reason,

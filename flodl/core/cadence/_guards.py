@@ -119,7 +119,8 @@ Verdict = Union[Stable, SuppressGrowth, NudgeDown]
 
 @dataclass(frozen=True, slots=True)
 class DivergenceReport:
-    """One reduce's divergence evidence. ``deltas[r]`` is 0.0 for a rank with no report."""
+    """One reduce's divergence evidence: ``deltas``, those of the ranks that reported (a
+    rank without a report counts 0.0, which ``max_relative_delta``'s floor gives)."""
 
     deltas: tuple[float, ...]
     pre_norms: Optional[tuple[float, ...]] = None
