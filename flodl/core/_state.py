@@ -141,6 +141,18 @@ class RankRecord:
         once for many records (``RankIndex.moved``)."""
         object.__setattr__(self, name, value)
 
+    def count_batch(self, samples: int, spent_ms: float, wait_ms: float) -> None:
+        """One batch into the rank's totals (``spent_ms``: trained, summed only when a
+        sane time: a hostile frame's NaN, infinity or negative is not, so the summary stays
+        JSON). These fields are not indexed (``_COUNTERS``), so they are written past
+        ``__setattr__``'s hook: per batch, on the hot path (0.55 vs 1.2 us)."""
+        _set = object.__setattr__
+        _set(self, "batches", self.batches + 1)
+        _set(self, "samples", self.samples + samples)
+        if 0.0 <= spent_ms < _INF:
+            _set(self, "train_ms", self.train_ms + spent_ms)
+        _set(self, "wait_ms", self.wait_ms + wait_ms)
+
     def __setattr__(self, name: str, value: Any) -> None:
         index = getattr(self, "index", None) if name in INDEXED_FIELDS else None
         if index is None:
@@ -149,6 +161,11 @@ class RankRecord:
         old = getattr(self, name)
         object.__setattr__(self, name, value)
         index.changed(self, name, old)
+
+
+_INF = float("inf")
+_COUNTERS = frozenset({"batches", "samples", "train_ms", "wait_ms"})  # what count_batch writes
+assert not _COUNTERS & INDEXED_FIELDS, "count_batch must not write past the index"
 
 
 @dataclass(slots=True)

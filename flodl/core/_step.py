@@ -134,7 +134,6 @@ __all__ = ["initial_state", "step", "replay", "forget_rank", "RULES", "HANDLERS"
 # A step moves a bounded number of times (a few rounds, one aggregation, one dispatch):
 # hitting this means a rule keeps firing without changing the state -- our bug.
 _MAX_SETTLE_PASSES = 256
-_INF = float("inf")
 
 
 def initial_state(config: CoreConfig, resume: Optional[ResumePoint] = None) -> CoordinatorState:
@@ -441,14 +440,7 @@ def _ingest_batch(st: CoordinatorState, ev: BatchDone, out: list[Command], *, ad
     rec = st.ranks[ev.rank]
     if advance_last_step:
         rec.last_step = ev.step_count
-    rec.batches += 1
-    rec.samples += ev.samples
-    # Summary totals: a hostile frame's NaN, infinity or negative time is not summed
-    # (the comparisons are false for NaN), so the summary stays JSON.
-    spent = ev.batch_ms + ev.data_ms
-    if 0.0 <= spent < _INF:
-        rec.train_ms += spent
-    rec.wait_ms += ev.wait_ms  # sane by then: the wire's translation zeroes a hostile one
+    rec.count_batch(ev.samples, ev.batch_ms + ev.data_ms, ev.wait_ms)  # (wait_ms: sane by then, the wire's translation zeroes a hostile one)
     _dispatch.record_batch(st, ev)
     _coverage.record_batch(st.coverage, ev.rank, ev.epoch, ev.offset, ev.samples, ev.step_count, rec.folded_step)
     if not advance_last_step:
