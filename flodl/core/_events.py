@@ -17,11 +17,8 @@ Don't subclass these.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import asdict, dataclass, fields
-from functools import partial
-from itertools import repeat
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Optional
 
 __all__ = [
     "Event",
@@ -286,27 +283,11 @@ def _slot_setter(cls: type, name: str) -> Any:
     return next(k.__dict__[name] for k in cls.__mro__ if name in k.__dict__).__set__
 
 
-_BATCH_SETTERS = {name: _slot_setter(BatchDone, name) for name in BatchDone.__dataclass_fields__}
-_BATCH_COLUMNS = frozenset(_BATCH_SETTERS) - {"now", "rank"}
-_new = object.__new__
-_drain: Callable[[Iterable[Any]], Any] = partial(deque, maxlen=0)  # runs an iterator to its end, keeping nothing
-
-
-def batches_done(now: float, rank: int, n: int, columns: dict[str, Iterable[Any]]) -> tuple[BatchDone, ...]:
-    """The ``BatchDone`` of each of ``n`` batches of one frame, built column by column:
-    ``columns`` maps every other field to its ``n`` values, in order. The same events as
-    ``BatchDone(now=now, rank=rank, ...)`` one by one, at half the cost: a frozen
-    dataclass's ``__init__`` sets each field through ``object.__setattr__`` in Python,
-    here C-level maps fill the slots (a frame carries up to 64 batches; every batch of
-    the run goes through here)."""
-    if columns.keys() != _BATCH_COLUMNS:
-        raise TypeError(f"batches_done: columns {sorted(columns)} are not {sorted(_BATCH_COLUMNS)}")
-    out = list(map(_new, repeat(BatchDone, n)))
-    _drain(map(_BATCH_SETTERS["now"], out, repeat(now, n)))
-    _drain(map(_BATCH_SETTERS["rank"], out, repeat(rank, n)))
-    for name, values in columns.items():
-        _drain(map(_BATCH_SETTERS[name], out, values))
-    return tuple(out)
+# Each BatchDone field's slot setter, by name: what ``_translate`` builds a frame's
+# batches with (``object.__new__`` then one C-level set per field: 1.7 us a batch, where
+# the frozen dataclass's ``__init__``, which sets each field through ``object.__setattr__``
+# in Python, took 3.5). Whoever builds so sets every field (tests/unit/core/test_translate_batches.py).
+BATCH_DONE_SETTERS = {name: _slot_setter(BatchDone, name) for name in BatchDone.__dataclass_fields__}
 
 
 def _batch_done(b: "BatchDone | dict") -> BatchDone:

@@ -22,11 +22,9 @@ from ._events import (
     RankResynced,
     StoreReady,
     SyncAcked,
+    BATCH_DONE_SETTERS,
     UNPINNED,
-    batches_done,
 )
-from operator import attrgetter
-
 from flodl.wire import pb
 
 __all__ = ["hello_event", "hello_oversized", "timing_event", "metrics_event", "MAX_SIG_BYTES", "MAX_HOST_CHARS",
@@ -79,38 +77,32 @@ def hello_event(now: float, route: tuple[bytes, ...], env: pb.Envelope, agent: s
 _INF = float("inf")
 
 
+_new = object.__new__
+(_set_now, _set_rank, _set_batch_ms, _set_data_ms, _set_step_count, _set_loss, _set_samples, _set_epoch, _set_offset,
+ _set_lr, _set_sync_divergence, _set_wait_ms) = (
+    BATCH_DONE_SETTERS[name] for name in ("now", "rank", "batch_ms", "data_ms", "step_count", "loss", "samples",
+                                          "epoch", "offset", "lr", "sync_divergence", "wait_ms"))  # fmt: skip
+assert len(BATCH_DONE_SETTERS) == 12, "a new BatchDone field must be set in _batch"
+
+
 def _batch(now: float, rank: int, b: pb.Timing.Batch) -> BatchDone:
-    return BatchDone(
-        now=now,
-        rank=rank,
-        batch_ms=b.batch_ms,
-        data_ms=b.data_ms,
-        step_count=b.step_count,
-        loss=b.batch_loss,
-        samples=b.samples,
-        epoch=b.epoch,
-        offset=b.offset,
-        lr=b.lr,
-        sync_divergence=_opt(b, "sync_divergence"),
-        wait_ms=b.wait_ms if 0.0 < b.wait_ms < _INF else 0.0,  # a hostile NaN / inf / negative: none
-    )
-
-
-# BatchDone's fields read off each Timing.Batch as they are (the rest: ``_batches``).
-_BATCH_FIELDS = {"batch_ms": "batch_ms", "data_ms": "data_ms", "step_count": "step_count", "loss": "batch_loss",
-                 "samples": "samples", "epoch": "epoch", "offset": "offset", "lr": "lr"}  # fmt: skip
-_BATCH_GETTERS = [(name, attrgetter(field)) for name, field in _BATCH_FIELDS.items()]
-_WAIT_MS = attrgetter("wait_ms")
-
-
-def _batches(now: float, rank: int, batches) -> tuple[BatchDone, ...]:
-    """``_batch`` of each of a frame's batches, read and built column by column
-    (``batches_done``): every batch of a run comes through here, ~25 to a frame."""
-    bl = list(batches)
-    columns = {name: map(get, bl) for name, get in _BATCH_GETTERS}
-    columns["sync_divergence"] = [b.sync_divergence if b.HasField("sync_divergence") else None for b in bl]
-    columns["wait_ms"] = [w if 0.0 < w < _INF else 0.0 for w in map(_WAIT_MS, bl)]  # as _batch
-    return batches_done(now, rank, len(bl), columns)
+    """The ``BatchDone`` a ``Timing.Batch`` says, its slots set one by one (every batch
+    of a run comes through here: ``BATCH_DONE_SETTERS``)."""
+    ev = _new(BatchDone)
+    _set_now(ev, now)
+    _set_rank(ev, rank)
+    _set_batch_ms(ev, b.batch_ms)
+    _set_data_ms(ev, b.data_ms)
+    _set_step_count(ev, b.step_count)
+    _set_loss(ev, b.batch_loss)
+    _set_samples(ev, b.samples)
+    _set_epoch(ev, b.epoch)
+    _set_offset(ev, b.offset)
+    _set_lr(ev, b.lr)
+    _set_sync_divergence(ev, b.sync_divergence if b.HasField("sync_divergence") else None)
+    w = b.wait_ms
+    _set_wait_ms(ev, w if 0.0 < w < _INF else 0.0)  # a hostile NaN / inf / negative: none
+    return ev
 
 
 def timing_event(now: float, t: pb.Timing):
@@ -120,7 +112,7 @@ def timing_event(now: float, t: pb.Timing):
     if kind == "batch":
         return _batch(now, r, t.batch)
     if kind == "batches":
-        return BatchesDone(now=now, rank=r, batches=_batches(now, r, t.batches.batch))
+        return BatchesDone(now=now, rank=r, batches=tuple([_batch(now, r, b) for b in t.batches.batch]))
     if kind == "sync_ack":
         a = t.sync_ack
         return SyncAcked(

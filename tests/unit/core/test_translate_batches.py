@@ -1,6 +1,7 @@
-"""A frame of batches is translated column by column (``_translate._batches``, built by
-``_events.batches_done``): the events must be those ``_batch`` builds one by one, field
-for field, whatever a rank (or a hostile peer) wrote in them."""
+"""A batch is translated by setting its event's slots one by one (``_translate._batch``,
+``_events.BATCH_DONE_SETTERS``, not the frozen dataclass's ``__init__``): the events must
+be those the constructor builds, field for field and type for type, whatever a rank (or
+a hostile peer) wrote in them -- one batch to a frame, or many."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flodl.core import BatchDone, BatchesDone
-from flodl.core._events import batches_done
-from flodl.core._translate import _batch, timing_event
+from flodl.core._translate import timing_event
 from flodl.wire import pb
 
 FLOATS = st.floats(allow_nan=True, allow_infinity=True, width=32)
@@ -35,32 +35,35 @@ def _same(a: BatchDone, b: BatchDone) -> bool:  # field by field, NaN equal to N
     return True
 
 
+def _reference(now: float, rank: int, b: pb.Timing.Batch) -> BatchDone:  # as the constructor built it before
+    w = b.wait_ms
+    return BatchDone(now=now, rank=rank, batch_ms=b.batch_ms, data_ms=b.data_ms, step_count=b.step_count,
+                     loss=b.batch_loss, samples=b.samples, epoch=b.epoch, offset=b.offset, lr=b.lr,
+                     sync_divergence=b.sync_divergence if b.HasField("sync_divergence") else None,
+                     wait_ms=w if 0.0 < w < math.inf else 0.0)  # fmt: skip
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(BATCH, min_size=1, max_size=64), st.floats(min_value=0, max_value=1e6), st.integers(0, 4095))
-def test_a_frame_of_batches_is_each_batch_as_one_frame_would_say_it(batches, now, rank):
+def test_a_frame_s_batches_are_the_events_the_constructor_builds(batches, now, rank):
     t = pb.Timing(rank=rank)
     for b in batches:
         t.batches.batch.add(**b)
     ev = timing_event(now, t)
     assert type(ev) is BatchesDone and len(ev.batches) == len(batches)
     for got, b in zip(ev.batches, t.batches.batch):
-        assert _same(got, _batch(now, rank, b))
-    # a hostile wait is none, as one frame says it
-    assert all(0.0 <= x.wait_ms < math.inf for x in ev.batches)
+        assert _same(got, _reference(now, rank, b))
+    assert all(0.0 <= x.wait_ms < math.inf for x in ev.batches)  # a hostile wait is none
+    one = timing_event(now, pb.Timing(rank=rank, batch=t.batches.batch[0]))
+    assert type(one) is BatchDone and _same(one, _reference(now, rank, t.batches.batch[0]))
 
 
-def test_batches_done_refuses_columns_that_leave_a_field_unset():
-    with pytest.raises(TypeError, match="columns"):
-        batches_done(1.0, 0, 1, {"batch_ms": [1.0]})
-
-
-def test_a_column_built_event_compares_hashes_and_pickles_as_a_constructed_one():
+def test_a_slot_built_event_compares_hashes_pickles_and_stays_frozen_as_a_constructed_one():
     import pickle
 
-    cols = {"batch_ms": [1.0], "data_ms": [0.5], "step_count": [3], "loss": [0.25], "samples": [32], "epoch": [0],
-            "offset": [64], "lr": [0.1], "sync_divergence": [None], "wait_ms": [0.0]}  # fmt: skip
-    (got,) = batches_done(2.0, 5, 1, cols)
-    ref = BatchDone(now=2.0, rank=5, **{k: v[0] for k, v in cols.items()})
-    assert got == ref and hash(got) == hash(ref) and pickle.loads(pickle.dumps(got)) == ref
-    with pytest.raises(AttributeError):  # still frozen
+    b = pb.Timing.Batch(batch_ms=1.0, data_ms=0.5, step_count=3, batch_loss=0.25, samples=32, offset=64, lr=0.1)
+    got = timing_event(2.0, pb.Timing(rank=5, batch=b))
+    ref = _reference(2.0, 5, b)
+    assert got == ref and hash(got) == hash(ref) and pickle.loads(pickle.dumps(got)) == ref and repr(got) == repr(ref)
+    with pytest.raises(AttributeError):
         got.rank = 1  # type: ignore[misc]
