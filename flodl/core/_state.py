@@ -343,6 +343,12 @@ class CadenceState:
     dropped_open: set[int] = field(default_factory=set)
     parked: set[int] = field(default_factory=set)
     alive_counts: Optional[tuple[int, list[int], int, bool]] = None  # (+ calibrated or speed-hinted)
+    # The Throttle's floor (``max_batch_diff``): a lazy min-heap of (window steps, rank)
+    # lower bounds, rebuilt when a window mark moves (``marks_version``) or the ACTIVE set
+    # changes (a new process's steps restart at 0) -- ``_dispatcher._min_window_steps``.
+    marks_version: int = 0
+    steps_floor: list[tuple[int, int]] = field(default_factory=list)
+    steps_floor_key: tuple[int, int] = (-1, -1)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CadenceState):

@@ -584,14 +584,34 @@ def _check_throttle(st: CoordinatorState, rank: int, out: list[Command]) -> bool
     cad = st.cadence
     if m is None or rank in cad.throttled:
         return False
-    if any(rec.phase is not ACTIVE for rec in st.ranks):
+    if st.alive_count() < len(st.ranks):
         return False  # a rank is gone: the spread is no longer meaningful (spec: active < ws)
-    steps = [window_steps(st, r) for r in range(len(st.ranks))]
-    if steps[rank] > min(steps) + m:
+    if window_steps(st, rank) > _min_window_steps(st) + m:
         cad.throttled.add(rank)
         st.send(out, rank, throttle=pb.Control.Throttle())
         return True
     return False
+
+
+def _min_window_steps(st: CoordinatorState) -> int:
+    """The fewest steps any rank ran of its window (``window_steps``), asked per batch
+    under ``max_batch_diff``: a walk over every rank made each batch O(N). A heap of lower
+    bounds instead -- a rank's window steps only grow between two rebuilds (a window mark
+    that moves, a new process counting from 0, are both keyed), so a fresh top is the
+    minimum and a stale one is put back at its current value: O(log N) a batch, amortised."""
+    cad = st.cadence
+    key = (cad.marks_version, st.index.alive_version)
+    heap = cad.steps_floor
+    if cad.steps_floor_key != key or not heap:
+        heap = cad.steps_floor = [(window_steps(st, r), r) for r in range(len(st.ranks))]
+        heapq.heapify(heap)
+        cad.steps_floor_key = key
+    while True:
+        low, r = heap[0]
+        now = window_steps(st, r)
+        if now == low:
+            return low
+        heapq.heapreplace(heap, (now, r))
 
 
 def new_pool(st: CoordinatorState, epoch: int, total: int) -> ChunkPool:
@@ -819,6 +839,7 @@ class CadenceDispatcher:
         cad = st.cadence
         recs = st.ranks  # the next window starts here
         cad.window_mark.update([(r, recs[r].last_step) for r in ranks])
+        cad.marks_version += 1
         cad.barrier_at = None
         rearm(st)
         # Everything sent here goes before the RequestParams (the caller's): the round
@@ -896,6 +917,7 @@ class CadenceDispatcher:
         cad.in_flight.pop(rank, None)
         cad.throttled.discard(rank)
         cad.window_mark[rank] = 0
+        cad.marks_version += 1
         el = cad.elche
         others = [c for c, rec in zip(el.batch_counts, st.ranks) if rec.phase is ACTIVE and rec.rank != rank]
         probe = st.config.probe_batches or st.config.anchor
