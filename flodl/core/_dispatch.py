@@ -152,7 +152,7 @@ _START_TAG = tag(pb.Control.DESCRIPTOR.fields_by_name["start_epoch"].number, LEN
 
 def plan_wire(epoch: int, offset: int, size: int) -> bytes:
     """An ``EpochPlan``'s bytes as protobuf writes them (proto3: zeros left out)."""
-    parts = []
+    parts: list[bytes] = []
     if epoch:
         parts += (_EPOCH, varint(epoch))
     if offset:
