@@ -440,7 +440,8 @@ def _ingest_batch(st: CoordinatorState, ev: BatchDone, out: list[Command], *, ad
     rec = st.ranks[ev.rank]
     if advance_last_step:
         rec.last_step = ev.step_count
-    rec.count_batch(ev.samples, ev.batch_ms + ev.data_ms, ev.wait_ms)  # (wait_ms: sane by then, the wire's translation zeroes a hostile one)
+    # (wait_ms is sane by then: the wire's translation zeroes a hostile one)
+    rec.count_batch(ev.samples, ev.batch_ms + ev.data_ms, ev.wait_ms)
     _dispatch.record_batch(st, ev)
     _coverage.record_batch(st.coverage, ev.rank, ev.epoch, ev.offset, ev.samples, ev.step_count, rec.folded_step)
     if not advance_last_step:
