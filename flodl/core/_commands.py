@@ -80,7 +80,7 @@ class Send(Command):
         """``Send.built`` to each of ``ranks``, numbered from ``first_id`` in order. The
         same ``args`` for all: their message differs only in its ``command_id``, so its
         body is serialised once for all of them (``wire``)."""
-        return cls.each_of(ranks, first_id, kind, build, repeat(args), _SharedBody(build, args))
+        return cls.each_of(ranks, first_id, kind, build, repeat(args), _SharedBody(build))
 
     @classmethod
     def each_of(cls, ranks: Iterable[int], first_id: int, kind: str, build: Callable[..., None],
@@ -167,22 +167,22 @@ def command_id_field(command_id: int) -> bytes:
 
 
 class _SharedBody:
-    """The body a broadcast's Sends share (``Send.each``): ``build(pb.Control(), *args)``
-    serialised on first use, for all of them, behind each one's own ``command_id`` --
-    field 1, which protobuf writes first, so these are ``control.SerializeToString()``'s
-    bytes. ``args`` change no more than a recipe's may."""
+    """The body a broadcast's Sends share (``Send.each``: the same ``args`` for all):
+    ``build(pb.Control(), *args)`` serialised on first use, for all of them, behind each
+    one's own ``command_id`` -- field 1, which protobuf writes first, so these are
+    ``control.SerializeToString()``'s bytes."""
 
-    __slots__ = ("build", "args", "_bytes")
+    __slots__ = ("build", "_bytes")
 
-    def __init__(self, build: Callable[..., None], args: tuple) -> None:
-        self.build, self.args = build, args
+    def __init__(self, build: Callable[..., None]) -> None:
+        self.build = build
         self._bytes: bytes | None = None
 
-    def __call__(self, command_id: int, *_args: Any) -> bytes:
+    def __call__(self, command_id: int, *args: Any) -> bytes:
         data = self._bytes
         if data is None:
             ctl = pb.Control()
-            self.build(ctl, *self.args)
+            self.build(ctl, *args)
             data = self._bytes = ctl.SerializeToString()
         return command_id_field(command_id) + data
 

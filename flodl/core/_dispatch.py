@@ -121,7 +121,7 @@ def send_plan(st: CoordinatorState, out: list[Command], rank: int, epoch: int, o
               role: Optional[int] = None) -> None:  # fmt: skip
     """``StartEpoch{plan, epoch_callback_role}`` to ``rank``, built when the shell sends
     it (a dispatch sends one per rank: ``CoordinatorState.send_built``)."""
-    st.send_built(out, rank, "start_epoch", _start_epoch, (epoch, offset, size, role))  # (one: built when read)
+    st.send_built(out, rank, "start_epoch", _start_epoch, (epoch, offset, size, role))
 
 
 def send_plans(st: CoordinatorState, out: list[Command], epoch: int, plans: dict[int, tuple[int, int]],
@@ -150,7 +150,7 @@ _START_PLAN, _START_ROLE = tag(_START_FIELDS["plan"].number, LEN), tag(_START_FI
 _START_TAG = tag(pb.Control.DESCRIPTOR.fields_by_name["start_epoch"].number, LEN)
 
 
-def plan_wire(epoch: int, offset: int, size: int) -> bytes:
+def _plan_wire(epoch: int, offset: int, size: int) -> bytes:
     """An ``EpochPlan``'s bytes as protobuf writes them (proto3: zeros left out)."""
     parts: list[bytes] = []
     if epoch:
@@ -166,7 +166,7 @@ def _start_epoch_wire(command_id: int, epoch: int, offset: int, size: int, role:
     """``_start_epoch``'s Control as protobuf serialises it, written without building it
     (a dispatch sends one to every rank; tests/unit/core/test_send_wire.py): the plan is
     always present (its fields are set, even to 0), the role when given."""
-    plan = plan_wire(epoch, offset, size)
+    plan = _plan_wire(epoch, offset, size)
     body = b"".join((_START_PLAN, varint(len(plan)), plan, b"" if role is None else _START_ROLE + varint(role)))
     return b"".join((command_id_field(command_id), _START_TAG, varint(len(body)), body))
 

@@ -602,7 +602,7 @@ def _min_window_steps(st: CoordinatorState) -> int:
     cad = st.cadence
     key = (cad.marks_version, st.index.alive_version)
     heap = cad.steps_floor
-    if cad.steps_floor_key != key or not heap:
+    if cad.steps_floor_key != key:  # (the first ask too: the key starts at (-1, -1))
         heap = cad.steps_floor = [(window_steps(st, r), r) for r in range(len(st.ranks))]
         heapq.heapify(heap)
         cad.steps_floor_key = key
