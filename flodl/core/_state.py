@@ -320,6 +320,9 @@ class CadenceState:
     last_lr: dict[int, float] = field(default_factory=dict)  # rank -> latest BatchDone.lr > 0
     last_wait_ms: dict[int, float] = field(default_factory=dict)  # rank -> latest BatchDone.wait_ms > 0
     last_sync_ms: float = 0.0  # what the last finished round delayed training (ms; see _feedback)
+    # The longest batch any rank reported (ms, capped at the liveness timeout): how long an
+    # open round may wait for a rank to reach a batch boundary (``_boundary.run_ahead_room``).
+    slowest_batch_ms: float = 0.0
     barrier_at: Optional[float] = None  # open round: when every rank reached its window end
     exposed_s: float = 0.0  # total time rounds delayed the next window (summary)
     averages: dict[int, int] = field(default_factory=dict)  # epoch -> rounds finished in it

@@ -27,9 +27,11 @@ batches) that wait is a large part of every epoch -- 6.5-10 % of the run on a
   in order, by ``_metrics`` -- once all its positions are committed, whatever else is in
   flight. ``_run`` finds the next epoch dispatched already and lets it run.
 * **The last epoch still ends at a barrier.** Nothing takes over after it, so its last
-  window keeps the final-window plan (``_chunk_pool.final_window_alloc``: no rank ends on
-  a lone batch). Earlier epochs need none: their last window continues into the next.
-  ``_dispatcher.ends_at_a_barrier`` is that rule.
+  window keeps a final-window plan, split by time (``_chunk_pool.balance_last_window``:
+  it ends as early as any split could, the batches a rank still holds counted; the
+  reference's split by counts, with no lone batch, protects a next window's sizing that
+  the run's last window does not have). Earlier epochs need none: their last window
+  continues into the next. ``_dispatcher.ends_at_a_barrier`` is that rule.
 * **Callback slack follows the callbacks.** ``EpochAggregated{e}`` (the epoch function),
   a boundary checkpoint and eval now reach the ranks while they train ``e + 1``: the
   slack is staged when ``e`` aggregates (``CadenceDispatcher.on_epoch_aggregated``), so
@@ -44,15 +46,16 @@ batches) that wait is a large part of every epoch -- 6.5-10 % of the run on a
   used to idle until the slowest ended its own. Now, while the gate still waits for a
   rank that is training (or for an open round), an idle rank at its barrier is handed
   more batches: as many as fit in the wait at its pace (``gate_wait_ms``, ElChe's smoothed
-  paces; one batch while they are unknown), at most one more window in all
-  (``run_ahead_room``); a wait that outlasts what it ran ahead so far (the gate later
-  than its wall) gets as much again. The chunk goes out before the rank runs dry: a
+  paces; one batch while they are unknown), at most one more window in all, or two of
+  the slowest batch yet seen when that is longer (``run_ahead_room``); a wait that
+  outlasts what it ran ahead so far (the gate later than its wall) gets as much again. The chunk goes out before the rank runs dry: a
   report that leaves no more of a window-ending chunk than its next report and a
   turnaround extends that chunk (``top_up``). A batch reported before the trigger is one more step of this
   window (folded by the round, weighted by steps like any other); one reported after it
   is the next window's first (the mark moves to the last step reported): the gate, the
-  sizing and the folding count them exactly as before. The run's last window is left to
-  the final-window plan (nothing is run ahead once what is left fits in it).
+  sizing and the folding count them exactly as before. Once the run's last window is pinned,
+  its plan splits all that is left (nothing more is run ahead); a chunk run ahead into
+  it before the pin is work the plan counts as held.
 * **The last window's fragments go to whoever is still training** (``leaves_the_tail``).
 
 Checkpoints and resume are Async's: the save taken when ``e`` aggregates records the
@@ -62,6 +65,7 @@ same consensus), which a resume dispatches only the holes of.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from . import _async, _slack
@@ -73,11 +77,10 @@ from ._dispatcher import (
     _send_plan,
     _take_window,
     _take,
-    ends_at_a_barrier,
     window_steps,
     windows_done,
 )
-from ._views import absorb_released, counts_changed, counts_view, drop_wake, rearm
+from ._views import absorb_released, counts_changed, drop_wake, rearm
 from .._commands import Command
 from .._phases import ACTIVE, PENDING, TRAINING
 from .._state import CadenceState, CoordinatorState
@@ -231,11 +234,21 @@ def run_ahead_room(st: CoordinatorState, rank: int) -> int:
     """Batches the rank may still run past its window before the trigger: up to one more
     window (``2 x max(budget, anchor)`` in all: the probe window's budget is 1), so a rank
     that hangs mid-window lets the others run at most a window ahead until it is declared
-    dead."""
+    dead -- and at least two of the slowest batch yet seen past its budget, at its own
+    pace: a round waits for every rank to end the batch it is in, twice (to snapshot, then
+    to apply the consensus), and while windows are a batch or two (the probe) one window
+    was far shorter than that: a 1,1,2,3,5,8 rig's fast ranks idled 80 ms of their first
+    round for a slow batch to end."""
     cad = st.cadence
     assert cad is not None
     budget = _budget(st, rank)
-    return max(0, 2 * max(budget, cad.elche.anchor) - window_steps(st, rank))
+    room = 2 * max(budget, cad.elche.anchor)
+    rec = st.ranks[rank]
+    if cad.slowest_batch_ms > 0.0 and rec.batches and rec.train_ms > 0.0:
+        own_ms = rec.train_ms / rec.batches
+        slow = budget + math.ceil(2.0 * cad.slowest_batch_ms / own_ms)
+        room = slow if slow > room else room
+    return max(0, room - window_steps(st, rank))
 
 
 def gate_wait_ms(st: CoordinatorState) -> float:
@@ -299,16 +312,19 @@ def _run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, pending: int,
     cad = st.cadence
     assert cad is not None
     room = run_ahead_room(st, rank) - pending
-    if room <= 0:
-        return False
+    if room <= 0 or cad.final_plan is not None:
+        return False  # (the run's last window is pinned: its plan splits all that is left)
     epoch = _async.source_epoch(st)
     if epoch is None or (extend_epoch is not None and epoch != extend_epoch):
         return False
     if epoch not in cad.pools:
         _async._open(st, epoch, rank, out)
+    # A chunk run ahead into what the run's last window will split is not lost to its
+    # plan: the pin counts it as held (``FinalWindowPlan.base``) and splits the rest by
+    # time around it. (Refused before, when windows were most of an epoch the whole last
+    # epoch was that window, and every rank idled at its start for the trigger: 30 ms a
+    # rank on a 1,1,2,3,5,8 rig.)
     left = _batches(cad.pools[epoch].remaining(), st.config.batch_size)
-    if ends_at_a_barrier(st, epoch) and left < counts_view(st)[2] + len(st.ranks):  # the final-window regime
-        return False  # the run's last window is next: its final-window plan splits what is left
     ms = cad.elche.smoothed_ms_per_batch(rank)
     # Every chunk costs the rank a turnaround (its last report to the coordinator, the
     # plan back) with nothing to train: a chunk shorter than that idles the rank more

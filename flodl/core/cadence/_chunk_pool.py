@@ -30,7 +30,8 @@ Dispatch math (pure functions of the schedule, no pool mutation):
 * :func:`compute_chunk_batches` -- the next chunk for one rank (§8.6): final-window slot,
   edge schedule, one-window chunk (barrier-paced), probe, or proportional.
 * :func:`final_window_alloc` / :func:`refresh_final_window_plan` -- the epoch's last window
-  split so that no rank ends with a lone 1-batch window (§8.7).
+  split so that no rank ends with a lone 1-batch window (§8.7); :func:`balance_last_window`
+  -- the run's last one split by time instead (nothing is sized after it).
 
 Everything is in samples unless a name says batches. No clock, no I/O.
 """
@@ -53,6 +54,7 @@ __all__ = [
     "compute_chunk_batches_each",
     "explain_chunk_batches",
     "final_window_alloc",
+    "balance_last_window",
     "consolidate_lone_ones",
     "fastest_alive_rank",
     "FinalWindowPlan",
@@ -615,6 +617,49 @@ def final_window_alloc(rem: int, counts: Sequence[int], alive: Sequence[bool]) -
     for i in range(left):
         alloc[frac[i % len(frac)][0]] += 1
     return consolidate_lone_ones(alloc, alive)
+
+
+def balance_last_window(
+    alloc: Sequence[int], ms: Sequence[float], held: Sequence[int], alive: Sequence[bool]
+) -> list[int]:
+    """The run's last window split to end as early as it can: batches move, one at a time,
+    from the rank that would finish last to the one that would finish a batch soonest,
+    while that ends earlier (``held[r]`` batches still in hand, ``ms[r]`` a batch). Nothing
+    is sized after this window, so the lone-1 rule (a one-batch window leaves ElChe no
+    marginal reading for the next) has nothing to protect; by counts alone, the remainder's
+    crumb went to the slowest ranks and a 1,1,2,3,5,8 rig's run ended one slow batch late.
+
+    Optimal for equal batches (what cannot move any more ends no later than every other
+    split could); ``alloc`` unchanged when an alive rank's pace is unknown. Deterministic:
+    ties go to the lower rank. O(moves x log N): heaps, their stale entries dropped at the top."""
+    out = list(alloc)
+    live = [r for r in range(len(out)) if alive[r]]
+    if len(live) < 2 or any(not (ms[r] > 0.0) for r in live):
+        return out
+    ends = [(held[r] + out[r]) * ms[r] if alive[r] else 0.0 for r in range(len(out))]
+    last = [(-ends[r], r) for r in live if out[r] > 0]  # who ends last (a max-heap)
+    soon = [(ends[r] + ms[r], r) for r in live]  # who would end a batch more soonest
+    heapq.heapify(last)
+    heapq.heapify(soon)
+    while last:
+        neg, giver = last[0]
+        if out[giver] == 0 or -neg != ends[giver]:
+            heapq.heappop(last)
+            continue
+        while soon[0][0] != ends[soon[0][1]] + ms[soon[0][1]]:
+            heapq.heappop(soon)
+        nxt, taker = soon[0]
+        if taker == giver or not nxt < ends[giver]:
+            return out
+        out[giver] -= 1
+        out[taker] += 1
+        ends[giver] -= ms[giver]
+        ends[taker] = nxt
+        heapq.heapreplace(soon, (nxt + ms[taker], taker))
+        heapq.heappush(soon, (ends[giver] + ms[giver], giver))
+        heapq.heapreplace(last, (-ends[giver], giver))
+        heapq.heappush(last, (-nxt, taker))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

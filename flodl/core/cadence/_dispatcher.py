@@ -95,6 +95,7 @@ from flodl.wire import pb
 from .. import _coverage, _dispatch
 from . import _feedback, _slack
 from ._chunk_pool import (
+    balance_last_window,
     ChunkPool,
     compute_chunk_batches,
     compute_chunk_batches_each,
@@ -265,11 +266,23 @@ def _pin(st: CoordinatorState, epoch: int) -> None:
         # every rank "leave the tail" at once to the one still training, which then
         # trained the rest of the run alone, a chunk at a time (seen at 256 ranks).
         bs, base = st.config.batch_size, [window_steps(st, r) for r in range(len(st.ranks))]
+        held = [0] * len(st.ranks)
         for r, (e, _off, _n) in cad.in_flight.items():
-            held = cad.pools[e].in_flight(r) if e in cad.pools else 0
-            base[r] += _batches(held, bs)
-        plan = replace(plan, base=tuple(base))
+            held[r] = _batches(cad.pools[e].in_flight(r), bs) if e in cad.pools else 0
+            base[r] += held[r]
+        alloc = plan.alloc
+        if epoch + 1 >= st.config.num_epochs:  # the run's last window: split it by time
+            alloc = tuple(balance_last_window(alloc, _paces(st), held, plan.pinned_alive))
+        plan = replace(plan, alloc=alloc, base=tuple(base))
     cad.final_plan = plan
+
+
+def _paces(st: CoordinatorState) -> list[float]:
+    """Each rank's ms per batch: ElChe's smoothed reading, else the mean of what it reported
+    (0.0: unknown)."""
+    smoothed = st.cadence.elche.ms_per_batch()
+    return [ms if ms > 0.0 else (rec.train_ms / rec.batches if rec.batches else 0.0)
+            for ms, rec in zip(smoothed, st.ranks)]  # fmt: skip
 
 
 def ends_at_a_barrier(st: CoordinatorState, epoch: int) -> bool:
@@ -818,6 +831,9 @@ class CadenceDispatcher:
             cad.last_lr[r] = ev.lr
         if ev.wait_ms > 0.0:  # (the wire's translation zeroed a hostile one)
             cad.last_wait_ms[r] = ev.wait_ms  # its latest turnaround: what a run-ahead chunk must outlast
+        spent = ev.batch_ms + ev.data_ms
+        if spent > cad.slowest_batch_ms:  # (a NaN compares false: never taken)
+            cad.slowest_batch_ms = min(spent, st.config.liveness_timeout_s * 1e3)
         pool = cad.pools.get(ev.epoch)
         if pool is not None and ev.samples > 0:
             pool.mark_completed(r, ev.samples)

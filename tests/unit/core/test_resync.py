@@ -497,7 +497,8 @@ def test_a_journal_that_lost_its_tail_fails_the_run_by_name(policy):
     it reconciled against that state and trained samples twice while the summary said
     exact. The first report ahead of the journal now fails the run, naming it."""
     c = _cluster(policy)
-    c.run_until(lambda: c.state.rounds.version >= 3)
+    c.run_until(lambda: c.state.rounds.version >= 2)
+    assert c.state.run.phase is TRAINING  # mid-run (the whole run is a few rounds)
     journal = c.crash()
     tail = len(journal) // 3  # events the host's disk never got (the world had formed before)
     lost_ids = max(x.control.command_id for ev, cmds in c.trace[-tail:] for x in cmds if isinstance(x, Send))
@@ -519,7 +520,8 @@ def test_a_journal_that_lost_its_tail_fails_the_run_by_name(policy):
 
 def test_a_journal_that_kept_its_tail_restarts_as_before():
     c = _cluster("cadence")
-    c.run_until(lambda: c.state.rounds.version >= 3)
+    c.run_until(lambda: c.state.rounds.version >= 2)
+    assert c.state.run.phase is TRAINING  # mid-run (the whole run is a few rounds)
     c.restart(c.crash())
     c.resync_all()
     res = c.run()
