@@ -230,8 +230,8 @@ class CoreConfig:
     run_ahead: bool = setting(
         True, help="cadence: a rank that ran its window while others still train theirs keeps training "
         "(at most one more window, or two of the slowest batch when longer) instead of idling at the reduce "
-        "barrier, in chunks that outlast the "
-        "wait and its last turnaround, sent before it runs dry; false: it waits there",
+        "barrier, in chunks that outlast the wait and its last turnaround, sent before it runs dry; false: "
+        "it waits there",
     )  # fmt: skip
     # -- checkpoints and failure policy (``_checkpointing``) ----------------------------
     checkpoint_every: int = setting(

@@ -153,6 +153,10 @@ class RankRecord:
             _set(self, "train_ms", self.train_ms + spent_ms)
         _set(self, "wait_ms", self.wait_ms + wait_ms)
 
+    def mean_batch_ms(self) -> float:
+        """The rank's ms per batch over the batches it reported (0.0: none yet)."""
+        return self.train_ms / self.batches if self.batches else 0.0
+
     def __setattr__(self, name: str, value: Any) -> None:
         index = getattr(self, "index", None) if name in INDEXED_FIELDS else None
         if index is None:

@@ -48,9 +48,9 @@ batches) that wait is a large part of every epoch -- 6.5-10 % of the run on a
   more batches: as many as fit in the wait at its pace (``gate_wait_ms``, ElChe's smoothed
   paces; one batch while they are unknown), at most one more window in all, or two of
   the slowest batch yet seen when that is longer (``run_ahead_room``); a wait that
-  outlasts what it ran ahead so far (the gate later than its wall) gets as much again. The chunk goes out before the rank runs dry: a
-  report that leaves no more of a window-ending chunk than its next report and a
-  turnaround extends that chunk (``top_up``). A batch reported before the trigger is one more step of this
+  outlasts what it ran ahead so far (the gate later than its wall) gets as much again.
+  The chunk goes out before the rank runs dry: a report that leaves no more of a
+  window-ending chunk than its next report and a turnaround extends that chunk (``top_up``). A batch reported before the trigger is one more step of this
   window (folded by the round, weighted by steps like any other); one reported after it
   is the next window's first (the mark moves to the last step reported): the gate, the
   sizing and the folding count them exactly as before. Once the run's last window is pinned,
@@ -243,9 +243,8 @@ def run_ahead_room(st: CoordinatorState, rank: int) -> int:
     assert cad is not None
     budget = _budget(st, rank)
     room = 2 * max(budget, cad.elche.anchor)
-    rec = st.ranks[rank]
-    if cad.slowest_batch_ms > 0.0 and rec.batches and rec.train_ms > 0.0:
-        own_ms = rec.train_ms / rec.batches
+    own_ms = st.ranks[rank].mean_batch_ms()
+    if cad.slowest_batch_ms > 0.0 and own_ms > 0.0:
         slow = budget + math.ceil(2.0 * cad.slowest_batch_ms / own_ms)
         room = slow if slow > room else room
     return max(0, room - window_steps(st, rank))

@@ -281,8 +281,7 @@ def _paces(st: CoordinatorState) -> list[float]:
     """Each rank's ms per batch: ElChe's smoothed reading, else the mean of what it reported
     (0.0: unknown)."""
     smoothed = st.cadence.elche.ms_per_batch()
-    return [ms if ms > 0.0 else (rec.train_ms / rec.batches if rec.batches else 0.0)
-            for ms, rec in zip(smoothed, st.ranks)]  # fmt: skip
+    return [ms if ms > 0.0 else rec.mean_batch_ms() for ms, rec in zip(smoothed, st.ranks)]
 
 
 def ends_at_a_barrier(st: CoordinatorState, epoch: int) -> bool:
