@@ -620,7 +620,8 @@ def final_window_alloc(rem: int, counts: Sequence[int], alive: Sequence[bool]) -
 
 
 def balance_last_window(
-    alloc: Sequence[int], ms: Sequence[float], held: Sequence[int], alive: Sequence[bool]
+    alloc: Sequence[int], ms: Sequence[float], held: Sequence[int], alive: Sequence[bool],
+    room: Optional[Sequence[int]] = None,
 ) -> list[int]:
     """The run's last window split to end as early as it can: batches move, one at a time,
     from the rank that would finish last to the one that would finish a batch soonest,
@@ -629,25 +630,50 @@ def balance_last_window(
     marginal reading for the next) has nothing to protect; by counts alone, the remainder's
     crumb went to the slowest ranks and a 1,1,2,3,5,8 rig's run ended one slow batch late.
 
-    Optimal for equal batches (what cannot move any more ends no later than every other
-    split could); ``alloc`` unchanged when an alive rank's pace is unknown. Deterministic:
-    ties go to the lower rank. O(moves x log N): heaps, their stale entries dropped at the top."""
+    ``room[r]``: the most the rank may take in this window (what its reduce budget leaves
+    it); a share past it would stop at the budget and leave a fragment for whoever asks
+    last. A split over it is brought under it first, when the others have room.
+
+    Optimal for equal batches within ``room`` (what cannot move any more ends no later than
+    every other split could); ``alloc`` unchanged when an alive rank's pace is unknown.
+    Deterministic: ties go to the lower rank. O(moves x log N): heaps, their stale entries
+    dropped at the top."""
     out = list(alloc)
     live = [r for r in range(len(out)) if alive[r]]
     if len(live) < 2 or any(not (ms[r] > 0.0) for r in live):
         return out
+    cap = list(room) if room is not None else [sum(out)] * len(out)
+    if sum(max(0, cap[r]) for r in live) < sum(out):
+        return out  # the window does not fit the budgets: nothing to gain by moving
     ends = [(held[r] + out[r]) * ms[r] if alive[r] else 0.0 for r in range(len(out))]
-    last = [(-ends[r], r) for r in live if out[r] > 0]  # who ends last (a max-heap)
-    soon = [(ends[r] + ms[r], r) for r in live]  # who would end a batch more soonest
-    heapq.heapify(last)
+
+    def fresh(entry: tuple[float, int]) -> bool:  # a ``soon`` entry still true
+        r = entry[1]
+        return out[r] < cap[r] and entry[0] == ends[r] + ms[r]
+
+    soon = [(ends[r] + ms[r], r) for r in live if out[r] < cap[r]]  # who would end a batch more soonest
     heapq.heapify(soon)
+    for r in live:  # a share past the rank's room: to whoever ends it soonest
+        while out[r] > cap[r]:
+            while not fresh(soon[0]):
+                heapq.heappop(soon)
+            nxt, taker = soon[0]
+            out[r] -= 1
+            ends[r] -= ms[r]
+            out[taker] += 1
+            ends[taker] = nxt
+            heapq.heapreplace(soon, (nxt + ms[taker], taker))
+    last = [(-ends[r], r) for r in live if out[r] > 0]  # who ends last (a max-heap)
+    heapq.heapify(last)
     while last:
         neg, giver = last[0]
         if out[giver] == 0 or -neg != ends[giver]:
             heapq.heappop(last)
             continue
-        while soon[0][0] != ends[soon[0][1]] + ms[soon[0][1]]:
+        while soon and not fresh(soon[0]):
             heapq.heappop(soon)
+        if not soon:
+            return out
         nxt, taker = soon[0]
         if taker == giver or not nxt < ends[giver]:
             return out

@@ -272,7 +272,8 @@ def _pin(st: CoordinatorState, epoch: int) -> None:
             base[r] += held[r]
         alloc = plan.alloc
         if epoch + 1 >= st.config.num_epochs:  # the run's last window: split it by time
-            alloc = tuple(balance_last_window(alloc, _paces(st), held, plan.pinned_alive))
+            room = [max(0, _budget(st, r) - b) for r, b in enumerate(base)]  # what each may run of it
+            alloc = tuple(balance_last_window(alloc, _paces(st), held, plan.pinned_alive, room))
         plan = replace(plan, alloc=alloc, base=tuple(base))
     cad.final_plan = plan
 

@@ -75,6 +75,31 @@ def test_the_split_is_as_early_as_any_other_on_small_worlds():
         assert balance_last_window(got, ms, held, alive) == got  # settled: nothing moves again
 
 
+def test_no_rank_is_given_more_than_its_room_and_the_split_is_still_the_earliest():
+    # Found in the simulator (seed 2 of 1,1,2,3,5,8): a share past the rank's reduce budget
+    # stopped at the budget and left a batch that the 81 ms rank took last.
+    rnd = random.Random(11)
+    for _ in range(300):
+        ws = rnd.randint(2, 4)
+        rem = rnd.randint(1, 8)
+        ms = [rnd.choice([5.0, 10.0, 11.0, 20.0, 33.0, 80.0]) for _ in range(ws)]
+        held, alive = [rnd.randint(0, 2) for _ in range(ws)], [True] * ws
+        room = [rnd.randint(0, 5) for _ in range(ws)]
+        if sum(room) < rem:
+            continue
+        ref = final_window_alloc(rem, [rnd.randint(1, 6) for _ in range(ws)], alive)
+        got = balance_last_window(ref, ms, held, alive, room)
+        assert sum(got) == rem and all(g <= c for g, c in zip(got, room)), (ref, room, got)
+        best = min(
+            _ends(list(split), ms, held)
+            for split in itertools.product(*(range(c + 1) for c in room))
+            if sum(split) == rem
+        )
+        assert _ends(got, ms, held) == pytest.approx(best), (rem, ms, held, room, ref, got)
+    # A window that does not fit the rooms is left as it was (nothing to gain by moving).
+    assert balance_last_window([3, 3], [10.0, 80.0], [0, 0], [True, True], [2, 2]) == [3, 3]
+
+
 def test_a_rank_still_holding_batches_gets_fewer():
     free = balance_last_window([3, 3], [10.0, 10.0], [0, 0], [True, True])
     loaded = balance_last_window([3, 3], [10.0, 10.0], [0, 4], [True, True])
