@@ -22,7 +22,10 @@ behave as Async here:
 * **Chunk sizing** (``_chunk_pool.compute_chunk_batches`` with ``barrier_paced=False``):
   no final-window plan; an uncalibrated probe chunk, then a chunk proportional to the
   rank's share of what is left, floored at 4 batches, always capped to what is left of
-  its budget -- so a chunk never crosses the reduce barrier.
+  its budget -- so a chunk never crosses the reduce barrier. With less than a window
+  left, a rank takes its window of what is left (the rest streams on into the next
+  epoch), except in the run's last pool: there its share by count, rounded up, so the
+  ranks end together instead of the first to ask holding the end (``_chunk_pool._share``).
 
 The gate is Cadence's (every alive rank ran its window ``counts[r]`` since the last
 trigger, or is throttled, or has no work left; no round open): the fast rank does not

@@ -316,6 +316,7 @@ def chunk_batches(st: CoordinatorState, rank: int, epoch: int) -> int:
         steps=plan.share_steps(rank, window_steps(st, rank)) if final else window_steps(st, rank),
         budget=_budget(st, rank),
         final_alloc=plan.alloc if final else None,
+        drains_run=epoch + 1 >= st.config.num_epochs,
     )
 
 
@@ -465,7 +466,8 @@ def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int], ahead: dic
         sized = [plan.share_steps(r, s) for r, s in zip(ranks, steps)]
     ns = compute_chunk_batches_each(ranks, sized, budgets, remaining_samples=remaining, counts=counts,
                                     counts_total=counts_total, batch_size=bs, barrier_paced=cad.barrier_paced,
-                                    calibrated=calibrated, total_samples=pool.total, final_alloc=final_alloc)  # fmt: skip
+                                    calibrated=calibrated, total_samples=pool.total, final_alloc=final_alloc,
+                                    drains_run=epoch + 1 >= st.config.num_epochs)  # fmt: skip
     if helds is None:  # (a formation, an epoch's first window: thousands of ranks) _capped:
         rooms = [b - s if b - s > 1 else 1 for s, b in zip(steps, budgets)]  # max(1, b - s)
         return {r: ((n if n < room else room) if b > 0 and n > 0 else n) for r, n, room, b in zip(ranks, ns, rooms, budgets)}
