@@ -16,7 +16,9 @@ behave as Async here:
 * **Reduce barrier** (``_overshoot.reduce_step_budget``): a rank may run
   ``counts[r] + max_overshoot`` steps past the last trigger (Cadence: ``counts[r]``);
   the look-ahead starts at 3 and moves with the guard's verdicts (Stable widens it by
-  one up to 15, NudgeDown resets it, ``OvershootBudget``). Only there is a rank held:
+  one up to 15, NudgeDown resets it, ``OvershootBudget``); while ElChe is uncalibrated
+  it is at least two of the slowest batch yet seen, at the rank's pace
+  (``_dispatcher._probe_look``). Only there is a rank held:
   never by a ``Throttle`` at a trigger (the policy is progressive), never to wait for
   a round to finish, never at an epoch end.
 * **Chunk sizing** (``_chunk_pool.compute_chunk_batches`` with ``barrier_paced=False``):

@@ -87,6 +87,7 @@ last batch); chunk sizing sees the remainder rounded up to whole batches.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import replace
 from typing import Optional, Protocol
 
@@ -176,7 +177,28 @@ def window_steps(st: CoordinatorState, rank: int) -> int:
 
 def _budget(st: CoordinatorState, rank: int) -> int:
     cad = st.cadence  # the policy's switch: Async (``_async``) adds its overshoot look-ahead
-    return cad.overshoot.budget_for(cad.elche.batch_counts[rank], overshoot=cad.overshoot_on)
+    count = cad.elche.batch_counts[rank]
+    if count > 0 and _probing(cad):
+        return count + _probe_look(st, rank, cad.overshoot.look_ahead(True))
+    return cad.overshoot.budget_for(count, overshoot=cad.overshoot_on)
+
+
+def _probing(cad: CadenceState) -> bool:
+    """Async while ElChe is uncalibrated: windows of a batch or two (``_probe_look``)."""
+    return cad.overshoot_on and not cad.elche.calibrated
+
+
+def _probe_look(st: CoordinatorState, rank: int, look: int) -> int:
+    """Async's look-ahead past a probe window: at least two of the slowest batch yet seen,
+    at the rank's own pace. The first rounds wait for every rank to end the batch it is
+    in, twice (to snapshot, then to apply the consensus); past a window of one batch, a
+    look-ahead of 3 left a 1,1,2,3,5,8 rig's fast ranks idle 120 ms of their first round.
+    (Cadence's run-ahead room has the same floor, ``_boundary.run_ahead_room``.)"""
+    own_ms, slow = st.ranks[rank].mean_batch_ms(), st.cadence.slowest_batch_ms
+    if own_ms > 0.0 and slow > 0.0:
+        floor = math.ceil(2.0 * slow / own_ms)
+        return floor if floor > look else look
+    return look
 
 
 def _alive_counts(st: CoordinatorState) -> list[int]:
@@ -458,7 +480,10 @@ def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int], ahead: dic
     steps = [recs[r].last_step - get(r, 0) for r in ranks]
     steps = [s if s > 0 else 0 for s in steps]  # window_steps
     look = over.look_ahead(on)  # _budget (``OvershootBudget.budget_for``) of each rank
-    budgets = [own[r] + look if own[r] > 0 else 0 for r in ranks]
+    if _probing(cad):
+        budgets = [own[r] + _probe_look(st, r, look) if own[r] > 0 else 0 for r in ranks]
+    else:
+        budgets = [own[r] + look if own[r] > 0 else 0 for r in ranks]
     helds = [ahead.get(r, 0) for r in ranks] if ahead else None  # the pinned plan's base already leaves them out of its share
     if final_alloc is None:
         sized = [s + h for s, h in zip(steps, helds)] if helds else steps
@@ -520,6 +545,7 @@ def _held_each(st: CoordinatorState, ranks: list[int]) -> dict[int, Optional[str
     cad = st.cadence
     recs, in_flight, throttled, marks = st.ranks, cad.in_flight, cad.throttled, cad.window_mark
     own, look = cad.elche.batch_counts, cad.overshoot.look_ahead(cad.overshoot_on)
+    probing = _probing(cad)
     out: dict[int, Optional[str]] = {}
     for r in ranks:
         rec = recs[r]
@@ -529,7 +555,8 @@ def _held_each(st: CoordinatorState, ranks: list[int]) -> dict[int, Optional[str
             out[r] = "one chunk in flight"
         elif r in throttled:
             out[r] = "throttled until the Update"
-        elif own[r] > 0 and rec.last_step - marks.get(r, 0) >= own[r] + look and rec.last_step > rec.folded_step:
+        elif (own[r] > 0 and rec.last_step - marks.get(r, 0) >= own[r] + (_probe_look(st, r, look) if probing else look)
+              and rec.last_step > rec.folded_step):  # fmt: skip
             out[r] = "reduce barrier"  # window_steps >= _budget > 0, with unfolded steps
         else:
             out[r] = None

@@ -322,3 +322,24 @@ def test_replay_rebuilds_the_same_state_and_commands():
     st = replay(c.config, c.journal, record=record)
     assert st == c.state
     assert record == c.commands
+
+
+def test_a_probe_windows_look_ahead_outlasts_the_slowest_batch():
+    # Uncalibrated, a window is a batch or two and the first rounds wait for the slowest
+    # rank to end its batch twice: past its window a rank may run two of the slowest batch
+    # yet seen, at its own pace, not just the look-ahead of 3 (a 1,1,2,3,5,8 rig's fast
+    # ranks idled 120 ms of their first round). Once calibrated, the look-ahead alone.
+    st = _state(2, 1)
+    st.cadence.elche.batch_counts = [1, 1]
+    st.ranks[0].count_batch(1, 10.0, 0.0)  # rank 0: 10 ms a batch
+    look = st.cadence.overshoot.look_ahead(True)
+    assert _budget(st, 0) == 1 + look  # no batch seen yet but its own: nothing slower known
+    st.cadence.slowest_batch_ms = 80.0
+    assert _budget(st, 0) == 1 + 16
+    st.ranks[0].last_step = 1 + look  # past the look-ahead of 3, within the probe's
+    assert _cadence._held(st, 0) is None and _cadence._held_each(st, [0]) == {0: None}
+    st.ranks[0].last_step = 1 + 16
+    st.ranks[0].folded_step = 0
+    assert _cadence._held(st, 0) == "reduce barrier" == _cadence._held_each(st, [0])[0]
+    st.cadence.elche.calibrated = True
+    assert _budget(st, 0) == 1 + look
