@@ -104,7 +104,10 @@ def test_cadence_checkpoints_when_every_rank_holds_the_last_consensus(speeds):
     c.feed = watching
     c.join_all()
     assert c.run().ok
-    assert seen == [("IDLE", True, True)] * 3
+    # One save per consensus that aggregated epochs: two epochs may aggregate at one
+    # (run-ahead folds two windows), each still with its own meta of that save.
+    assert seen and all(x == ("IDLE", True, True) for x in seen)
+    assert len(metas(c)) == 3
     assert all("elche" in m["meta"]["policy_state"] for m in metas(c))
 
 

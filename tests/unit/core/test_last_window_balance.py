@@ -155,3 +155,19 @@ def test_a_probe_windows_run_ahead_outlasts_the_slowest_batch():
     assert run_ahead_room(st, 0) == 1 + 20 - 8
     st.cadence.slowest_batch_ms = 20.0  # a slow batch shorter than the window room: no change
     assert run_ahead_room(st, 0) == 0
+
+
+def test_a_last_window_the_ranks_ran_ahead_into_past_their_budgets_is_not_pinned():
+    # Scenario 47's world (counts [45, 10, 9], 63 left: the final-window regime), but the
+    # ranks ran ahead into it: 40 / 8 / 7 steps of their windows already. What is left no
+    # longer fits what their budgets leave them (5 + 2 + 2 < 63): pinned, each share past a
+    # budget stopped there and the gate waited for counts the plan had cut short. Not the
+    # last window: it runs by counts, and the next trigger pins the rest.
+    st = _state(3, 10, total=63, epochs=1)
+    for _ in range(5):
+        st.cadence.elche.report_timing([200, 900, 1000], [10, 10, 10], 10)
+    _pool(st, 0, 63)
+    for r, s in enumerate((40, 8, 7)):
+        st.ranks[r].last_step = s
+    start_window(st, 0, [0, 1, 2])
+    assert st.cadence.final_plan is None
