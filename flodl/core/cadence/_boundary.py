@@ -65,7 +65,6 @@ same consensus), which a resume dispatches only the holes of.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from . import _async, _slack
@@ -77,6 +76,7 @@ from ._dispatcher import (
     _send_plan,
     _take_window,
     _take,
+    round_wait_batches,
     window_steps,
     windows_done,
 )
@@ -234,19 +234,12 @@ def run_ahead_room(st: CoordinatorState, rank: int) -> int:
     """Batches the rank may still run past its window before the trigger: up to one more
     window (``2 x max(budget, anchor)`` in all: the probe window's budget is 1), so a rank
     that hangs mid-window lets the others run at most a window ahead until it is declared
-    dead -- and at least two of the slowest batch yet seen past its budget, at its own
-    pace: a round waits for every rank to end the batch it is in, twice (to snapshot, then
-    to apply the consensus), and while windows are a batch or two (the probe) one window
-    was far shorter than that: a 1,1,2,3,5,8 rig's fast ranks idled 80 ms of their first
-    round for a slow batch to end."""
+    dead -- and at least ``round_wait_batches`` past its budget (two of the slowest batch
+    yet seen: the probe's windows are far shorter than a round's wait for them)."""
     cad = st.cadence
     assert cad is not None
     budget = _budget(st, rank)
-    room = 2 * max(budget, cad.elche.anchor)
-    own_ms = st.ranks[rank].mean_batch_ms()
-    if cad.slowest_batch_ms > 0.0 and own_ms > 0.0:
-        slow = budget + math.ceil(2.0 * cad.slowest_batch_ms / own_ms)
-        room = slow if slow > room else room
+    room = max(2 * max(budget, cad.elche.anchor), budget + round_wait_batches(st, rank))
     return max(0, room - window_steps(st, rank))
 
 

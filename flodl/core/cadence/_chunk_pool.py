@@ -446,7 +446,7 @@ def explain_chunk_batches(
     total = sum(counts) if counts_total is None else counts_total
     if total > 0 and rem < total:
         if drains_run and not barrier_paced and counts[rank] > 0:
-            return cap(_share(rem, counts[rank], total)), "the run's last window: its share of what is left"
+            return cap(_share(rem, counts[rank], total)), "the run's last pool: its share of what is left"
         return cap(min(counts[rank], rem)), "edge schedule: less than one window left"
     if barrier_paced and counts[rank] > 0:
         return min(counts[rank], rem), "schedule-exact: one chunk is one window"

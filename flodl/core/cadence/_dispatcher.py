@@ -129,6 +129,7 @@ __all__ = [
     "quiesced",
     "window_steps",
     "windows_done",
+    "round_wait_batches",
     "chunk_batches",
     "start_window",
     "wake",
@@ -184,22 +185,25 @@ def _budget(st: CoordinatorState, rank: int) -> int:
     return cad.overshoot.budget_for(count, overshoot=cad.overshoot_on)
 
 
+def round_wait_batches(st: CoordinatorState, rank: int) -> int:
+    """Batches of the rank's own pace in two of the slowest batch yet seen (0: unknown).
+    A round waits for every rank to end the batch it is in, twice (to snapshot, then to
+    apply the consensus): while windows are a batch or two (the probe), that is longer
+    than a window, and a rank held to one idled -- 80 ms (cadence's run-ahead room) to
+    120 ms (async's look-ahead of 3) of a 1,1,2,3,5,8 rig's first round."""
+    own_ms, slow = st.ranks[rank].mean_batch_ms(), st.cadence.slowest_batch_ms
+    return math.ceil(2.0 * slow / own_ms) if own_ms > 0.0 and slow > 0.0 else 0
+
+
 def _probing(cad: CadenceState) -> bool:
     """Async while ElChe is uncalibrated: windows of a batch or two (``_probe_look``)."""
     return cad.overshoot_on and not cad.elche.calibrated
 
 
 def _probe_look(st: CoordinatorState, rank: int, look: int) -> int:
-    """Async's look-ahead past a probe window: at least two of the slowest batch yet seen,
-    at the rank's own pace. The first rounds wait for every rank to end the batch it is
-    in, twice (to snapshot, then to apply the consensus); past a window of one batch, a
-    look-ahead of 3 left a 1,1,2,3,5,8 rig's fast ranks idle 120 ms of their first round.
-    (Cadence's run-ahead room has the same floor, ``_boundary.run_ahead_room``.)"""
-    own_ms, slow = st.ranks[rank].mean_batch_ms(), st.cadence.slowest_batch_ms
-    if own_ms > 0.0 and slow > 0.0:
-        floor = math.ceil(2.0 * slow / own_ms)
-        return floor if floor > look else look
-    return look
+    """Async's look-ahead past a probe window: at least ``round_wait_batches``."""
+    floor = round_wait_batches(st, rank)
+    return floor if floor > look else look
 
 
 def _alive_counts(st: CoordinatorState) -> list[int]:
