@@ -266,6 +266,14 @@ class CoordinatorService:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A restarted relay reconnects with its old routing id. Without handover, libzmq
+        # ignores a connection whose id is still held by a pipe it has not torn down yet
+        # -- for good: the new relay was never heard again, and its ranks starved, when
+        # this thread was stalled across the old relay's death and the new one's connect.
+        # Handover gives the id to the newest connection. Taking a route stays refused
+        # where it matters: under CURVE a route is bound to its key (``route_mismatch``),
+        # and relay and agent ids carry random bits (``flodl_worker.agent``).
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.RCVHWM, RCVHWM)
         sock.setsockopt(zmq.LINGER, LINGER_MS)

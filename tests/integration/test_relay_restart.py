@@ -39,10 +39,24 @@ def _relay_pid(launcher: int) -> int | None:
     return None
 
 
-def _run_and_kill_the_relay(tmp_path, policy: str, at: int, epochs: int, kills: int = 1):
+def _coordinator_pid(launcher: int) -> int | None:
+    for pid in descendants(launcher):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"flodl_coordinator" in part for part in cmd):
+            return pid
+    return None
+
+
+def _run_and_kill_the_relay(tmp_path, policy: str, at: int, epochs: int, kills: int = 1, stall: bool = False):
     """Kill -9 the relay once rank 0 trained ``at`` samples; ``kills`` > 1: again, each
-    time the agent has started a new one. Returns (proc, output, summary, trace, seconds
-    from the last kill to the end, descendants still alive)."""
+    time the agent has started a new one. ``stall``: the coordinator is stopped (SIGSTOP)
+    from before the kill until the agent's new relay has had time to connect, so the old
+    relay's death and the new one's connection reach it in one go, in no set order.
+    Returns (proc, output, summary, trace, seconds from the last kill to the end,
+    descendants still alive)."""
     trace = tmp_path / "trace"
     trace.mkdir()
     summary = tmp_path / "summary.json"
@@ -70,10 +84,25 @@ def _run_and_kill_the_relay(tmp_path, policy: str, at: int, epochs: int, kills: 
                     break
                 assert proc.poll() is None and time.monotonic() < end, "no relay to kill"
                 time.sleep(0.02)  # waiting for the agent to restart it
+            coordinator = _coordinator_pid(proc.pid) if stall else None
+            if stall:
+                assert coordinator is not None, "no coordinator process under the launcher"
+                os.kill(coordinator, signal.SIGSTOP)
             t0 = time.monotonic()
             os.kill(relay, signal.SIGKILL)
             killed.add(relay)
-        proc.wait(timeout=90)
+            if stall:
+                try:
+                    while _relay_pid(proc.pid) in (None, relay):  # the agent starts a new one
+                        assert time.monotonic() < end, "the agent never restarted the relay"
+                        time.sleep(0.02)
+                    time.sleep(0.5)  # (it connects while the coordinator is still stopped)
+                finally:
+                    os.kill(coordinator, signal.SIGCONT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:  # say where it stood: the run's own log is all CI keeps
+            pytest.fail(f"the run did not end within 90 s of the relay kill; its output:\n{output.read_text()[-12000:]}")
         took = time.monotonic() - t0
         left = wait_gone(tree, 10)
     finally:
@@ -110,3 +139,16 @@ def test_kill9_of_the_relay_mid_run_is_survived_with_exact_coverage(tmp_path, po
     assert restart["reason"] == "relay exited unexpectedly (killed by signal 9)" and restart["ranks"] == [0, 1, 2]
     assert restart["back_at"] > restart["down_at"]
     assert [r["cause"] for r in data["coordinator_restarts"]] == ["relay"]  # the resync it ran
+
+
+def test_a_relay_restarted_while_the_coordinator_is_stalled_is_heard_again(tmp_path):
+    # The old relay's death and the new one's connection reach a stalled coordinator in one
+    # go. libzmq used to ignore a connection whose routing id a not-yet-torn-down pipe still
+    # held: the new relay was never heard, and its ranks starved to their liveness timeout.
+    proc, out, data, trace, _, _ = _run_and_kill_the_relay(tmp_path, "sync", 150, 3, stall=True)
+    assert proc.returncode == 0, out[-5000:]
+    assert data["ok"] is True, data["reason"]
+    assert_exact_coverage(data, trace, 3, TRAIN)
+    (restart,) = data["relay_restarts"]
+    assert restart["back_at"] > restart["down_at"] and restart["ranks"] == [0, 1, 2]
+    assert not any("heartbeat stale" in line for line in out.splitlines()), out[-5000:]

@@ -136,7 +136,9 @@ class Agent:
         curve = client_keys(cfg.curve_server_key, cfg.curve_secret_key)  # CurveError: one line, exit 2
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, f"agent-{cfg.host_name}-{os.getpid()}".encode()[:255])
+        # Random bits in the routing id: the coordinator's ROUTER hands an id over to its
+        # newest connection (a restarted relay), so an id must not be guessable.
+        self.sock.setsockopt(zmq.IDENTITY, f"agent-{cfg.host_name[:200]}-{os.getpid()}-{secrets.token_hex(8)}".encode()[:255])
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_ENVELOPE_BYTES)  # it only ever gets control frames
         if curve is not None:
@@ -161,7 +163,7 @@ class Agent:
         self.kill_at: float | None = None
         self.relay_failed = False
         # Fixed for the agent's life: a restarted relay keeps the route (flodl_worker.relay).
-        self.relay_identity = f"relay-{cfg.host_name}-{os.getpid()}"[:255]
+        self.relay_identity = f"relay-{cfg.host_name[:200]}-{os.getpid()}-{secrets.token_hex(8)}"[:255]
         self.relay_endpoint: str | None = None  # the frontend, as first bound (port 0 resolved)
         self.relay_deaths: list[float] = []  # monotonic times, within the restart window
         self.relay_restart_at: float | None = None

@@ -8,7 +8,7 @@ One thread, one poll loop, three sockets it alone owns:
 
 - frontend ROUTER (bind, loopback or ipc) for this host's ranks. A rank's
   ``[b"", envelope, blobs...]`` arrives as ``[rank_id, b"", ...]``;
-- backend DEALER (connect, identity ``relay-<host>-<pid>``) to the coordinator, whose
+- backend DEALER (connect, identity ``relay-<host>-<pid>-<random>``) to the coordinator, whose
   ROUTER therefore sees ``[relay_id, rank_id, b"", ...]``, and whose reply
   ``[relay_id, rank_id, b"", ...]`` comes back here as ``[rank_id, b"", ...]`` and is
   routed to that rank. A reply with no rank id (``[b"", envelope]``: the coordinator
@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -114,8 +115,9 @@ PENDING_MAX = 64
 
 
 def relay_identity(host: str) -> bytes:
-    # ZeroMQ identities are 1..255 bytes and must not start with a zero byte.
-    return f"relay-{host}-{os.getpid()}".encode()[:255]
+    # ZeroMQ identities are 1..255 bytes and must not start with a zero byte; random bits
+    # because the coordinator's ROUTER hands an id over to its newest connection.
+    return f"relay-{host[:200]}-{os.getpid()}-{secrets.token_hex(8)}".encode()[:255]
 
 
 class _Loop:
