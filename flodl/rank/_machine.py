@@ -326,6 +326,9 @@ class RankMachine:
             or len(self.unsent) >= MAX_BATCHES_PER_REPORT
             or cur is None
             or cur.exhausted()  # the plan ran out: the coordinator plans the next one by it
+            # One batch left and nothing queued: reported now, the next plan can reach the
+            # rank while it trains that batch, not after it ran dry (a turnaround idle).
+            or (not self.plans and cur.last_batch_left(self.spec.batch_size))
             or self.throttled
         ):
             out.extend(self._unsent_report())

@@ -34,6 +34,10 @@ class Chunk:
             self.segments.popleft()
         return not self.segments
 
+    def last_batch_left(self, batch_size: int) -> bool:
+        """What is left is one batch: the next one trained exhausts the plan."""
+        return not self.exhausted() and len(self.segments) == 1 and self.segments[0][1] <= batch_size
+
     def take(self, batch_size: int) -> tuple[int, int] | None:
         """Next batch as (offset, count) inside one segment, or None when exhausted."""
         if self.exhausted():

@@ -161,7 +161,24 @@ def test_a_rank_about_to_run_its_window_dry_is_topped_up_before_it_does():
     assert not top_up(st, 0, 1 + ext.partition_size, [])  # once: the extension does not end a window
 
 
-def test_no_top_up_when_the_chunk_does_not_end_the_window_or_the_trigger_comes_first():
+def test_a_chunk_ending_inside_its_window_is_followed_by_the_windows_next_before_the_rank_runs_dry():
+    st = _paced_pair(batch_report_ms=0.0)
+    (off, size), = _take_window(st, 0, 0, 2)  # half its window of 4, in flight
+    pool = st.cadence.pools[0]
+    st.cadence.last_wait_ms[0] = 6.0
+    out = []
+    assert not top_up(st, 0, 2, out) and not out  # 10 ms still to train: a later report is in time
+    pool.mark_completed(0, 1)
+    st.ranks[0].last_step = 1
+    assert top_up(st, 0, 1, out)  # its last batch (5 ms) is shorter than its turnaround: now
+    (rank, ext), = _extensions(out)
+    assert rank == 0 and ext.partition_offset == off + size and ext.partition_size == 2  # the window's rest
+    assert st.ranks[0].last_step + 1 + ext.partition_size == 4  # never past its window: that is run-ahead's
+    st.cadence.throttled.add(0)
+    assert not top_up(st, 0, 1, [])  # throttled: it waits for the round
+
+
+def test_no_run_ahead_top_up_when_it_is_off_throttled_or_the_trigger_comes_first():
     def rank_0_holding(batches, unreported, **kw):
         st = _paced_pair(batch_report_ms=0.0, **kw)
         _take_window(st, 0, 0, batches)
@@ -171,7 +188,6 @@ def test_no_top_up_when_the_chunk_does_not_end_the_window_or_the_trigger_comes_f
         return st
 
     assert top_up(rank_0_holding(4, 1), 0, 1, [])  # (the case that tops up)
-    assert not top_up(rank_0_holding(2, 1), 0, 1, [])  # half its window: the next chunk is a plain take
     assert not top_up(rank_0_holding(4, 1, run_ahead=False), 0, 1, [])
     st = rank_0_holding(4, 1)
     st.cadence.throttled.add(0)

@@ -80,11 +80,22 @@ def test_slow_batches_are_reported_one_by_one_as_before():
         assert c.kind == "batch"
 
 
-def test_the_last_batch_of_a_plan_goes_at_once():
+def test_a_plan_down_to_its_last_batch_is_reported_and_its_last_batch_goes_at_once():
     m = machine(1000.0)
     m.handle(plan(0, 0, 3))
-    assert train(m) == [] and train(m) == []
+    assert train(m) == []
+    (c,) = train(m)  # one batch left, nothing queued: the next plan can come while it trains it
+    assert reported([c]) == [(1, 0), (2, 1)]
     (c,) = train(m)  # the plan ran out: the coordinator plans the next one by this
+    assert reported([c]) == [(3, 2)]
+
+
+def test_a_plan_down_to_its_last_batch_with_another_queued_is_not_reported_early():
+    m = machine(1000.0)
+    m.handle(plan(0, 0, 3))
+    m.handle(plan(0, 3, 3))  # queued behind it: nothing to run dry of
+    assert train(m) == [] and train(m) == []
+    (c,) = train(m)  # the plan ran out: reported at once, as always
     assert reported([c]) == [(1, 0), (2, 1), (3, 2)]
 
 
