@@ -72,13 +72,14 @@ from . import _async, _slack
 from ._dispatcher import (
     CadenceDispatcher,
     _batches,
-    chunk_batches,
+    extend_in_window,
     _budget,
     _send_extensions,
     _send_plan,
     _take_window,
     _take,
     round_wait_batches,
+    top_up_pace,
     window_steps,
     windows_done,
 )
@@ -274,7 +275,7 @@ def run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, out: list[Comm
 def top_up(st: CoordinatorState, rank: int, unreported: int, out: list[Command]) -> bool:
     """More work before the rank runs dry, once the ``unreported`` batches of its chunk in
     flight last no longer than its next report and a turnaround: the window's next chunk
-    when the chunk ends inside its window (``_next_in_window``); a ``run_ahead`` chunk when
+    when the chunk ends inside its window (``_dispatcher.extend_in_window``); a ``run_ahead`` chunk when
     it ends the window and the gate will still be waiting then. It goes out as an
     extension of the chunk the rank trains; handed out once it had run dry (its last
     report, the plan back), every chunk cost the rank a turnaround with nothing to
@@ -286,13 +287,12 @@ def top_up(st: CoordinatorState, rank: int, unreported: int, out: list[Command])
     budget = _budget(st, rank)
     if budget <= 0:
         return False
-    # (While ElChe has no pace yet -- the probe windows -- its own batches say it.)
-    ms = cad.elche.smoothed_ms_per_batch(rank) or st.ranks[rank].mean_batch_ms()
-    if not ms or unreported * ms > st.config.batch_report_ms + cad.last_wait_ms.get(rank, 0.0):
+    ms = top_up_pace(st, rank, unreported)
+    if not ms:
         return False  # not due yet: a later report is still in time
     ahead = window_steps(st, rank) + unreported
     if ahead < budget:
-        return _next_in_window(st, rank, budget - ahead, out)
+        return extend_in_window(st, rank, budget - ahead, out)
     waiting = gate_wait_ms(st)
     if waiting > 0.0:
         waiting -= unreported * ms  # from the chunk's end
@@ -301,25 +301,6 @@ def top_up(st: CoordinatorState, rank: int, unreported: int, out: list[Command])
     elif waiting == 0.0:
         return False
     return _run_ahead(st, rank, waiting, unreported, out, extend_epoch=cad.in_flight[rank][0])
-
-
-def _next_in_window(st: CoordinatorState, rank: int, left: int, out: list[Command]) -> bool:
-    """The chunk in flight ends inside the rank's window, ``left`` batches short of it:
-    the window's next chunk goes out now, as an extension, instead of once the rank ran
-    dry (every chunk of a window cost the rank a turnaround with nothing to train: 2-8 ms
-    each on a real 6-rank rig, 4-6 % of its time). Sized as its plain take would be."""
-    cad = st.cadence
-    epoch = cad.in_flight[rank][0]
-    pool = cad.pools.get(epoch)
-    if pool is None or pool.remaining() == 0:
-        return False  # the epoch is handed out: what follows is the boundary's (run_ahead)
-    n = chunk_batches(st, rank, epoch)
-    n = min(n, left) if n > 0 else min(left, _batches(pool.remaining(), st.config.batch_size))
-    ranges = _take_window(st, rank, epoch, n)
-    if not ranges:
-        return False
-    _send_extensions(st, rank, epoch, ranges, out)
-    return True
 
 
 def _run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, pending: int, out: list[Command],

@@ -343,3 +343,35 @@ def test_a_probe_windows_look_ahead_outlasts_the_slowest_batch():
     assert _cadence._held(st, 0) == "reduce barrier" == _cadence._held_each(st, [0])[0]
     st.cadence.elche.calibrated = True
     assert _budget(st, 0) == 1 + look
+
+
+def test_a_rank_about_to_run_its_chunk_dry_gets_the_next_before_it_does_never_past_its_budget():
+    st = _state(2, 4, total=1000, batch_report_ms=0.0)
+    st.cadence.elche.report_timing([10, 20], [2, 2], 0)  # 5 ms a batch on rank 0; budget 11
+    _pool(st, 0, 1000)
+    st.ranks[0].last_step = 2
+    out = []
+    assert _async._dispatch_next(st, 0, out)
+    (_, (_, off, size)), = _plans(out)  # up to its budget: 9 batches
+    assert 2 + size == _budget(st, 0)
+    del st.cadence.in_flight[0]  # (ran it dry: a smaller chunk, so that one more fits)
+    st.ranks[0].last_step = 4
+    out = []
+    st.cadence.in_flight[0] = (0, off, 3)
+    pool = st.cadence.pools[0]
+    st.cadence.last_wait_ms[0] = 6.0
+    streams = _async.STREAMS
+    streams.top_up(st, 0, 3, out)
+    assert not out  # 15 ms still to train: a later report is in time
+    streams.top_up(st, 0, 1, out)  # 5 ms left, less than its turnaround: now
+    ext = [c.control.extend_partition for c in out if c.control.WhichOneof("cmd") == "extend_partition"]
+    assert ext and sum(e.partition_size for e in ext) == _budget(st, 0) - 4 - 1  # the rest of its budget
+    assert pool.remaining() == 1000 - size - sum(e.partition_size for e in ext)
+    out = []
+    st.ranks[0].last_step = 10
+    streams.top_up(st, 0, 1, out)
+    assert not out  # its chunk ends at its budget: held there until the trigger's Update
+    st.ranks[0].last_step = 4
+    st.cadence.throttled.add(0)
+    streams.top_up(st, 0, 1, out)
+    assert not out  # throttled: nothing until the round
