@@ -152,7 +152,8 @@ class CoreConfig:
         help="a rank reports its batches at most once per this many ms of training (0 = a frame per batch)",
         doc="a rank sends its batch reports (which positions it trained, its timing, its loss) at most "
         "once per this many ms of its training time, several batches to a frame; it sends at once when "
-        "its plan runs out, when throttled and before any other frame, so no decision waits on it. "
+        "its plan runs out or is down to its last batch (the next plan then comes while it trains it), "
+        "when throttled and before any other frame, so no decision waits on it. "
         "0 = a frame per batch. Batches slower than this are reported one by one, as before; fast "
         "batches on many ranks are what would otherwise swamp one coordinator. Must be below "
         "`heartbeat_interval_s`",
