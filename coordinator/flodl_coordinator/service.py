@@ -270,9 +270,10 @@ class CoordinatorService:
         # ignores a connection whose id is still held by a pipe it has not torn down yet
         # -- for good: the new relay was never heard again, and its ranks starved, when
         # this thread was stalled across the old relay's death and the new one's connect.
-        # Handover gives the id to the newest connection. Taking a route stays refused
-        # where it matters: under CURVE a route is bound to its key (``route_mismatch``),
-        # and relay and agent ids carry random bits (``flodl_worker.agent``).
+        # Handover gives the id to the newest connection. What keeps a remote peer from
+        # taking a route over is that it cannot name it: relay, agent and rank ids carry
+        # 64 random bits (``flodl_worker.relay.relay_identity``, the agent's, the rank's);
+        # an agent's reports are also bound to its CURVE key (``route_mismatch``).
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.RCVHWM, RCVHWM)

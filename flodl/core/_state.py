@@ -304,9 +304,10 @@ class CadenceState:
     (its ``RequestParams``): steps since then are its current window -- the round
     overlaps the next window, so the reduce barrier counts from the trigger, not from
     the finish (folding still goes by the acked snapshot step). ``in_flight[r]`` is the
-    chunk ``(epoch, offset, size)`` the rank was handed last and is training or will (at
-    most two in flight: a trigger's window queued behind a run-ahead chunk,
-    ``cadence._dispatcher._ahead``; the pool counts what is left of both).
+    chunk ``(epoch, offset, size)`` the rank was handed last and is training or will (a
+    trigger's window may be queued behind a run-ahead chunk, ``cadence._dispatcher._ahead``,
+    and a chunk is extended before the rank runs dry, ``top_up``; the pool counts what is
+    left of all of them, within the rank's reduce budget and run-ahead room).
     ``barrier_at`` is when, during the open round, every rank had reached its window
     end (the round then delays the next one); ``exposed_s`` sums those delays.
     """

@@ -75,7 +75,7 @@ from flodl.limits import MAX_ENVELOPE_BYTES
 from .agent_config import AgentConfig, rank_env, ranks_prefork, slowdown_for
 from .forked import Prefork
 from .peerlink import PeerLink
-from .relay import READY_PREFIX
+from .relay import READY_PREFIX, routing_host, relay_identity
 
 __all__ = ["AgentConfig", "Agent", "run_agent", "rank_env", "slowdown_for"]
 
@@ -138,7 +138,7 @@ class Agent:
         self.sock = self.ctx.socket(zmq.DEALER)
         # Random bits in the routing id: the coordinator's ROUTER hands an id over to its
         # newest connection (a restarted relay), so an id must not be guessable.
-        self.sock.setsockopt(zmq.IDENTITY, f"agent-{cfg.host_name[:200]}-{os.getpid()}-{secrets.token_hex(8)}".encode()[:255])
+        self.sock.setsockopt(zmq.IDENTITY, f"agent-{routing_host(cfg.host_name)}-{os.getpid()}-{secrets.token_hex(8)}".encode())
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_ENVELOPE_BYTES)  # it only ever gets control frames
         if curve is not None:
@@ -163,7 +163,7 @@ class Agent:
         self.kill_at: float | None = None
         self.relay_failed = False
         # Fixed for the agent's life: a restarted relay keeps the route (flodl_worker.relay).
-        self.relay_identity = f"relay-{cfg.host_name[:200]}-{os.getpid()}-{secrets.token_hex(8)}"[:255]
+        self.relay_identity = relay_identity(cfg.host_name)
         self.relay_endpoint: str | None = None  # the frontend, as first bound (port 0 resolved)
         self.relay_deaths: list[float] = []  # monotonic times, within the restart window
         self.relay_restart_at: float | None = None

@@ -221,7 +221,7 @@ class _Rank(MachineShell):
         # Options before connect. A random identity per process: a restarted rank is a
         # new peer to the ROUTERs, never confused with its previous life.
         who = b"%d" % cfg.rank if cfg.pinned else b"u%d" % cfg.local_rank  # (cosmetic: routes are opaque)
-        self.sock.setsockopt(zmq.IDENTITY, b"rank-%s-%s" % (who, secrets.token_hex(4).encode()))
+        self.sock.setsockopt(zmq.IDENTITY, b"rank-%s-%s" % (who, secrets.token_hex(8).encode()))  # unguessable: ROUTER_HANDOVER
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)

@@ -83,7 +83,7 @@ from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, zmq_maxmsgsize  # numpy-free
 # take the signal with its default action (observed: the relay killed by -15 instead of
 # a clean exit). ``run_relay`` imports the folder once the mask is in place.
 
-__all__ = ["run_relay", "relay_identity", "READY_PREFIX"]
+__all__ = ["run_relay", "relay_identity", "routing_host", "READY_PREFIX"]
 
 log = logging.getLogger("flodl.relay")
 
@@ -114,10 +114,16 @@ BATCH = 256
 PENDING_MAX = 64
 
 
-def relay_identity(host: str) -> bytes:
-    # ZeroMQ identities are 1..255 bytes and must not start with a zero byte; random bits
-    # because the coordinator's ROUTER hands an id over to its newest connection.
-    return f"relay-{host[:200]}-{os.getpid()}-{secrets.token_hex(8)}".encode()[:255]
+def routing_host(host: str) -> str:
+    """The host name cut to 200 bytes (whole characters): an id's random part is never cut."""
+    return host.encode()[:200].decode(errors="ignore")
+
+
+def relay_identity(host: str) -> str:
+    # ZeroMQ identities are 1..255 bytes and must not start with a zero byte. Random bits:
+    # the coordinator's ROUTER hands an id over to its newest connection, so an id must
+    # not be guessable by a remote peer (it is no secret on this host: argv, logs).
+    return f"relay-{routing_host(host)}-{os.getpid()}-{secrets.token_hex(8)}"
 
 
 class _Loop:
@@ -306,7 +312,7 @@ def run_relay(
             s.setsockopt(zmq.LINGER, LINGER_MS)
             s.setsockopt(zmq.MAXMSGSIZE, zmq_maxmsgsize(max_message_bytes))  # per part: one tensor
         frontend.setsockopt(zmq.LINGER, 0)  # frames for ranks are worthless once we stop
-        identity = identity.encode()[:255] if identity else relay_identity(host)
+        identity = (identity or relay_identity(host)).encode()[:255]
         backend.setsockopt(zmq.IDENTITY, identity)  # before connect
         if curve is not None:  # flodl.curve.ClientKeys: the uplink is a CURVE client
             curve.apply(backend)

@@ -204,7 +204,7 @@ class _Streams:
             return
         budget = _budget(st, rank)
         left = budget - window_steps(st, rank) - unreported if budget > 0 else 1  # (as ``offer_chunk``)
-        if left > 0:
+        if left > 0 and source_epoch(st) == cad.in_flight[rank][0]:  # (an older epoch's holes first)
             extend_in_window(st, rank, left, out)
 
 

@@ -77,7 +77,6 @@ from ._dispatcher import (
     _send_extensions,
     _send_plan,
     _take_window,
-    _take,
     round_wait_batches,
     top_up_pace,
     window_steps,
@@ -273,16 +272,17 @@ def run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, out: list[Comm
 
 
 def top_up(st: CoordinatorState, rank: int, unreported: int, out: list[Command]) -> bool:
-    """More work before the rank runs dry, once the ``unreported`` batches of its chunk in
-    flight last no longer than its next report and a turnaround: the window's next chunk
-    when the chunk ends inside its window (``_dispatcher.extend_in_window``); a ``run_ahead`` chunk when
-    it ends the window and the gate will still be waiting then. It goes out as an
-    extension of the chunk the rank trains; handed out once it had run dry (its last
-    report, the plan back), every chunk cost the rank a turnaround with nothing to
+    """More work before the rank runs dry, once it is due (``top_up_pace``: the
+    ``unreported`` batches of its chunk in flight last no longer than its next report and
+    a turnaround): the window's next chunk when the chunk ends
+    inside its window (``_dispatcher.extend_in_window``, ``run_ahead`` or not); a run-ahead
+    chunk when it ends the window and the gate will still be waiting then. It goes out
+    as an extension of the chunk the rank trains; handed out once it had run dry (its
+    last report, the plan back), every chunk cost the rank a turnaround with nothing to
     train -- at 256 ranks 2-3 such waits of 7-20 ms a window."""
     cad = st.cadence
     assert cad is not None
-    if not st.config.run_ahead or rank in cad.throttled or cad.final_plan is not None:
+    if rank in cad.throttled or cad.final_plan is not None:
         return False
     budget = _budget(st, rank)
     if budget <= 0:
@@ -292,7 +292,10 @@ def top_up(st: CoordinatorState, rank: int, unreported: int, out: list[Command])
         return False  # not due yet: a later report is still in time
     ahead = window_steps(st, rank) + unreported
     if ahead < budget:
-        return extend_in_window(st, rank, budget - ahead, out)
+        epoch = cad.in_flight[rank][0]  # (an older epoch's holes first: they wait for a plain take)
+        return _async.source_epoch(st) == epoch and extend_in_window(st, rank, budget - ahead, out)
+    if not st.config.run_ahead:
+        return False  # it waits at its reduce barrier
     waiting = gate_wait_ms(st)
     if waiting > 0.0:
         waiting -= unreported * ms  # from the chunk's end

@@ -18,7 +18,8 @@ normally exactly one window.
   every rank's chunk is sized (``compute_chunk_batches``) *before any take*, then
   taken; each goes out as ``StartEpoch``.
 * **Streaming** (``_dispatch_next``, §8.5): when a rank's chunk is done it gets its next
-  one unless held -- one chunk in flight; the *reduce barrier* (its steps since the last
+  one unless held -- one chunk in flight, which a report near its end extends with the
+  next (``top_up``: the rank would otherwise idle a turnaround); the *reduce barrier* (its steps since the last
   *trigger* reached ``reduce_step_budget`` and are not all folded yet: it waits for the
   next round's trigger);
   throttled (waits for the ``Update``). When its epoch's pool is drained the composed
@@ -591,13 +592,17 @@ def _dispatch_next(st: CoordinatorState, rank: int, out: list[Command]) -> bool:
     return offer_chunk(st, rank, st.dispatch.rank_epoch[rank], pool, out)
 
 
+def _next_chunk_batches(st: CoordinatorState, rank: int, epoch: int, pool: ChunkPool, left: int) -> int:
+    """The rank's next chunk of ``epoch``, in batches, at most ``left``."""
+    n = chunk_batches(st, rank, epoch)
+    return min(n, left) if n > 0 else min(left, _batches(pool.remaining(), st.config.batch_size))
+
+
 def offer_chunk(st: CoordinatorState, rank: int, epoch: int, pool: ChunkPool, out: list[Command]) -> bool:
     """Size the rank's next chunk of ``epoch`` (never past its reduce budget), take it from
     ``pool`` and send it; False when nothing could be taken."""
     left = max(1, _budget(st, rank) - window_steps(st, rank))  # never cross the reduce
-    n = chunk_batches(st, rank, epoch)
-    n = min(n, left) if n > 0 else min(left, _batches(pool.remaining(), st.config.batch_size))
-    ranges = _take_window(st, rank, epoch, n)
+    ranges = _take_window(st, rank, epoch, _next_chunk_batches(st, rank, epoch, pool, left))
     if not ranges:
         return False
     _send_plan(st, rank, epoch, ranges[0], out, extra=ranges[1:])
@@ -608,7 +613,12 @@ def top_up_pace(st: CoordinatorState, rank: int, unreported: int) -> float:
     """The rank's ms per batch when the ``unreported`` batches of its chunk in flight last
     no longer than its next report and a turnaround (more work must go out now, or it
     runs dry first); 0.0 while a later report is still in time. While ElChe has no pace
-    yet (the probe windows) the rank's own batches say it."""
+    yet (the probe windows) the rank's own batches say it.
+
+    A batch longer than that is never due: its rank asks when its chunk is done, and
+    idles a turnaround. (Due at its last batch instead, the slowest rank of a
+    1,1,2,3,5,8 rig took its share of Async's last pool a batch early and held the run's
+    end: the others idled 0.10-0.14 s, ``tests/sim/test_sim_async_run_end.py``.)"""
     cad = st.cadence
     ms = cad.elche.smoothed_ms_per_batch(rank) or st.ranks[rank].mean_batch_ms()
     if not ms or unreported * ms > st.config.batch_report_ms + cad.last_wait_ms.get(rank, 0.0):
@@ -620,15 +630,15 @@ def extend_in_window(st: CoordinatorState, rank: int, left: int, out: list[Comma
     """The chunk in flight ends inside the rank's window, ``left`` batches short of it:
     the window's next chunk goes out now, as an extension, instead of once the rank ran
     dry (every chunk of a window cost the rank a turnaround with nothing to train: 2-12 ms
-    each on a real 6-rank rig, 4-6 % of its time). Sized as its plain take would be."""
+    each on a real 6-rank rig, 4-6 % of its time). Sized as its plain take would be. The
+    caller checks that its epoch is the one an idle rank would draw from (the oldest with
+    work, ``_async.source_epoch``): an older epoch's reclaimed holes go first."""
     cad = st.cadence
     epoch = cad.in_flight[rank][0]
     pool = cad.pools.get(epoch)
     if pool is None or pool.remaining() == 0:
         return False  # the epoch is handed out: the next is the streams' (after the chunk)
-    n = chunk_batches(st, rank, epoch)
-    n = min(n, left) if n > 0 else min(left, _batches(pool.remaining(), st.config.batch_size))
-    ranges = _take_window(st, rank, epoch, n)
+    ranges = _take_window(st, rank, epoch, _next_chunk_batches(st, rank, epoch, pool, left))
     if not ranges:
         return False
     _send_extensions(st, rank, epoch, ranges, out)
@@ -759,7 +769,8 @@ class EpochStreams(Protocol):
 
     def top_up(self, st: CoordinatorState, rank: int, unreported: int, out: list[Command]) -> None:
         """A rank's report with ``unreported`` batches of its chunk still to come: hand it
-        more now, before it runs dry, if its policy would then (Cadence's run-ahead)."""
+        more now, before it runs dry, if its policy would then (its window's next chunk;
+        Cadence's run-ahead past the window's end)."""
         ...
 
 

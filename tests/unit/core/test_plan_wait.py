@@ -158,7 +158,7 @@ def test_a_rank_about_to_run_its_window_dry_is_topped_up_before_it_does():
     assert rank == 0 and ext.epoch == 0 and ext.partition_offset == off + size  # its span, on
     assert st.cadence.in_flight[0] == (0, ext.partition_offset, ext.partition_size)
     assert pool.in_flight(0) == 1 + ext.partition_size  # the pool holds both for it
-    assert not top_up(st, 0, 1 + ext.partition_size, [])  # once: the extension does not end a window
+    assert not top_up(st, 0, 1 + ext.partition_size, [])  # once: what it holds now outlasts a report and a turnaround
 
 
 def test_a_chunk_ending_inside_its_window_is_followed_by_the_windows_next_before_the_rank_runs_dry():
@@ -176,6 +176,25 @@ def test_a_chunk_ending_inside_its_window_is_followed_by_the_windows_next_before
     assert st.ranks[0].last_step + 1 + ext.partition_size == 4  # never past its window: that is run-ahead's
     st.cadence.throttled.add(0)
     assert not top_up(st, 0, 1, [])  # throttled: it waits for the round
+
+
+def test_the_windows_next_chunk_is_no_run_ahead_and_an_older_epochs_holes_go_first():
+    def half_window_run(**kw):
+        st = _paced_pair(batch_report_ms=0.0, **kw)
+        _take_window(st, 0, 0, 2)  # half its window of 4
+        st.cadence.pools[0].mark_completed(0, 1)
+        st.ranks[0].last_step = 1
+        st.cadence.last_wait_ms[0] = 6.0
+        return st
+
+    assert top_up(half_window_run(run_ahead=False), 0, 1, [])  # inside its window: not run-ahead's switch
+    st = half_window_run()
+    _pool(st, 1, 1000)  # the rank trains epoch 1 ...
+    st.cadence.in_flight[0] = (1, 0, 2)
+    st.dispatch.rank_epoch[0] = 1
+    assert st.cadence.pools[0].remaining() > 0  # ... while epoch 0 still has work (a dead rank's holes)
+    out = []
+    assert not top_up(st, 0, 1, out) and not out  # an idle rank draws from epoch 0 first: a plain take
 
 
 def test_no_run_ahead_top_up_when_it_is_off_throttled_or_the_trigger_comes_first():
