@@ -28,26 +28,24 @@ pytestmark = pytest.mark.integration
 TRAIN = 1437
 
 
-def _relay_pid(launcher: int) -> int | None:
+def _child_pid(launcher: int, *argv: bytes) -> int | None:
+    """A process under the launcher whose command line has all of ``argv`` as arguments."""
     for pid in descendants(launcher):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"flodl_worker" in cmd and b"relay" in cmd:
+        if all(a in cmd for a in argv):
             return pid
     return None
+
+
+def _relay_pid(launcher: int) -> int | None:
+    return _child_pid(launcher, b"flodl_worker", b"relay")
 
 
 def _coordinator_pid(launcher: int) -> int | None:
-    for pid in descendants(launcher):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(b"flodl_coordinator" in part for part in cmd):
-            return pid
-    return None
+    return _child_pid(launcher, b"flodl_coordinator")
 
 
 def _run_and_kill_the_relay(tmp_path, policy: str, at: int, epochs: int, kills: int = 1, stall: bool = False):
