@@ -51,7 +51,8 @@ batches) that wait is a large part of every epoch -- 6.5-10 % of the run on a
   outlasts what it ran ahead so far (the gate later than its wall) gets as much again.
   The chunk goes out before the rank runs dry: a report that leaves no more of a
   chunk than its next report and a turnaround extends that chunk (``top_up``) -- with
-  the window's next chunk, or past the window's end with a run-ahead one. A batch reported before the trigger is one more step of this
+  the window's next chunk, or past the window's end with a run-ahead one. A batch
+  reported before the trigger is one more step of this
   window (folded by the round, weighted by steps like any other); one reported after it
   is the next window's first (the mark moves to the last step reported): the gate, the
   sizing and the folding count them exactly as before. Once the run's last window is pinned,
@@ -72,11 +73,11 @@ from . import _async, _slack
 from ._dispatcher import (
     CadenceDispatcher,
     _batches,
-    extend_in_window,
     _budget,
     _send_extensions,
     _send_plan,
     _take_window,
+    extend_in_window,
     round_wait_batches,
     top_up_pace,
     window_steps,
@@ -274,8 +275,8 @@ def run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, out: list[Comm
 def top_up(st: CoordinatorState, rank: int, unreported: int, out: list[Command]) -> bool:
     """More work before the rank runs dry, once it is due (``top_up_pace``: the
     ``unreported`` batches of its chunk in flight last no longer than its next report and
-    a turnaround): the window's next chunk when the chunk ends
-    inside its window (``_dispatcher.extend_in_window``, ``run_ahead`` or not); a run-ahead
+    a turnaround): the window's next chunk when the chunk ends inside its window
+    (``_dispatcher.extend_in_window``, ``run_ahead`` or not); a run-ahead
     chunk when it ends the window and the gate will still be waiting then. It goes out
     as an extension of the chunk the rank trains; handed out once it had run dry (its
     last report, the plan back), every chunk cost the rank a turnaround with nothing to
