@@ -75,7 +75,7 @@ from flodl.limits import MAX_ENVELOPE_BYTES
 from .agent_config import AgentConfig, rank_env, ranks_prefork, slowdown_for
 from .forked import Prefork
 from .peerlink import PeerLink
-from .relay import READY_PREFIX, routing_host, relay_identity
+from .relay import READY_PREFIX, relay_identity, routing_id
 
 __all__ = ["AgentConfig", "Agent", "run_agent", "rank_env", "slowdown_for"]
 
@@ -136,9 +136,7 @@ class Agent:
         curve = client_keys(cfg.curve_server_key, cfg.curve_secret_key)  # CurveError: one line, exit 2
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        # Random bits in the routing id: the coordinator's ROUTER hands an id over to its
-        # newest connection (a restarted relay), so an id must not be guessable.
-        self.sock.setsockopt(zmq.IDENTITY, f"agent-{routing_host(cfg.host_name)}-{os.getpid()}-{secrets.token_hex(8)}".encode())
+        self.sock.setsockopt(zmq.IDENTITY, routing_id("agent", cfg.host_name).encode())  # unguessable: relay.routing_id
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_ENVELOPE_BYTES)  # it only ever gets control frames
         if curve is not None:

@@ -83,7 +83,7 @@ from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, zmq_maxmsgsize  # numpy-free
 # take the signal with its default action (observed: the relay killed by -15 instead of
 # a clean exit). ``run_relay`` imports the folder once the mask is in place.
 
-__all__ = ["run_relay", "relay_identity", "routing_host", "READY_PREFIX"]
+__all__ = ["run_relay", "relay_identity", "routing_id", "READY_PREFIX"]
 
 log = logging.getLogger("flodl.relay")
 
@@ -114,16 +114,18 @@ BATCH = 256
 PENDING_MAX = 64
 
 
-def routing_host(host: str) -> str:
-    """The host name cut to 200 bytes (whole characters): an id's random part is never cut."""
-    return host.encode()[:200].decode(errors="ignore")
+def routing_id(kind: str, host: str) -> str:
+    """``<kind>-<host>-<pid>-<64 random bits>``: a relay's or an agent's routing id.
+
+    ZeroMQ ids are 1..255 bytes and must not start with a zero byte; the host is cut to
+    200 bytes (whole characters) so the random part is never cut. Random bits: the
+    coordinator's ROUTER hands an id over to its newest connection, so an id must not be
+    guessable by a remote peer (it is no secret on this host: argv, logs)."""
+    return f"{kind}-{host.encode()[:200].decode(errors='ignore')}-{os.getpid()}-{secrets.token_hex(8)}"
 
 
 def relay_identity(host: str) -> str:
-    # ZeroMQ identities are 1..255 bytes and must not start with a zero byte. Random bits:
-    # the coordinator's ROUTER hands an id over to its newest connection, so an id must
-    # not be guessable by a remote peer (it is no secret on this host: argv, logs).
-    return f"relay-{routing_host(host)}-{os.getpid()}-{secrets.token_hex(8)}"
+    return routing_id("relay", host)
 
 
 class _Loop:
