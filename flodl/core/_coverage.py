@@ -75,6 +75,7 @@ def record_batch(
         _mark(ec, offset, samples)
         return
     cov.pending.setdefault(rank, []).append((epoch, offset, samples, step))
+    ec.pending += 1
 
 
 def keep_step_order(cov: CoverageState, rank: int) -> None:
@@ -95,7 +96,9 @@ def commit(cov: CoverageState, rank: int, step: int) -> int:
     for item in pending:
         epoch, offset, samples, s = item
         if s <= step:
-            _mark(cov.epochs[epoch], offset, samples)
+            ec = cov.epochs[epoch]
+            ec.pending -= 1
+            _mark(ec, offset, samples)
             done += samples
         else:
             keep.append(item)
@@ -107,7 +110,9 @@ def discard(cov: CoverageState, rank: int) -> int:
     """Throw away the rank's uncommitted batches; returns the samples lost."""
     lost = 0
     for epoch, _offset, samples, _s in cov.pending.pop(rank, []):
-        cov.epochs[epoch].discarded += samples
+        ec = cov.epochs[epoch]
+        ec.pending -= 1
+        ec.discarded += samples
         lost += samples
     return lost
 
@@ -121,7 +126,9 @@ def discard_upto(cov: CoverageState, rank: int, step: int) -> list[tuple[int, in
     lost = [(e, o, n) for e, o, n, s in pending if s <= step]
     cov.pending[rank] = [item for item in pending if item[3] > step]
     for epoch, _offset, samples in lost:
-        cov.epochs[epoch].discarded += samples
+        ec = cov.epochs[epoch]
+        ec.pending -= 1
+        ec.discarded += samples
     return lost
 
 
@@ -151,15 +158,16 @@ def freeze(cov: CoverageState, epoch: int) -> None:
     """Release the epoch's bitmap. It is complete, so any batch of it still pending
     re-trained positions already committed: it is counted as a duplicate now."""
     ec = cov.epochs[epoch]
-    for rank, items in cov.pending.items():
-        if not items:  # (most ranks, at an epoch's end: every window folded)
-            continue
+    # (As a rule none is left: every window of a complete epoch was folded. The lists
+    # then hold other epochs' batches, and are not walked.)
+    for rank, items in cov.pending.items() if ec.pending else ():
         stale = [it for it in items if it[0] == epoch]
         if stale:
             cov.pending[rank] = [it for it in items if it[0] != epoch]
             n = sum(it[2] for it in stale)
             ec.trained += n
             ec.duplicates += n
+    ec.pending = 0
     ec.frozen = True
     ec.committed = bytearray()
 

@@ -3,7 +3,7 @@
 ``view_drift(state)`` lists every disagreement (empty: none) between what the core keeps
 so that an event costs O(1) -- the rank index (``_rank_index``: phases, unfolded steps,
 the open round's waiting set, the liveness floor), Cadence's wake/gate views and cached
-counts (``cadence._views``), the chunk pools' kept sums -- and the same
+counts (``cadence._views``), the chunk pools' kept sums, each epoch's count of pending batches -- and the same
 values recomputed from the records. The stateful property tests assert it after every
 step, so a writer that forgets to keep a view shows up there rather than as a slow or
 wrong answer much later. It walks everything: a check, never on the step's path.
@@ -21,7 +21,17 @@ __all__ = ["view_drift"]
 
 
 def view_drift(st: CoordinatorState) -> list[str]:
-    return st.index_drift() + _cadence_drift(st)
+    return st.index_drift() + _cadence_drift(st) + _coverage_drift(st)
+
+
+def _coverage_drift(st: CoordinatorState) -> list[str]:
+    """Each epoch's ``pending`` counts its batches on the ranks' pending lists."""
+    held: dict[int, int] = {}
+    for items in st.coverage.pending.values():
+        for it in items:
+            held[it[0]] = held.get(it[0], 0) + 1
+    return [f"epoch {e} counts {ec.pending} pending batches, the lists hold {held.get(e, 0)}"
+            for e, ec in st.coverage.epochs.items() if ec.pending != held.get(e, 0)]  # fmt: skip
 
 
 def _cadence_drift(st: CoordinatorState) -> list[str]:

@@ -222,6 +222,9 @@ class EpochCoverage:
     duplicates: int = 0
     discarded: int = 0  # trained by a rank that died before its window was folded
     frozen: bool = False
+    # Batches of this epoch on the ranks' pending lists: ``freeze`` walks the lists only
+    # when some are left (at a 4,096-rank epoch's end the lists hold the next epoch's).
+    pending: int = 0
 
 
 @dataclass(slots=True)

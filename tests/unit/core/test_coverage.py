@@ -3,6 +3,7 @@
 from flodl.core._coverage import (
     commit,
     discard,
+    discard_upto,
     epoch_summary,
     freeze,
     is_complete,
@@ -106,6 +107,38 @@ def test_freeze_releases_bitmap_and_keeps_counters():
     assert ec.frozen and len(ec.committed) == 0
     assert (ec.unique, ec.trained, ec.duplicates) == (4, 6, 2)
     assert cov.pending[1] == []
+
+
+def _counted_pending(cov):
+    """Each epoch's ``pending`` counter against a count of the lists (its definition)."""
+    for e, ec in cov.epochs.items():
+        assert ec.pending == sum(it[0] == e for items in cov.pending.values() for it in items), e
+
+
+def test_the_pending_counter_follows_every_move_and_freeze_walks_only_when_needed():
+    cov = _ledger(8)
+    open_epoch(cov, 1, 8)
+    record_batch(cov, 0, 0, 0, 4, step=1, folded=0)
+    record_batch(cov, 0, 1, 0, 2, step=2, folded=0)  # the next epoch's, streamed in
+    record_batch(cov, 1, 0, 4, 4, step=1, folded=0)
+    record_batch(cov, 2, 1, 2, 2, step=1, folded=0)
+    record_batch(cov, 3, 1, 4, 2, step=5, folded=9)  # folded already: never pending
+    _counted_pending(cov)
+    assert (cov.epochs[0].pending, cov.epochs[1].pending) == (2, 2)
+    commit(cov, 0, 1)
+    _counted_pending(cov)
+    assert discard_upto(cov, 2, 1) == [(1, 2, 2)]
+    _counted_pending(cov)
+    commit(cov, 1, 1)
+    _counted_pending(cov)
+    assert cov.epochs[0].pending == 0 and is_complete(cov, 0)
+    freeze(cov, 0)  # nothing of epoch 0 pending: epoch 1's batch stays where it is
+    assert cov.pending[0] == [(1, 0, 2, 2)]
+    assert (cov.epochs[0].trained, cov.epochs[0].duplicates) == (8, 0)
+    record_batch(cov, 1, 1, 0, 2, step=2, folded=1)
+    assert discard(cov, 1) == 2
+    _counted_pending(cov)
+    assert cov.epochs[1].pending == 1
 
 
 def test_e2e_committed_means_acked():
