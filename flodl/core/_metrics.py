@@ -42,7 +42,7 @@ from ._commands import Command, Notice
 from ._errors import RankViolation
 from ._events import ChunkDone
 from ._phases import ACTIVE
-from ._state import CoordinatorState
+from ._state import CoordinatorState, EpochSums
 
 __all__ = ["check_chunk", "on_chunk", "aggregate", "aggregate_sums", "to_pb", "is_ready", "next_ready", "aggregate_next"]
 
@@ -65,34 +65,47 @@ def on_chunk(st: CoordinatorState, ev: ChunkDone) -> None:
         st.count_ignored("duplicate ChunkDone")
         return
     mine.append(ev.chunk_seq)
-    sums = st.metrics.sums.setdefault(ev.epoch, {})
-    acc = sums.get(ev.rank)
-    if acc is None:
-        acc = sums[ev.rank] = [0, 0, 0.0, 0.0, 0.0, {}]
-    _add(acc, ev)
+    sums = st.metrics.sums.get(ev.epoch)
+    if sums is None:
+        sums = st.metrics.sums[ev.epoch] = EpochSums()
+    _add(sums, ev)
 
 
-def _add(acc: list[Any], c: ChunkDone) -> None:
-    """Fold one chunk into a rank's sums ``[batches, samples, loss*batches, epoch_ms,
-    share_ms, {scalar: [sum, count]}]`` -- the same float operations, in arrival order,
+def _add(sums: EpochSums, c: ChunkDone) -> None:
+    """Fold one chunk into its rank's sums -- the same float operations, in arrival order,
     whether run as the chunk arrives (``on_chunk``) or over a list (``aggregate``)."""
-    acc[0] += c.batches
-    acc[1] += c.samples
-    acc[2] += c.avg_loss * c.batches
-    acc[3] += c.epoch_ms
-    acc[4] += c.share_complete_ms
-    for name, v, k in c.scalars:
-        s = acc[5].setdefault(name, [0.0, 0])
-        s[0] += v
-        s[1] += k
+    r = c.rank
+    if r >= len(sums.batches):
+        _grow(sums, r + 1)
+    sums.batches[r] += c.batches
+    sums.samples[r] += c.samples
+    sums.loss_b[r] += c.avg_loss * c.batches
+    sums.epoch_ms[r] += c.epoch_ms
+    sums.share_ms[r] += c.share_complete_ms
+    if c.scalars:
+        mine = sums.scalars.setdefault(r, {})
+        for name, v, k in c.scalars:
+            s = mine.setdefault(name, [0.0, 0])
+            s[0] += v
+            s[1] += k
 
 
-def _sums(chunks: dict[int, list[ChunkDone]]) -> dict[int, list[Any]]:
-    out = {}
-    for r, mine in chunks.items():
-        acc = out[r] = [0, 0, 0.0, 0.0, 0.0, {}]
+def _grow(sums: EpochSums, n: int) -> None:
+    """Columns ``n`` long (a rank beyond them reported, or the world is wider)."""
+    more = n - len(sums.batches)
+    if more > 0:
+        sums.batches += [0] * more
+        sums.samples += [0] * more
+        sums.loss_b += [0.0] * more
+        sums.epoch_ms += [0.0] * more
+        sums.share_ms += [0.0] * more
+
+
+def _sums(chunks: dict[int, list[ChunkDone]]) -> EpochSums:
+    out = EpochSums()
+    for mine in chunks.values():
         for c in mine:
-            _add(acc, c)
+            _add(out, c)
     return out
 
 
@@ -101,18 +114,16 @@ def aggregate(epoch: int, chunks: dict[int, list[ChunkDone]], world_size: int) -
     return aggregate_sums(epoch, _sums(chunks), world_size)
 
 
-def aggregate_sums(epoch: int, sums: dict[int, list[Any]], world_size: int) -> dict[str, Any]:
-    """``aggregate`` from the ranks' sums (``_add``): column by column, only over the
-    ranks that reported (the rest are zeros), the same float operations in the same
-    order as one record per rank made, at a fraction of the cost at thousands of ranks
-    (it runs inside the epoch-boundary step)."""
-    batches, samples = [0] * world_size, [0] * world_size
-    loss_b, epoch_ms, share_ms = [0.0] * world_size, [0.0] * world_size, [0.0] * world_size
-    scal: dict[int, dict[str, list[float]]] = {}  # rank -> name -> [sum, count], ranks with scalars
-    for r, acc in sums.items():
-        batches[r], samples[r], loss_b[r], epoch_ms[r], share_ms[r] = acc[0], acc[1], acc[2], acc[3], acc[4]
-        if acc[5]:
-            scal[r] = acc[5]
+def aggregate_sums(epoch: int, sums: EpochSums, world_size: int) -> dict[str, Any]:
+    """``aggregate`` from the ranks' running sums (``_add``): column by column, the same
+    float operations in the same order as one record per rank made, at a fraction of
+    the cost at thousands of ranks (it runs inside the epoch-boundary step). Takes the
+    columns over (``sums`` is the epoch's, popped by the caller)."""
+    if len(sums.batches) < world_size:
+        _grow(sums, world_size)
+    batches, samples = sums.batches[:world_size], sums.samples[:world_size]
+    loss_b, epoch_ms, share_ms = sums.loss_b[:world_size], sums.epoch_ms[:world_size], sums.share_ms[:world_size]
+    scal = {r: per for r, per in sums.scalars.items() if per and r < world_size}
     names = sorted({k for per in scal.values() for k in per})
     zeros = dict.fromkeys(names, 0.0)
     # A rank without scalars shares one map of zeros: read only (``to_pb``), and not a
@@ -130,10 +141,11 @@ def aggregate_sums(epoch: int, sums: dict[int, list[Any]], world_size: int) -> d
             scalars[k] = sum(per_rank[r][k] for r in have) / len(have)
         # else: named by ranks with no reading of it (count 0): no mean to give, and a
         # rank's odd frame must not divide by zero inside the epoch's step.
-    thr = [0.0] * world_size
-    for r in sums:
-        denom = share_ms[r] if share_ms[r] > 0 else epoch_ms[r]
-        thr[r] = samples[r] / denom * 1000.0 if denom > 0 else 0.0
+    # (A rank that never reported has zeros: 0 samples/s, as its own record said.)
+    thr = [
+        n / d * 1000.0 if (d := sh if sh > 0 else em) > 0 else 0.0
+        for n, sh, em in zip(samples, share_ms, epoch_ms)
+    ]
     all_b = sum(batches)
     return {
         "epoch": epoch,
@@ -220,7 +232,7 @@ def aggregate_next(st: CoordinatorState, out: list[Command]) -> int:
     then asks for its checkpoint and serves an eval intent (before the next dispatch)."""
     epoch = _next_epoch(st)
     st.metrics.chunks.pop(epoch, None)
-    m = aggregate_sums(epoch, st.metrics.sums.pop(epoch, {}), st.config.world_size)
+    m = aggregate_sums(epoch, st.metrics.sums.pop(epoch, None) or EpochSums(), st.config.world_size)
     cohort = pb.EpochMetrics(epoch=m["epoch"], scalars=m["scalars"], avg_loss=m["avg_loss"], epoch_ms=m["epoch_ms"])
     role = st.dispatch.announced_role  # what the ranks believe: who runs epoch_fn with these
     # Built when sent (``CoordinatorState.send_built``); the role's whole metrics (N-long

@@ -235,14 +235,29 @@ class CoverageState:
 
 
 @dataclass(slots=True)
+class EpochSums:
+    """One epoch's running sums over its ``ChunkDone``s (``_metrics._add``), a column per
+    quantity indexed by rank (grown to the highest rank that reported; zeros for the
+    rest): the epoch-boundary step hands the columns to the aggregation as they are,
+    rather than gathering one record per rank of a world of thousands."""
+
+    batches: list[int] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    loss_b: list[float] = field(default_factory=list)  # avg_loss x batches
+    epoch_ms: list[float] = field(default_factory=list)
+    share_ms: list[float] = field(default_factory=list)  # share_complete_ms
+    scalars: dict[int, dict[str, list[Any]]] = field(default_factory=dict)  # rank -> name -> [sum, count]
+
+
+@dataclass(slots=True)
 class MetricsState:
     # epoch -> rank -> the chunk_seq of each ChunkDone, in arrival order: what the
     # duplicate check and the aggregation rule need (the metrics are in ``sums``); not
     # the events, which an epoch's aggregation would free by the thousand.
     chunks: dict[int, dict[int, list[int]]] = field(default_factory=dict)
-    # epoch -> rank -> its running sums over those chunks (``_metrics._add``), kept as
-    # they arrive so that the epoch-boundary step does not walk every chunk.
-    sums: dict[int, dict[int, list[Any]]] = field(default_factory=dict)
+    # epoch -> its running sums over those chunks, kept as they arrive so that the
+    # epoch-boundary step does not walk every chunk.
+    sums: dict[int, EpochSums] = field(default_factory=dict)
     last_aggregated: Optional[int] = None
     history: list[dict[str, Any]] = field(default_factory=list)
     late_chunks: int = 0

@@ -15,6 +15,7 @@ import pytest
 from flodl.core import Send
 from flodl.core import _metrics
 from flodl.core._events import ChunkDone
+from flodl.core._state import EpochSums
 from flodl.core._rank_index import RankIndex
 from flodl.core.cadence import _boundary, _chunk_pool, _dispatcher
 from flodl.wire import pb
@@ -111,11 +112,11 @@ def test_running_sums_aggregate_to_what_the_chunks_do():
         0: [_chunk(0, 1, 3, 0.25, 30.0, (("acc", 1.5, 3),)), _chunk(0, 2, 1, 0.125, 7.0)],
         2: [_chunk(2, 1, 2, 0.5, 21.0, (("acc", 0.5, 2), ("f1", 0.25, 1)))],
     }
-    sums = {r: [0, 0, 0.0, 0.0, 0.0, {}] for r in chunks}
-    for r, mine in chunks.items():
-        for ch in mine:
-            _metrics._add(sums[r], ch)
+    sums = EpochSums()
+    for ch in (chunks[0][0], chunks[2][0], chunks[0][1]):  # in the order they arrive
+        _metrics._add(sums, ch)
     assert _metrics.aggregate_sums(0, sums, 4) == _metrics.aggregate(0, chunks, 4)
+    assert _metrics.aggregate_sums(0, EpochSums(), 2)["per_rank_throughput"] == [0.0, 0.0]
 
 
 def test_an_epoch_aggregates_without_walking_its_chunks(monkeypatch):

@@ -13,8 +13,10 @@ import pytest
 from flodl.core._averaging import _request_params, _throttle, _update, _update_wire
 from flodl.core._commands import Send, command_id_field
 from flodl.core._dispatch import _start_epoch, _start_epoch_wire
+from flodl.core._events import ChunkDone
 from flodl.core._membership import _beat
-from flodl.core._metrics import _epoch_aggregated, _per_rank_wire, aggregate_sums, to_pb
+from flodl.core._metrics import _add, _epoch_aggregated, _per_rank_wire, aggregate_sums, to_pb
+from flodl.core._state import EpochSums
 from flodl.wire import pb, varint
 
 U64 = st.integers(min_value=0, max_value=2**64 - 1)
@@ -98,11 +100,12 @@ def _reference_to_pb(m):  # a ScalarMap per rank, as to_pb built them before
 @given(st.integers(min_value=1, max_value=40), st.data())
 def test_the_whole_metrics_per_rank_maps_are_the_maps_one_by_one(world, data):
     # Some ranks report scalars (their own maps), the rest share aggregate_sums' zeros map.
-    sums = {}
+    sums = EpochSums()
     for r in data.draw(st.sets(st.integers(min_value=0, max_value=world - 1))):
         names = data.draw(st.sets(st.sampled_from(["acc", "lr", "grad_norm"])))
-        scal = {k: [data.draw(st.floats(-1e6, 1e6)), data.draw(st.integers(0, 5))] for k in names}
-        sums[r] = [3, 48, 1.5, 10.0, 8.0, scal]
+        scal = tuple((k, data.draw(st.floats(-1e6, 1e6)), data.draw(st.integers(0, 5))) for k in names)
+        _add(sums, ChunkDone(now=0.0, rank=r, epoch=2, chunk_seq=0, batches=3, samples=48, avg_loss=0.5,
+                             epoch_ms=10.0, share_complete_ms=8.0, scalars=scal))  # fmt: skip
     m = aggregate_sums(2, sums, world)
     assert to_pb(m) == _reference_to_pb(m)
     assert len(to_pb(m).per_rank) == world
