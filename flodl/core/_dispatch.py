@@ -232,7 +232,12 @@ class Dispatcher(Protocol):
         self, st: CoordinatorState, rank: int, lost: list[tuple[int, int, int]], out: list[Command]
     ) -> None: ...
 
-    def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None: ...
+    def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command], more: bool = False) -> None:
+        """One batch folded into the ledgers. ``more``: later batches of the same rank's
+        frame follow in this step, so a decision the last one makes with fresher state
+        (a top-up: fewer batches left then) may wait for it -- not one the frame's order
+        needs (a chunk that ran dry mid-frame is still served there)."""
+        ...
 
     def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None: ...
 
@@ -261,7 +266,7 @@ class SyncDispatcher:
     def setup(self, st: CoordinatorState) -> None:
         pass
 
-    def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
+    def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command], more: bool = False) -> None:
         pass
 
     def window_end_step(self, st: CoordinatorState, rank: int) -> int:

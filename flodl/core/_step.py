@@ -434,9 +434,11 @@ def _on_tick(st: CoordinatorState, ev: Tick, out: list[Command]) -> None:
     _membership.beacon(st, ev.now, out)
 
 
-def _ingest_batch(st: CoordinatorState, ev: BatchDone, out: list[Command], *, advance_last_step: bool) -> None:
+def _ingest_batch(st: CoordinatorState, ev: BatchDone, out: list[Command], *, advance_last_step: bool,
+                  more: bool = False) -> None:  # fmt: skip
     """The ledgers of one batch. ``advance_last_step`` False: a batch older than the rank's
-    latest known step (its frame was lost, later ones were not: ``_resync``)."""
+    latest known step (its frame was lost, later ones were not: ``_resync``). ``more``:
+    later batches of the rank's frame follow (``Dispatcher.on_batch``)."""
     rec = st.ranks[ev.rank]
     if advance_last_step:
         rec.last_step = ev.step_count
@@ -446,14 +448,14 @@ def _ingest_batch(st: CoordinatorState, ev: BatchDone, out: list[Command], *, ad
     _coverage.record_batch(st.coverage, ev.rank, ev.epoch, ev.offset, ev.samples, ev.step_count, rec.folded_step)
     if not advance_last_step:
         _coverage.keep_step_order(st.coverage, ev.rank)
-    policy_of(st.config).dispatcher.on_batch(st, ev, out)
+    policy_of(st.config).dispatcher.on_batch(st, ev, out, more=more)
 
 
-def _on_batch(st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
+def _on_batch(st: CoordinatorState, ev: BatchDone, out: list[Command], more: bool = False) -> None:
     if ev.step_count <= st.ranks[ev.rank].last_step:
         st.count_ignored("duplicate BatchDone")
         return
-    _ingest_batch(st, ev, out, advance_last_step=True)
+    _ingest_batch(st, ev, out, advance_last_step=True, more=more)
 
 
 # A frame of batches holds at most this many: the rank sends up to 64 (flodl.rank), a
@@ -482,8 +484,9 @@ def _on_batch_frame(st: CoordinatorState, ev: BatchDone, out: list[Command]) -> 
 
 def _on_batches(st: CoordinatorState, ev: BatchesDone, out: list[Command]) -> None:
     st.ranks[ev.rank].batch_frames += 1
-    for b in ev.batches:
-        _on_batch(st, b, out)
+    last = len(ev.batches) - 1
+    for i, b in enumerate(ev.batches):
+        _on_batch(st, b, out, more=i < last)
 
 
 def _on_exiting(st: CoordinatorState, ev: RankExiting, out: list[Command]) -> None:

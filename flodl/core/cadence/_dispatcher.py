@@ -905,7 +905,7 @@ class CadenceDispatcher:
     def idle(self, st: CoordinatorState, rank: int) -> bool:
         return quiesced(st, rank)
 
-    def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command]) -> None:
+    def on_batch(self, st: CoordinatorState, ev: BatchDone, out: list[Command], more: bool = False) -> None:
         cad, r = st.cadence, ev.rank
         # A plan wait is a window's fixed cost, except in the run's last window (a final
         # plan is pinned): the tail's waits end the run, no longer window amortises them.
@@ -929,11 +929,14 @@ class CadenceDispatcher:
             cad.wakeable.add(r)
             self._wake(st, out)  # hand work to a rank that ran dry (streaming: oldest epoch first)
         elif chunk is not None and chunk[0] == ev.epoch and self.streams is not None and not throttled:
-            self.streams.top_up(st, r, _batches(unreported, st.config.batch_size), out)
+            if not more:  # (the frame's last batch decides: it knows the fewest left; asked
+                # by each batch of a frame, it was a quarter of a coalesced batch's core cost)
+                self.streams.top_up(st, r, _batches(unreported, st.config.batch_size), out)
         elif throttled and self.streams is not None:
             rearm(st)  # it stopped training: the tail it was left (``_boundary``) goes to another
             self._wake(st, out)
-        _note_barrier(st)
+        if not more:  # (the frame's batches share its time, and windows only grow within it)
+            _note_barrier(st)
 
     def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None:
         cad = st.cadence

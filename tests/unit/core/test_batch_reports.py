@@ -16,6 +16,9 @@ from flodl.core import BatchDone, BatchesDone, RankViolation, replay, step, timi
 from flodl.core._events import from_record, to_record
 from flodl.wire import pb
 
+from flodl.core.cadence import _async, _boundary
+
+from . import cluster as cluster_module
 from .cluster import Cluster
 
 EXACT = {"expected": 96, "trained": 96, "duplicates": 0, "missing": 0}
@@ -45,6 +48,37 @@ def test_coalesced_runs_cover_every_sample_once_with_fewer_events(policy):
     assert all(b == f for b, f in rows(each))  # the summary says how many frames carried them
     assert sum(f for _b, f in rows(coalesced)) == n_coalesced < sum(b for b, _f in rows(coalesced))
     assert replay(coalesced.config, coalesced.journal) == coalesced.state  # the journal holds them
+
+
+@pytest.mark.parametrize("policy", ["cadence", "async"])
+def test_a_frame_asks_for_a_top_up_once_at_its_last_batch(policy, monkeypatch):
+    """The top-up (more work before the rank runs dry) is decided by a frame's last batch,
+    which knows the fewest batches left; its earlier ones do not ask (a saturated frame
+    of ten asked ten times). Every top-up asked is asked with the rank's latest step."""
+    asked: list[tuple[int, int]] = []  # (step the rank is at, last step of its frame)
+    frame_end: dict[int, int] = {}
+    real_step = step
+
+    def stepping(st, ev):
+        if isinstance(ev, BatchesDone):
+            frame_end[ev.rank] = ev.batches[-1].step_count
+        elif isinstance(ev, BatchDone):
+            frame_end[ev.rank] = ev.step_count
+        return real_step(st, ev)
+
+    streams_cls = _async._Streams if policy == "async" else _boundary._BoundaryStreams
+    real_top_up = streams_cls.top_up
+
+    def top_up(self, st, rank, unreported, out):
+        asked.append((st.ranks[rank].last_step, frame_end[rank]))
+        return real_top_up(self, st, rank, unreported, out)
+
+    monkeypatch.setattr(streams_cls, "top_up", top_up)
+    monkeypatch.setattr(cluster_module, "step", stepping)
+    c = _run(policy, 25.0)
+    frames = [ev for ev in c.journal if isinstance(ev, BatchesDone)]
+    assert asked and max(len(ev.batches) for ev in frames) > 1
+    assert all(at == end for at, end in asked), [a for a in asked if a[0] != a[1]][:5]
 
 
 def test_a_coalesced_run_survives_a_death_mid_frame_with_exact_coverage():
