@@ -368,6 +368,9 @@ class CadenceState:
     dropped_wake: set[int] = field(default_factory=set)
     dropped_open: set[int] = field(default_factory=set)
     parked: set[int] = field(default_factory=set)
+    # A rearm put many ranks back into ``open_windows``: the gate's next pass sifts them
+    # in one sweep rather than one pop each (``_dispatcher.windows_done``).
+    open_refilled: bool = False
     alive_counts: Optional[tuple[int, list[int], int, bool]] = None  # (+ calibrated or speed-hinted)
     # The Throttle's floor (``max_batch_diff``): a lazy min-heap of (window steps, rank)
     # lower bounds, rebuilt when a window mark moves (``marks_version``) or the ACTIVE set

@@ -34,9 +34,11 @@ class AsyncMachine(CoreMachine):
         anchor=st.integers(1, 4),
         max_batch_diff=st.sampled_from([None, None, 2]),
         report_ms=st.sampled_from([0.0, 25.0]),
+        sweep=st.booleans(),
     )
-    def setup(self, ws, total, bs, epochs, prejoin, anchor, max_batch_diff, report_ms):
-        CoreMachine.setup(self, ws, total, bs, epochs, prejoin, False, "async", anchor, max_batch_diff, report_ms)
+    def setup(self, ws, total, bs, epochs, prejoin, anchor, max_batch_diff, report_ms, sweep):
+        CoreMachine.setup(self, ws, total, bs, epochs, prejoin, False, "async", anchor, max_batch_diff, report_ms,
+                          sweep)  # fmt: skip
         self.model = AsyncLedger(ws)
 
 

@@ -40,6 +40,8 @@ from flodl.core import (
     view_drift,
 )
 from flodl.core import FORMING, TRAINING
+from flodl.core.cadence import _views
+from flodl.core.cadence._views import REFILL
 
 
 
@@ -158,8 +160,13 @@ class CoreMachine(RuleBasedStateMachine):
         anchor=st.integers(1, 4),
         max_batch_diff=st.sampled_from([None, 1, 3]),
         report_ms=st.sampled_from([0.0, 25.0]),  # a frame per batch, or ~3 batches a frame (11 ms each)
+        sweep=st.booleans(),
     )
-    def setup(self, ws, total, bs, epochs, prejoin, race, policy, anchor, max_batch_diff, report_ms=0.0):
+    def setup(self, ws, total, bs, epochs, prejoin, race, policy, anchor, max_batch_diff, report_ms=0.0,
+              sweep=False):  # fmt: skip
+        # sweep: every rearm refills the gate's heap in bulk and the gate sifts it in one
+        # sweep, as at thousands of ranks (``_views.REFILL``); these worlds have 1-4.
+        _views.REFILL = 0 if sweep else REFILL
         self.c = Cluster(
             world_size=ws, total=total, batch_size=bs, epochs=epochs,
             liveness_timeout_s=5.0, reduce_stall_s=1e9, defer_chunks=True, defer_acks=True,
@@ -323,6 +330,12 @@ class CoreMachine(RuleBasedStateMachine):
         self.last_aggregated = last
 
     def teardown(self):
+        try:
+            self._finish()
+        finally:
+            _views.REFILL = REFILL
+
+    def _finish(self):
         if not hasattr(self, "c"):
             return
         c = self.c

@@ -243,10 +243,11 @@ def windows_done(st: CoordinatorState) -> tuple[bool, str]:
         return False, "no active rank"
     cad = st.cadence
     absorb_released(st)
+    if cad.open_refilled:
+        _sift_open(st)
     counts, heap = cad.elche.batch_counts, cad.open_windows
-    # (window_steps and drop_open inline: after a finished round the gate pops every
-    # rank that ran its window, thousands in one step; nothing read before the loop, as
-    # most events stop at the first rank.)
+    # (window_steps and drop_open inline: nothing read before the loop, as most events
+    # stop at the first rank.)
     while heap:
         r = heap[0]
         rec = st.ranks[r]
@@ -263,6 +264,28 @@ def windows_done(st: CoordinatorState) -> tuple[bool, str]:
     if not st.any_unfolded():
         return False, "no rank has stepped since the last average"
     return True, "every active rank ran its window, is throttled, or has no work left"
+
+
+def _sift_open(st: CoordinatorState) -> None:
+    """The gate's first pass after a rearm refilled ``open_windows`` (``_views.REFILL``):
+    every rank there that does not block now leaves it in one sweep, as the gate's pops
+    would one by one (a finished round put back thousands, nearly all done with their
+    window); the rest are heaped again. What a pop relies on holds for all of them: a
+    rank comes back on what can make it block again (``_views``)."""
+    cad = st.cadence
+    cad.open_refilled = False
+    recs, throttled, marks, counts, heap = st.ranks, cad.throttled, cad.window_mark, cad.elche.batch_counts, cad.open_windows
+    blocks = [
+        recs[r].phase is ACTIVE and r not in throttled
+        and max(0, recs[r].last_step - marks.get(r, 0)) < counts[r] and not quiesced(st, r)
+        for r in heap
+    ]  # fmt: skip
+    gone = [r for r, b in zip(heap, blocks) if not b]
+    if gone:
+        heap[:] = list(compress(heap, blocks))
+        heapq.heapify(heap)
+        cad.in_open.difference_update(gone)
+        cad.dropped_open.update(gone)
 
 
 # -- sizing and taking --------------------------------------------------------------------

@@ -43,7 +43,11 @@ import heapq
 from .._phases import ACTIVE
 from .._state import CadenceState, CoordinatorState
 
-__all__ = ["counts_view", "counts_changed", "may_block", "absorb_released", "drop_wake", "drop_open", "rearm"]
+__all__ = ["counts_view", "counts_changed", "may_block", "absorb_released", "drop_wake", "drop_open", "rearm", "REFILL"]
+
+# More ranks than this put back at once: the heap is rebuilt, and the gate's next pass
+# sifts it in one sweep (``open_refilled``). Below it, pushes and pops are cheaper.
+REFILL = 64
 
 
 def _cad(st: CoordinatorState) -> CadenceState:
@@ -84,11 +88,7 @@ def absorb_released(st: CoordinatorState) -> None:
     if released:
         cad = _cad(st)
         cad.wakeable |= released
-        in_open, heap, push = cad.in_open, cad.open_windows, heapq.heappush
-        for r in released:  # may_block, inline: a world's formation releases every rank
-            if r not in in_open:
-                push(heap, r)
-                in_open.add(r)
+        _reopen(cad, [r for r in released if r not in cad.in_open])  # a formation releases every rank
 
 
 def drop_wake(cad: CadenceState, rank: int) -> None:
@@ -123,8 +123,18 @@ def rearm(st: CoordinatorState, *, unpark: bool = True) -> None:
     # (Unsorted: a set's order is a function of its history, so a replay pushes the same
     # heap; and the heap's order never changes which rank it yields first.)
     cad.wakeable.update([r for r in back_wake if ranks[r].phase is ACTIVE])
-    in_open, heap, push = cad.in_open, cad.open_windows, heapq.heappush
-    for r in back_open:  # may_block, inline: a finished round puts back every rank
-        if ranks[r].phase is ACTIVE and r not in in_open:
-            push(heap, r)
-            in_open.add(r)
+    in_open = cad.in_open
+    _reopen(cad, [r for r in back_open if ranks[r].phase is ACTIVE and r not in in_open])  # a round: every rank
+
+
+def _reopen(cad: CadenceState, back: list[int]) -> None:
+    """``may_block`` for each of ``back`` (none in ``open_windows`` yet), in bulk."""
+    cad.in_open.update(back)
+    heap = cad.open_windows
+    if len(back) > REFILL:
+        heap += back
+        heapq.heapify(heap)  # (O(N), not N pushes)
+        cad.open_refilled = True
+    else:
+        for r in back:
+            heapq.heappush(heap, r)
