@@ -275,9 +275,12 @@ def _sift_open(st: CoordinatorState) -> None:
     cad = st.cadence
     cad.open_refilled = False
     recs, throttled, marks, counts, heap = st.ranks, cad.throttled, cad.window_mark, cad.elche.batch_counts, cad.open_windows
+    in_flight, rank_epoch = cad.in_flight, st.dispatch.rank_epoch
+    drained = {e: pool.remaining() == 0 for e, pool in cad.pools.items()}  # (quiesced: asked per pool, not per rank)
     blocks = [
         recs[r].phase is ACTIVE and r not in throttled
-        and max(0, recs[r].last_step - marks.get(r, 0)) < counts[r] and not quiesced(st, r)
+        and max(0, recs[r].last_step - marks.get(r, 0)) < counts[r]
+        and (r in in_flight or not drained.get(rank_epoch.get(r), False))  # not quiesced
         for r in heap
     ]  # fmt: skip
     gone = [r for r, b in zip(heap, blocks) if not b]
