@@ -88,8 +88,10 @@ from ._dispatcher import (
     _budget,
     _held,
     extend_in_window,
+    live_epochs,
     new_pool,
     offer_chunk,
+    source_epoch,
     top_up_pace,
     window_steps,
 )
@@ -99,25 +101,6 @@ from .._phases import TRAINING
 from .._state import CoordinatorState
 
 __all__ = ["ASYNC", "STREAMS", "source_epoch", "live_epochs", "wake"]
-
-
-def live_epochs(st: CoordinatorState) -> list[int]:
-    """Epochs with a pool that are not aggregated yet, oldest first."""
-    cov = st.coverage.epochs
-    return [e for e in sorted(st.cadence.pools) if e in cov and not cov[e].frozen]
-
-
-def source_epoch(st: CoordinatorState) -> Optional[int]:
-    """The epoch an idle rank draws from: the oldest live epoch with work left, else the
-    next epoch (to be opened; None past ``num_epochs`` or before epoch 0 exists)."""
-    pools = st.cadence.pools
-    for e in live_epochs(st):
-        if pools[e].remaining() > 0:
-            return e
-    last = st.dispatch.last_dispatched
-    if last is None or last + 1 >= st.config.num_epochs:
-        return None
-    return last + 1
 
 
 def _open(st: CoordinatorState, epoch: int, rank: int, out: list[Command]) -> None:
@@ -204,7 +187,7 @@ class _Streams:
             return
         budget = _budget(st, rank)
         left = budget - window_steps(st, rank) - unreported if budget > 0 else 1  # (as ``offer_chunk``)
-        if left > 0 and source_epoch(st) == cad.in_flight[rank][0]:  # (an older epoch's holes first)
+        if left > 0:
             extend_in_window(st, rank, left, out)
 
 

@@ -293,8 +293,7 @@ def top_up(st: CoordinatorState, rank: int, unreported: int, out: list[Command])
         return False  # not due yet: a later report is still in time
     ahead = window_steps(st, rank) + unreported
     if ahead < budget:
-        epoch = cad.in_flight[rank][0]  # (an older epoch's holes first: they wait for a plain take)
-        return _async.source_epoch(st) == epoch and extend_in_window(st, rank, budget - ahead, out)
+        return extend_in_window(st, rank, budget - ahead, out)
     if not st.config.run_ahead:
         return False  # it waits at its reduce barrier
     waiting = gate_wait_ms(st)

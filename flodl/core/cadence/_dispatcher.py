@@ -134,6 +134,8 @@ __all__ = [
     "chunk_batches",
     "start_window",
     "wake",
+    "live_epochs",
+    "source_epoch",
 ]
 
 def new_state(
@@ -652,15 +654,39 @@ def top_up_pace(st: CoordinatorState, rank: int, unreported: int) -> float:
     return ms
 
 
+# -- the epochs streamed from (Async, and Cadence at its boundary: ``_async``) --------------
+
+
+def live_epochs(st: CoordinatorState) -> list[int]:
+    """Epochs with a pool that are not aggregated yet, oldest first."""
+    cov = st.coverage.epochs
+    return [e for e in sorted(st.cadence.pools) if e in cov and not cov[e].frozen]
+
+
+def source_epoch(st: CoordinatorState) -> Optional[int]:
+    """The epoch an idle rank draws from: the oldest live epoch with work left, else the
+    next epoch (to be opened; None past ``num_epochs`` or before epoch 0 exists)."""
+    pools = st.cadence.pools
+    for e in live_epochs(st):
+        if pools[e].remaining() > 0:
+            return e
+    last = st.dispatch.last_dispatched
+    if last is None or last + 1 >= st.config.num_epochs:
+        return None
+    return last + 1
+
+
 def extend_in_window(st: CoordinatorState, rank: int, left: int, out: list[Command]) -> bool:
     """The chunk in flight ends inside the rank's window, ``left`` batches short of it:
     the window's next chunk goes out now, as an extension, instead of once the rank ran
     dry (every chunk of a window cost the rank a turnaround with nothing to train: 2-12 ms
-    each on a real 6-rank rig, 4-6 % of its time). Sized as its plain take would be. The
-    caller checks that its epoch is the one an idle rank would draw from (the oldest with
-    work, ``_async.source_epoch``): an older epoch's reclaimed holes go first."""
+    each on a real 6-rank rig, 4-6 % of its time). Sized as its plain take would be. Only
+    from the epoch an idle rank would draw from (``source_epoch``): an older epoch's
+    reclaimed holes go first, by a plain take once this chunk is done."""
     cad = st.cadence
     epoch = cad.in_flight[rank][0]
+    if source_epoch(st) != epoch:
+        return False
     pool = cad.pools.get(epoch)
     if pool is None or pool.remaining() == 0:
         return False  # the epoch is handed out: the next is the streams' (after the chunk)

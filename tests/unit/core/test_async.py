@@ -279,6 +279,11 @@ def test_a_death_reclaims_into_the_oldest_epoch_first():
     out = []
     _async.ASYNC.reassign(st, 1, out)
     assert st.cadence.pools[0].remaining() == 20
+    # Mid-chunk, rank 0 gets no extension of epoch 1 (its pool has plenty): the older
+    # epoch's hole goes first, by the plain take once this chunk is done.
+    assert st.cadence.pools[1].remaining() > 0 and _async.source_epoch(st) == 0
+    out = []
+    assert not _cadence.extend_in_window(st, 0, 4, out) and not out
     # Rank 0 finishes its epoch-1 chunk: the next chunk is the older epoch's hole.
     st.cadence.pools[1].mark_completed(0, e1_chunk[2])
     del st.cadence.in_flight[0]
