@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from ._phases import ACTIVE, TRAINING
 from ._state import CoordinatorState
-from .cadence._async import source_epoch
 from .cadence._boundary import leaves_the_tail
-from .cadence._dispatcher import _held, _pool_of, quiesced, window_steps
+from .cadence._dispatcher import _held, _pool_of, quiesced, source_epoch, window_steps
 
 __all__ = ["view_drift"]
 

@@ -91,7 +91,8 @@ def _add(sums: EpochSums, c: ChunkDone) -> None:
 
 
 def _grow(sums: EpochSums, n: int) -> None:
-    """Columns ``n`` long (a rank beyond them reported, or the world is wider)."""
+    """Columns at least ``n`` long (a rank beyond them reported; the aggregation wants
+    one entry per rank of the world)."""
     more = n - len(sums.batches)
     if more > 0:
         sums.batches += [0] * more
@@ -117,13 +118,12 @@ def aggregate(epoch: int, chunks: dict[int, list[ChunkDone]], world_size: int) -
 def aggregate_sums(epoch: int, sums: EpochSums, world_size: int) -> dict[str, Any]:
     """``aggregate`` from the ranks' running sums (``_add``): column by column, the same
     float operations in the same order as one record per rank made, at a fraction of
-    the cost at thousands of ranks (it runs inside the epoch-boundary step). Takes the
-    columns over (``sums`` is the epoch's, popped by the caller)."""
-    if len(sums.batches) < world_size:
-        _grow(sums, world_size)
-    batches, samples = sums.batches[:world_size], sums.samples[:world_size]
-    loss_b, epoch_ms, share_ms = sums.loss_b[:world_size], sums.epoch_ms[:world_size], sums.share_ms[:world_size]
-    scal = {r: per for r, per in sums.scalars.items() if per and r < world_size}
+    the cost at thousands of ranks (it runs inside the epoch-boundary step). The result
+    holds ``sums``' columns, grown to ``world_size`` (the caller popped them: no copy).
+    A rank is below ``world_size`` (the step checked its frame)."""
+    _grow(sums, world_size)
+    batches, samples, loss_b, epoch_ms, share_ms = sums.batches, sums.samples, sums.loss_b, sums.epoch_ms, sums.share_ms
+    scal = {r: per for r, per in sums.scalars.items() if per}
     names = sorted({k for per in scal.values() for k in per})
     zeros = dict.fromkeys(names, 0.0)
     # A rank without scalars shares one map of zeros: read only (``to_pb``), and not a

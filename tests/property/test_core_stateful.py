@@ -315,7 +315,8 @@ class CoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def incremental_views_match_a_recount(self):
-        """The rank index, Cadence's wake/gate views and the pools' sums (``view_drift``)."""
+        """The rank index, Cadence's wake/gate views, the pools' sums and each epoch's count
+        of pending batches (``view_drift``)."""
         if not hasattr(self, "c"):
             return
         assert view_drift(self.c.state) == []

@@ -100,7 +100,7 @@ from .._commands import Command, Notice
 from .._phases import TRAINING
 from .._state import CoordinatorState
 
-__all__ = ["ASYNC", "STREAMS", "source_epoch", "live_epochs", "wake"]
+__all__ = ["ASYNC", "STREAMS", "wake"]
 
 
 def _open(st: CoordinatorState, epoch: int, rank: int, out: list[Command]) -> None:

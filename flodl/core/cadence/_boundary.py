@@ -78,7 +78,9 @@ from ._dispatcher import (
     _send_plan,
     _take_window,
     extend_in_window,
+    live_epochs,
     round_wait_batches,
+    source_epoch,
     top_up_pace,
     window_steps,
     windows_done,
@@ -100,6 +102,7 @@ class _BoundaryStreams:
         _async._open(st, epoch, -1, out)
         if _slack.stage(st, epoch, out):
             counts_changed(st)
+            rearm(st, unpark=False)  # a count that rose may make a rank block the gate again
         self.wake(st, out)
 
     def wake(self, st: CoordinatorState, out: list[Command]) -> None:
@@ -115,7 +118,7 @@ class _BoundaryStreams:
             # trains again (from then on every one of them leaves it again: parked).
             rearm(st, unpark=False)
             parked = sorted(cad.parked)
-        if _async.source_epoch(st) is None:
+        if source_epoch(st) is None:
             # No epoch has work and none is left to open: neither a chunk nor a run-ahead
             # can be handed to anyone (they stay wakeable). In the run's last epoch every
             # round rearms every rank, and every chunk's end wakes: no sort, no walk.
@@ -173,11 +176,11 @@ class _BoundaryStreams:
 
     def round_epoch(self, st: CoordinatorState) -> Optional[int]:
         """The epoch a finished round is counted for: the oldest live one."""
-        live = _async.live_epochs(st)
+        live = live_epochs(st)
         return live[0] if live else st.dispatch.last_dispatched
 
     def window_epoch(self, st: CoordinatorState, out: list[Command]) -> Optional[int]:
-        epoch = _async.source_epoch(st)
+        epoch = source_epoch(st)
         cad = st.cadence
         if epoch is not None and cad is not None and epoch not in cad.pools:
             _async._open(st, epoch, -1, out)
@@ -187,7 +190,7 @@ class _BoundaryStreams:
         top_up(st, rank, unreported, out)
 
     def live_window_epoch(self, st: CoordinatorState) -> Optional[int]:
-        epoch = _async.source_epoch(st)
+        epoch = source_epoch(st)
         return epoch if st.cadence is not None and epoch in st.cadence.pools else None
 
 
@@ -316,7 +319,7 @@ def _run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, pending: int,
     room = run_ahead_room(st, rank) - pending
     if room <= 0 or cad.final_plan is not None:
         return False  # (the run's last window is pinned: its plan splits all that is left)
-    epoch = _async.source_epoch(st)
+    epoch = source_epoch(st)
     if epoch is None or (extend_epoch is not None and epoch != extend_epoch):
         return False
     if epoch not in cad.pools:

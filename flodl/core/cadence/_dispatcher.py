@@ -270,10 +270,12 @@ def windows_done(st: CoordinatorState) -> tuple[bool, str]:
 
 def _sift_open(st: CoordinatorState) -> None:
     """The gate's first pass after a rearm refilled ``open_windows`` (``_views.REFILL``):
-    every rank there that does not block now leaves it in one sweep, as the gate's pops
-    would one by one (a finished round put back thousands, nearly all done with their
-    window); the rest are heaped again. What a pop relies on holds for all of them: a
-    rank comes back on what can make it block again (``_views``)."""
+    every rank there that does not block now leaves it in one sweep (a finished round
+    put back thousands, nearly all done with their window); the rest are heaped again.
+    The pops leave the ranks above the lowest blocker in place; the sweep takes those
+    out too, which is sound for the reason a pop is: a rank comes back on whatever can
+    make it block again (``_views``; ``view_drift`` checks it after every step of the
+    stateful tests, which run the sweep at any size)."""
     cad = st.cadence
     cad.open_refilled = False
     recs, throttled, marks, counts, heap = st.ranks, cad.throttled, cad.window_mark, cad.elche.batch_counts, cad.open_windows
@@ -987,7 +989,9 @@ class CadenceDispatcher:
         elif throttled and self.streams is not None:
             rearm(st)  # it stopped training: the tail it was left (``_boundary``) goes to another
             self._wake(st, out)
-        if not more:  # (the frame's batches share its time, and windows only grow within it)
+        if not more:  # (the frame's batches share one time, ``now``: noted at its last, the
+            # barrier's time is the same unless an earlier batch closed the gate and a later
+            # one reopened it, which a batch cannot: it adds steps to its own rank's window)
             _note_barrier(st)
 
     def on_trigger(self, st: CoordinatorState, ranks: list[int], out: list[Command]) -> None:
@@ -1062,6 +1066,7 @@ class CadenceDispatcher:
         behind an epoch barrier ``dispatch_epoch`` stages it before the first windows."""
         if self.barrier_paced and epoch + 1 in st.cadence.pools and _slack.stage(st, epoch + 1, out):
             counts_changed(st)
+            rearm(st, unpark=False)  # a count that rose may make a rank block the gate again
 
     def on_join(self, st: CoordinatorState, rank: int, out: list[Command]) -> None:
         """A joiner holds the consensus: it draws chunks from the current epoch's pool

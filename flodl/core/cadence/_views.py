@@ -19,8 +19,11 @@ views in ``CadenceState`` make each O(1) amortised (O(log N) where a heap orders
 * ``open_windows``: a lazy min-heap (``in_open``: its members) of the ranks that may
   block the gate -- window open, not throttled, not quiesced. The gate pops those that
   no longer block and stops at the lowest that does, the rank a walk in order would
-  name. A rank comes back on the same events, and when it takes a chunk (``may_block``:
-  a taker is not quiesced any more).
+  name; after a rearm that put back more than ``REFILL`` ranks (one heapify, not a push
+  each), its first pass sifts out every rank that does not block in one sweep
+  (``open_refilled``). A rank comes back on the same events, when it takes a chunk
+  (``may_block``: a taker is not quiesced any more), and when its count may have risen
+  (a rearm wherever the counts move).
 * ``alive_counts``: ElChe's counts with the ranks that are not ACTIVE zeroed, their sum,
   and "calibrated or speed-hinted" (``counts_view``), keyed by the rank index's
   ``alive_version`` and dropped where the counts move (``counts_changed``: a finished

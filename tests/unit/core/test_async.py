@@ -271,7 +271,7 @@ def test_a_death_reclaims_into_the_oldest_epoch_first():
     # Rank 0 streamed into epoch 1 and is mid-chunk there.
     out = []
     assert _async._dispatch_next(st, 0, out)
-    assert [p[0] for _r, p in _plans(out)] == [1] and _async.live_epochs(st) == [0, 1]
+    assert [p[0] for _r, p in _plans(out)] == [1] and _cadence.live_epochs(st) == [0, 1]
     assert [x.data["epoch"] for x in out if isinstance(x, Notice)] == [1]
     e1_chunk = st.cadence.in_flight[0]
     # Rank 1 dies: its epoch-0 positions go back to epoch 0's pool.
@@ -281,7 +281,7 @@ def test_a_death_reclaims_into_the_oldest_epoch_first():
     assert st.cadence.pools[0].remaining() == 20
     # Mid-chunk, rank 0 gets no extension of epoch 1 (its pool has plenty): the older
     # epoch's hole goes first, by the plain take once this chunk is done.
-    assert st.cadence.pools[1].remaining() > 0 and _async.source_epoch(st) == 0
+    assert st.cadence.pools[1].remaining() > 0 and _cadence.source_epoch(st) == 0
     out = []
     assert not _cadence.extend_in_window(st, 0, 4, out) and not out
     # Rank 0 finishes its epoch-1 chunk: the next chunk is the older epoch's hole.

@@ -21,7 +21,8 @@ from flodl.core import (
     initial_state,
     replay,
 )
-from flodl.core.cadence import _feedback
+from flodl.core import view_drift
+from flodl.core.cadence import _feedback, _slack, _views
 from flodl.core.cadence._boundary import BOUNDARY_STREAMS, CADENCE, leaves_the_tail
 from flodl.core.cadence._dispatcher import (
     _dispatch_next,
@@ -851,3 +852,26 @@ def test_a_rank_still_running_ahead_at_the_trigger_gets_the_rest_of_its_window_q
     res = c.run()
     assert not any(r.warnings for r in c.ranks)
     assert res.ok and [{k: e[k] for k in EXACT} for e in res.summary["coverage"]] == [EXACT]
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_count_the_callback_slack_raised_puts_its_rank_back_in_the_gates_view(sweep, monkeypatch):
+    """Counts move outside a round when an aggregation stages callback slack: a rank the
+    gate had let go (its window run) whose count rose blocks it again, and is in the
+    gate's view to say so -- after the gate's pops as after its one-sweep sift."""
+    monkeypatch.setattr(_views, "REFILL", 0 if sweep else _views.REFILL)
+    st = _state(2, 4, probe_batches=None)
+    _pool(st, 0, 100)
+    _pool(st, 1, 100)  # the ranks stream into epoch 1, which has work left
+    _steps(st, [4, 4])
+    rearm(st)
+    assert st.cadence.elche.batch_counts == [4, 4] and cadence_gate(st)[0]  # both ran their window
+
+    def stage(st, epoch, out):
+        st.cadence.elche.batch_counts[1] = 9
+        return True
+
+    monkeypatch.setattr(_slack, "stage", stage)
+    CADENCE.on_epoch_aggregated(st, 0, [])
+    assert view_drift(st) == []
+    assert cadence_gate(st) == (False, "rank 1 ran 4/9 batches of its window and has work left")

@@ -115,7 +115,13 @@ def test_running_sums_aggregate_to_what_the_chunks_do():
     sums = EpochSums()
     for ch in (chunks[0][0], chunks[2][0], chunks[0][1]):  # in the order they arrive
         _metrics._add(sums, ch)
-    assert _metrics.aggregate_sums(0, sums, 4) == _metrics.aggregate(0, chunks, 4)
+    m = _metrics.aggregate_sums(0, sums, 4)
+    assert m == _metrics.aggregate(0, chunks, 4)
+    # By hand: loss weighted by batches, samples per second of each rank's share_complete_ms.
+    assert m["avg_loss"] == (0.25 * 3 + 0.125 * 1 + 0.5 * 2) / 6
+    assert m["per_rank_batches"] == [4, 0, 2, 0] and m["per_rank_samples"] == [16, 0, 8, 0]
+    assert m["per_rank_throughput"] == pytest.approx([16 / 18.5 * 1000, 0.0, 8 / 10.5 * 1000, 0.0])
+    assert m["scalars"]["acc"] == pytest.approx((4 * 0.5 + 2 * 0.25) / 6)
     assert _metrics.aggregate_sums(0, EpochSums(), 2)["per_rank_throughput"] == [0.0, 0.0]
 
 
