@@ -232,7 +232,7 @@ def aggregate_next(st: CoordinatorState, out: list[Command]) -> int:
     then asks for its checkpoint and serves an eval intent (before the next dispatch)."""
     epoch = _next_epoch(st)
     st.metrics.chunks.pop(epoch, None)
-    m = aggregate_sums(epoch, st.metrics.sums.pop(epoch, None) or EpochSums(), st.config.world_size)
+    m = aggregate_sums(epoch, st.metrics.sums.pop(epoch, EpochSums()), st.config.world_size)
     cohort = pb.EpochMetrics(epoch=m["epoch"], scalars=m["scalars"], avg_loss=m["avg_loss"], epoch_ms=m["epoch_ms"])
     role = st.dispatch.announced_role  # what the ranks believe: who runs epoch_fn with these
     # Built when sent (``CoordinatorState.send_built``); the role's whole metrics (N-long
