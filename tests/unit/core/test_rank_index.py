@@ -8,6 +8,7 @@ import pytest
 
 from flodl.core import DEAD, JOINING, view_drift
 from flodl.core._rank_index import RankIndex
+from flodl.core.cadence import _dispatcher, _views
 
 from .cluster import Cluster
 
@@ -96,3 +97,28 @@ def test_async_death_hands_the_hole_to_a_rank_cadences_wake_found_without_work()
     c.kill(1)
     assert c.state.cadence.in_flight[2][0] == 0  # the reclaimed hole of epoch 0
     assert view_drift(c.state) == []
+
+
+@pytest.mark.parametrize("policy", ["cadence", "async"])
+def test_views_agree_through_a_run_wide_enough_for_the_gates_sweep(policy, monkeypatch):
+    """More ranks than ``_views.REFILL``: a finished round refills the gate's heap in one
+    heapify and the gate sifts it in one sweep; a death mid-run reclaims holes."""
+    swept = []
+    real = _dispatcher._sift_open
+
+    def sift(st):
+        swept.append(len(st.cadence.open_windows))
+        real(st)
+
+    monkeypatch.setattr(_dispatcher, "_sift_open", sift)
+    n = _views.REFILL + 16
+    c = Cluster(policy=policy, world_size=n, total=n * 16, batch_size=4, epochs=2,
+                speeds=[(10, 20, 40)[r % 3] for r in range(n)])  # fmt: skip
+    c.join_all()
+    while c.ranks[1].step < 2:
+        assert c.pump_once() and view_drift(c.state) == []
+    c.kill(5)
+    _run_checked(c, max_iters=200_000)
+    assert c.finished is not None and c.finished.ok, c.finished
+    assert all(e["missing"] == 0 and e["duplicates"] == 0 for e in c.finished.summary["coverage"])
+    assert swept and max(swept) > _views.REFILL  # the sweep ran, over a refilled heap
