@@ -29,7 +29,6 @@ in ``HeldSends`` instead of failing as unroutable.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import re
@@ -103,6 +102,7 @@ from .inbound import recv_frames as _recv_frames, recv_routed
 from .journal import Journal, JournalError
 from .gcsettle import CollectorSettle
 from .loopmeter import LoopMeter
+from .noticelog import log_notice
 from .metrics import RunBook, journal_stats
 from .output import ModelOutput
 from .reducer import BusReducer, RoundRefused
@@ -1116,7 +1116,7 @@ class CoordinatorService:
         return self._send_now(frames, quiet=True)
 
     def _notice(self, cmd: Notice) -> None:
-        decisions.debug(json.dumps({"kind": cmd.kind, **cmd.data}, sort_keys=True, default=str))
+        log_notice(cmd, self.config.num_epochs, log, decisions)
         self.status.notice(cmd)
         self.gc.notice(cmd.kind)
         if cmd.kind == "shutdown" or (cmd.kind == "epoch" and cmd.data.get("epoch") == self.config.num_epochs - 1):
@@ -1125,9 +1125,6 @@ class CoordinatorService:
             self.marks.mark("shutdown" if cmd.kind == "shutdown" else "epochs_done", t)
         if cmd.kind == "checkpoint_abandoned":
             self.checkpointing.on_abandoned(cmd)
-        # Per-window decisions are frequent: the operator log gets them at DEBUG.
-        level = logging.DEBUG if cmd.kind == "window" else logging.INFO
-        log.log(level, "%s", _human(cmd, self.config.num_epochs))
 
     def _journal_write(self, record: dict) -> None:
         if self._journal is not None:
@@ -1214,22 +1211,6 @@ def _bind_problem(what: str, err: Exception, key: str) -> str:
         return (f"cannot {what}: {reason}: another process holds that port (a coordinator of an "
                 f"earlier run still running?); stop it, or choose another port ({flag})")
     return f"cannot {what}: {reason}; fix the address ({flag})"
-
-
-def _human(cmd: Notice, epochs: int) -> str:
-    """One readable progress line per decision (the JSON record goes to flodl.decisions)."""
-    d = cmd.data
-    if cmd.kind == "epoch":
-        rates = "  ".join(f"r{i} {x:,.0f}/s" for i, x in enumerate(d.get("samples_per_s", [])))
-        cov = d.get("coverage", {})
-        return (
-            f"epoch {d.get('epoch', 0) + 1}/{epochs}  loss {d.get('avg_loss', float('nan')):.4f}  "
-            f"wall {d.get('wall_s', 0):.2f}s  rate {rates}  "
-            f"coverage {cov.get('trained')}/{cov.get('expected')} dup {cov.get('duplicates')} "
-            f"missing {cov.get('missing')}"
-        )
-    fields = " ".join(f"{k}={v}" for k, v in sorted(d.items()))
-    return f"{cmd.kind}: {fields}"
 
 
 def _user_id(frame) -> str:
