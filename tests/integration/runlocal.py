@@ -8,6 +8,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+ALARMING = (" WARNING ", " ERROR ", "Traceback")
+
+
+def alarming(out: str, words: tuple[str, ...] = ALARMING) -> str:
+    """What in ``out`` a healthy run must not say -- a warning, an error, a traceback --
+    each with the lines around it (a traceback whole, up to 30 lines), so that a failure
+    says where it came from; "" when nothing."""
+    lines = out.splitlines()
+    shown, last = [], -1
+    for i, line in enumerate(lines):
+        if i <= last or not any(w in line for w in words):
+            continue
+        last = min(len(lines) - 1, i + (30 if "Traceback" in line else 2))
+        shown.append("\n".join(lines[max(0, i - 3): last + 1]))
+    return "\n---\n".join(shown)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from runlocal import ROOT, assert_exact_coverage, free_port, output_of, run_local
+from runlocal import ROOT, alarming, assert_exact_coverage, free_port, output_of, run_local
 
 pytestmark = pytest.mark.integration
 
@@ -30,8 +30,8 @@ def test_a_world_forms_from_a_quorum_of_two_when_the_third_never_comes(tmp_path)
     assert len(digests) == 1 and "" not in digests, summary["ranks"]
     assert "slots 2..2 are open to flodl-worker agent" in out  # the launcher says how to fill the slot
     assert "ranks: 2 of 3 (min 2)" in out
-    alarming = [line for line in out.splitlines() if any(w in line for w in (" WARNING ", " ERROR ", "Traceback"))]
-    assert not alarming, alarming[:10]  # a world formed from its quorum is a healthy run
+    bad = alarming(out)
+    assert not bad, bad  # a world formed from its quorum is a healthy run
 
 
 def test_a_quorum_unmet_at_the_hard_cap_fails_the_run_naming_why(tmp_path):

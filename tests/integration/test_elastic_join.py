@@ -24,7 +24,8 @@ import time
 import pytest
 
 from faults import strike_after
-from runlocal import ROOT, assert_committed_once_despite_a_death, assert_exact_coverage, free_port, output_of, unreported_by
+from runlocal import (ROOT, alarming, assert_committed_once_despite_a_death, assert_exact_coverage, free_port, output_of,
+                      unreported_by)
 
 pytestmark = pytest.mark.integration
 
@@ -101,8 +102,8 @@ def test_two_ranks_of_a_second_agent_join_a_running_world(tmp_path):
     after = [e["epoch_ms"] for e in data["epochs"] if all(e["per_rank_throughput"][2:])]
     assert before and after, data["epochs"]
     assert sum(after) / len(after) < sum(before) / len(before), (before, after)
-    alarming = [line for line in log.splitlines() if any(w in line for w in (" WARNING ", " ERROR ", "Traceback"))]
-    assert not alarming, alarming[:10]  # joins are news, not warnings
+    bad = alarming(log)
+    assert not bad, bad  # joins are news, not warnings
 
 
 def _killed_and_restarted(tmp_path, slowdown, *args):

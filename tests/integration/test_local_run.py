@@ -2,7 +2,7 @@
 
 import pytest
 
-from runlocal import assert_exact_coverage, run_local
+from runlocal import alarming, assert_exact_coverage, run_local
 
 pytestmark = pytest.mark.integration
 
@@ -24,8 +24,8 @@ def test_three_unequal_ranks_train_digits_exactly_once_and_agree(tmp_path):
     assert summary["accuracy"] is not None and 0.0 <= summary["accuracy"] <= 1.0
     # A healthy run says nothing alarming: no warning, no error, no traceback, nothing dropped.
     out = proc.stdout + proc.stderr
-    alarming = [line for line in out.splitlines() if any(w in line for w in (" WARNING ", " ERROR ", "Traceback"))]
-    assert not alarming, alarming[:10]
+    bad = alarming(out)
+    assert not bad, bad
     assert summary["dropped_frames"] == {}, summary["dropped_frames"]
     # Start-up and teardown are in the summary, and they add up with the training: the
     # first batch came before the end, and both fit in the launcher's wall time.

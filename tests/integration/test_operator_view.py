@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runlocal import ROOT, free_port
+from runlocal import ROOT, alarming, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -198,8 +198,8 @@ def test_flodl_status_prints_the_live_run_as_a_table(live):
 def test_the_launcher_shows_one_line_per_epoch_and_nothing_at_warning_level(live):
     assert live["rc"] == 0, live["out"][-4000:]
     lines = live["out"].splitlines()
-    alarming = [ln for ln in lines if any(w in ln for w in ("WARNING", "ERROR", "Traceback"))]
-    assert not alarming, alarming[:10]
+    bad = alarming(live["out"], ("WARNING", "ERROR", "Traceback"))
+    assert not bad, bad
     epochs = [ln.split()[1] for ln in lines if ln.startswith("epoch ")]
     assert epochs == [f"{e}/{EPOCHS}" for e in range(1, EPOCHS + 1)], lines[:40]
     # Below WARNING nothing of the children's logs shows (--log-level INFO brings it back).
