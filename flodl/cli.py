@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import http.client
 import json
 import os
 import re
@@ -86,8 +87,8 @@ def fetch_status(hostport: str, timeout: float = 5.0) -> dict:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return json.loads(resp.read().decode())
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        why = getattr(e, "reason", e)
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+        why = f"a broken reply ({type(e).__name__})" if isinstance(e, http.client.HTTPException) else getattr(e, "reason", e)
         raise LaunchError(f"cannot read {url}: {why} (is the coordinator running with --http {host}?)") from None
 
 

@@ -11,6 +11,7 @@ view is a display, the run never depends on it.
 
 from __future__ import annotations
 
+import http.client
 import json
 import sys
 import threading
@@ -78,8 +79,10 @@ class LiveView:
         try:
             with urllib.request.urlopen(self.url, timeout=2) as r:
                 doc = json.loads(r.read().decode())
-        except (urllib.error.URLError, OSError, ValueError):
-            return None  # not serving yet, or already gone: nothing to show this time
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
+            # Not serving yet, already gone, or gone mid-reply (the run's end: a cut-off
+            # reply is an IncompleteRead): nothing to show this time.
+            return None
         return doc if isinstance(doc, dict) and doc.get("schema_version") == statustable.SCHEMA_VERSION else None
 
     def _show(self, doc: dict) -> None:

@@ -1,12 +1,15 @@
 """The launcher's live view and `flodl status`'s table, over a real StatusBoard on HTTP."""
 
+import contextlib
 import io
+import socket
+import threading
 import json
 
 import pytest
 
 from flodl import statustable
-from flodl.cli import shown
+from flodl.cli import LaunchError, fetch_status, shown
 from flodl.core import CoreConfig, Notice, initial_state
 from flodl.liveview import LiveView
 from flodl_coordinator.reducer import BusReducer
@@ -85,3 +88,43 @@ def test_status_table_renders_a_live_document_and_refuses_another_version(board)
 
 def test_durations_read_like_a_person_would_say_them():
     assert [statustable.fmt_duration(s) for s in (None, 0.25, 42, 75, 3725)] == ["-", "0.2s", "42s", "1m15s", "1h02m"]
+
+
+@contextlib.contextmanager
+def _one_reply(reply: bytes):
+    """A port that answers one HTTP request with ``reply`` as it is, then closes."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(reply)
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        yield f"127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        t.join(timeout=5)
+        srv.close()
+
+
+BROKEN = [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{\"schema_version\": 1",  # cut off: the coordinator exited mid-reply
+    b"garbage\r\n\r\n",  # not HTTP at all
+]
+
+
+@pytest.mark.parametrize("reply", BROKEN)
+def test_live_view_skips_a_reply_cut_off_or_garbled(reply):
+    """The coordinator can exit while the view reads its /status (the run's end): a
+    broken reply is skipped like an absent one, not a traceback from the view's thread."""
+    with _one_reply(reply) as hostport:
+        assert LiveView(hostport, out=io.StringIO(), tty=False)._fetch() is None
+
+
+@pytest.mark.parametrize("reply", BROKEN)
+def test_flodl_status_names_a_broken_reply(reply):
+    with _one_reply(reply) as hostport, pytest.raises(LaunchError, match="cannot read .* a broken reply"):
+        fetch_status(hostport, timeout=5)
