@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import http.client
 import json
 import os
 import re
@@ -44,11 +43,9 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
-from flodl import statustable, strictjson
+from flodl import statusfetch, statustable, strictjson
 
 from .liveview import LiveView
 from .procutil import death_signal_hook
@@ -82,14 +79,11 @@ def shown(line: str, level: str) -> bool:
 
 def fetch_status(hostport: str, timeout: float = 5.0) -> dict:
     """GET http://HOSTPORT/status; a coordinator that cannot be reached is a LaunchError saying why."""
-    host = hostport.removeprefix("http://").rstrip("/")
-    url = f"http://{host}/status"
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return json.loads(resp.read().decode())
-    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
-        why = f"a broken reply ({type(e).__name__})" if isinstance(e, http.client.HTTPException) else getattr(e, "reason", e)
-        raise LaunchError(f"cannot read {url}: {why} (is the coordinator running with --http {host}?)") from None
+        return statusfetch.fetch(hostport, timeout)
+    except statusfetch.StatusUnreachable as e:
+        host = hostport.removeprefix("http://").rstrip("/")
+        raise LaunchError(f"{e} (is the coordinator running with --http {host}?)") from None
 
 
 def _status(args) -> int:

@@ -11,15 +11,11 @@ view is a display, the run never depends on it.
 
 from __future__ import annotations
 
-import http.client
-import json
 import sys
 import threading
-import urllib.error
-import urllib.request
 from typing import Optional, TextIO
 
-from . import statustable
+from . import statusfetch, statustable
 
 __all__ = ["LiveView", "POLL_S"]
 
@@ -30,7 +26,7 @@ POLL_S = 0.25
 class LiveView:
     def __init__(self, hostport: str, *, out: TextIO = sys.stdout, tty: Optional[bool] = None,
                  poll_s: float = POLL_S) -> None:  # fmt: skip
-        self.url = f"http://{hostport}/status"
+        self.hostport = hostport
         self.out = out
         self.tty = out.isatty() if tty is None else tty
         self.poll_s = poll_s
@@ -77,12 +73,9 @@ class LiveView:
 
     def _fetch(self) -> Optional[dict]:
         try:
-            with urllib.request.urlopen(self.url, timeout=2) as r:
-                doc = json.loads(r.read().decode())
-        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
-            # Not serving yet, already gone, or gone mid-reply (the run's end: a cut-off
-            # reply is an IncompleteRead): nothing to show this time.
-            return None
+            doc = statusfetch.fetch(self.hostport, timeout=2)
+        except statusfetch.StatusUnreachable:
+            return None  # not serving yet, already gone, or gone mid-reply: nothing to show this time
         return doc if isinstance(doc, dict) and doc.get("schema_version") == statustable.SCHEMA_VERSION else None
 
     def _show(self, doc: dict) -> None:

@@ -7,12 +7,15 @@ for the launcher's live view. Unknown values print as ``-``; a document of anoth
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import statistics
+from typing import Any, Optional, Sequence
 
-__all__ = ["render", "progress_line", "epoch_line", "bar", "fmt_duration", "SCHEMA_VERSION", "StatusSchemaError"]
+__all__ = ["render", "progress_line", "epoch_line", "rates_text", "bar", "fmt_duration", "SCHEMA_VERSION",
+           "StatusSchemaError", "FULL_RATES"]  # fmt: skip
 
 SCHEMA_VERSION = 1
 BAR_WIDTH = 24
+FULL_RATES = 16  # a line names each rank's rate up to this many ranks
 
 
 class StatusSchemaError(ValueError):
@@ -56,11 +59,24 @@ def _pct(x: Optional[float]) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def rates_text(rates: Sequence[tuple[int, Optional[float]]]) -> str:
+    """``(rank, samples/s)`` pairs as ``r0 1,200/s r1 600/s``; beyond ``FULL_RATES`` ranks
+    as min / median / max naming the ranks, so that a line stays a line at any world size."""
+    if len(rates) <= FULL_RATES:
+        return " ".join(f"r{r} {_num(x)}/s" for r, x in rates)
+    known = [(x, r) for r, x in rates if x is not None]
+    if not known:
+        return f"{len(rates)} ranks"
+    (lo, lo_r), (hi, hi_r) = min(known), max(known)
+    return (f"{len(rates)} ranks: min r{lo_r} {_num(lo)}/s median {_num(statistics.median(x for x, _r in known))}/s "
+            f"max r{hi_r} {_num(hi)}/s")  # fmt: skip
+
+
 def progress_line(doc: dict) -> str:
     """One line: phase, bar, percent, epoch, commit rate, ETA, and each rank's rate."""
     p, run = doc["progress"], doc["run"]
     epoch = "-" if p["epoch"] is None else f"{p['epoch'] + 1}/{p['num_epochs']}"
-    rates = " ".join(f"r{m['rank']} {_num(m['rate'])}/s" for m in doc["membership"] if m["phase"] == "ACTIVE")
+    rates = rates_text([(m["rank"], m["rate"]) for m in doc["membership"] if m["phase"] == "ACTIVE"])
     return (
         f"{run['phase']:<9} {bar(p['fraction'])} {_pct(p['fraction']):>6}  epoch {epoch}  "
         f"{_num(p['samples_per_s'])} samples/s  eta {fmt_duration(p['eta_s'])}  {rates}"
@@ -82,7 +98,7 @@ def epoch_line(e: dict, num_epochs: int, doc: Optional[dict] = None) -> str:
         p = doc["progress"]
         parts.append(f"{bar(p['fraction'])} {_pct(p['fraction'])} eta {fmt_duration(p['eta_s'])}")
     if rates:
-        parts.append(" ".join(f"r{i} {_num(x)}/s" for i, x in enumerate(rates)))
+        parts.append(rates_text(list(enumerate(rates))))
     if cov:
         parts.append(f"coverage {cov.get('trained')}/{cov.get('expected')} dup {cov.get('duplicates')} "
                      f"missing {cov.get('missing')}")  # fmt: skip

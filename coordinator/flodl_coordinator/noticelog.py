@@ -6,23 +6,23 @@ DEBUG. Neither is built unless its logger would write it: at thousands of ranks 
 round's record holds N-long lists, and building both for every round cost the loop
 about a millisecond whether anyone read them or not.
 
-A line stays a line at any world size: an N-long value is cut to its first few entries
-and its length, and an epoch's per-rank rates become min / median / max (naming the
-slowest and fastest rank) beyond ``FULL_RATES`` ranks. The JSON record keeps everything.
+A line stays a line at any world size: an epoch reads as the launcher shows it
+(``statustable.epoch_line``: beyond a few ranks their rates as min / median / max), and
+any other N-long value is cut to its first entries and its length. The JSON record keeps
+everything.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import statistics
 from typing import Any
 
+from flodl import statustable
 from flodl.core import Notice
 
-__all__ = ["log_notice", "human_line", "FULL_RATES"]
+__all__ = ["log_notice", "human_line"]
 
-FULL_RATES = 16  # an epoch line lists every rank's rate up to this many ranks
 _SHOWN = 8  # entries of a longer list a line shows
 
 
@@ -37,26 +37,10 @@ def log_notice(cmd: Notice, epochs: int, log: logging.Logger, decisions: logging
 
 def human_line(cmd: Notice, epochs: int) -> str:
     """One readable progress line per decision."""
-    d = cmd.data
     if cmd.kind == "epoch":
-        cov = d.get("coverage", {})
-        return (
-            f"epoch {d.get('epoch', 0) + 1}/{epochs}  loss {d.get('avg_loss', float('nan')):.4f}  "
-            f"wall {d.get('wall_s', 0):.2f}s  rate {_rates(d.get('samples_per_s', []))}  "
-            f"coverage {cov.get('trained')}/{cov.get('expected')} dup {cov.get('duplicates')} "
-            f"missing {cov.get('missing')}"
-        )
-    fields = " ".join(f"{k}={_short(v)}" for k, v in sorted(d.items()))
+        return statustable.epoch_line(cmd.data, epochs)
+    fields = " ".join(f"{k}={_short(v)}" for k, v in sorted(cmd.data.items()))
     return f"{cmd.kind}: {fields}"
-
-
-def _rates(rates: list[float]) -> str:
-    if len(rates) <= FULL_RATES:
-        return "  ".join(f"r{i} {x:,.0f}/s" for i, x in enumerate(rates))
-    lo = min(range(len(rates)), key=rates.__getitem__)
-    hi = max(range(len(rates)), key=rates.__getitem__)
-    return (f"{len(rates)} ranks: min r{lo} {rates[lo]:,.0f}/s  median {statistics.median(rates):,.0f}/s  "
-            f"max r{hi} {rates[hi]:,.0f}/s")  # fmt: skip
 
 
 def _short(v: Any) -> Any:
