@@ -82,8 +82,7 @@ def fetch_status(hostport: str, timeout: float = 5.0) -> dict:
     try:
         return statusfetch.fetch(hostport, timeout)
     except statusfetch.StatusUnreachable as e:
-        host = hostport.removeprefix("http://").rstrip("/")
-        raise LaunchError(f"{e} (is the coordinator running with --http {host}?)") from None
+        raise LaunchError(f"{e} (is the coordinator running with --http {statusfetch.host_of(hostport)}?)") from None
 
 
 def _status(args) -> int:

@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-__all__ = ["fetch", "status_url", "StatusUnreachable"]
+__all__ = ["fetch", "host_of", "StatusUnreachable"]
 
 
 class StatusUnreachable(Exception):
@@ -19,13 +19,14 @@ class StatusUnreachable(Exception):
         self.url, self.why = url, why
 
 
-def status_url(hostport: str) -> str:
-    return f"http://{hostport.removeprefix('http://').rstrip('/')}/status"
+def host_of(hostport: str) -> str:
+    """``HOST:PORT`` as given to ``--http``, with or without ``http://`` and a slash."""
+    return hostport.removeprefix("http://").rstrip("/")
 
 
 def fetch(hostport: str, timeout: float) -> Any:
     """GET http://HOSTPORT/status as parsed JSON (any JSON: the caller checks its shape)."""
-    url = status_url(hostport)
+    url = f"http://{host_of(hostport)}/status"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return json.loads(resp.read().decode())
