@@ -79,7 +79,7 @@ from ._dispatcher import (
     _take_window,
     extend_in_window,
     live_epochs,
-    round_wait_batches,
+    run_ahead_limit,
     source_epoch,
     top_up_pace,
     window_steps,
@@ -242,11 +242,8 @@ def run_ahead_room(st: CoordinatorState, rank: int) -> int:
     that hangs mid-window lets the others run at most a window ahead until it is declared
     dead -- and at least ``round_wait_batches`` past its budget (two of the slowest batch
     yet seen: the probe's windows are far shorter than a round's wait for them)."""
-    cad = st.cadence
-    assert cad is not None
-    budget = _budget(st, rank)
-    room = max(2 * max(budget, cad.elche.anchor), budget + round_wait_batches(st, rank))
-    return max(0, room - window_steps(st, rank))
+    assert st.cadence is not None
+    return max(0, run_ahead_limit(st, rank) - window_steps(st, rank))
 
 
 def gate_wait_ms(st: CoordinatorState) -> float:

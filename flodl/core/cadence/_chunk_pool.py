@@ -721,6 +721,12 @@ class FinalWindowPlan:
     # was pinned and the batches it then held (a run-ahead chunk taken before the pin:
     # ``alloc`` splits only what the pool had left). Empty: none (a plan built by hand).
     base: tuple[int, ...] = ()
+    # The run's last window with run-ahead on: per rank, the window step at which its
+    # share is run (``base + alloc``), its reduce barrier where that is later than its
+    # budget, under the window marks of ``marks_version`` (``_dispatcher._budget``).
+    # Empty: the budgets hold.
+    ends: tuple[int, ...] = ()
+    marks_version: int = -1
 
     def share_steps(self, rank: int, window_steps: int) -> int:
         """The steps of the rank's window that count against its ``alloc``."""

@@ -184,8 +184,29 @@ def _budget(st: CoordinatorState, rank: int) -> int:
     cad = st.cadence  # the policy's switch: Async (``_async``) adds its overshoot look-ahead
     count = cad.elche.batch_counts[rank]
     if count > 0 and _probing(cad):
-        return count + _probe_look(st, rank, cad.overshoot.look_ahead(True))
-    return cad.overshoot.budget_for(count, overshoot=cad.overshoot_on)
+        budget = count + _probe_look(st, rank, cad.overshoot.look_ahead(True))
+    else:
+        budget = cad.overshoot.budget_for(count, overshoot=cad.overshoot_on)
+    end = _share_end(cad)
+    return end[rank] if end is not None and budget > 0 and end[rank] > budget else budget
+
+
+def _share_end(cad: CadenceState) -> Optional[tuple[int, ...]]:
+    """The run's last window, pinned under the current window marks: each rank's step at
+    which its share of it is run (``FinalWindowPlan.ends``), its reduce barrier where that
+    is later than its budget; None otherwise."""
+    plan = cad.final_plan
+    if plan is None or not plan.ends or plan.marks_version != cad.marks_version:
+        return None
+    return plan.ends
+
+
+def run_ahead_limit(st: CoordinatorState, rank: int) -> int:
+    """The most steps the rank may run in a window with run-ahead: up to one more window
+    (``2 x max(budget, anchor)``: the probe window's budget is 1), and at least
+    ``round_wait_batches`` past its budget (``_boundary.run_ahead_room``)."""
+    budget = _budget(st, rank)
+    return max(2 * max(budget, st.cadence.elche.anchor), budget + round_wait_batches(st, rank))
 
 
 def round_wait_batches(st: CoordinatorState, rank: int) -> int:
@@ -309,6 +330,7 @@ def _pinnable(st: CoordinatorState) -> bool:
 def _pin(st: CoordinatorState, epoch: int) -> None:
     """Pin the final-window plan for the window about to start (once per window)."""
     cad = st.cadence
+    cad.final_plan = None  # (the budgets it is split under are the plain ones)
     pool = cad.pools[epoch]
     plan = refresh_final_window_plan(
         None,
@@ -329,8 +351,17 @@ def _pin(st: CoordinatorState, epoch: int) -> None:
             held[r] = _batches(cad.pools[e].in_flight(r), bs) if e in cad.pools else 0
             base[r] += held[r]
         alloc = plan.alloc
+        ends: tuple[int, ...] = ()
         if epoch + 1 >= st.config.num_epochs:  # the run's last window: split it by time
-            room = [max(0, _budget(st, r) - b) for r, b in enumerate(base)]  # what each may run of it
+            if st.config.run_ahead:
+                # What each may run of it: as far as run-ahead would take it past its
+                # budget (``run_ahead_room``: a window more). Held to its budget, a fast
+                # rank that had run ahead into this window had no room left, so the split
+                # gave the rest to the slower ranks and the fast one idled at its barrier
+                # while they trained it (150-200 ms of a 1.7 s real 1,1,2,3,5,8 run).
+                room = [max(0, run_ahead_limit(st, r) - b) for r, b in enumerate(base)]
+            else:
+                room = [max(0, _budget(st, r) - b) for r, b in enumerate(base)]
             if sum(compress(room, plan.pinned_alive)) < sum(alloc):
                 # Not the last window after all: the ranks ran ahead into it, and what is
                 # left no longer fits what their budgets leave them. Pinned, the shares past
@@ -340,7 +371,9 @@ def _pin(st: CoordinatorState, epoch: int) -> None:
                 cad.final_plan = None
                 return
             alloc = tuple(balance_last_window(alloc, _paces(st), held, plan.pinned_alive, room))
-        plan = replace(plan, alloc=alloc, base=tuple(base))
+            if st.config.run_ahead:
+                ends = tuple(b + a for b, a in zip(base, alloc))  # its share run: its barrier
+        plan = replace(plan, alloc=alloc, base=tuple(base), ends=ends, marks_version=cad.marks_version)
     cad.final_plan = plan
 
 
@@ -528,6 +561,9 @@ def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int], ahead: dic
         budgets = [own[r] + _probe_look(st, r, look) if own[r] > 0 else 0 for r in ranks]
     else:
         budgets = [own[r] + look if own[r] > 0 else 0 for r in ranks]
+    end = _share_end(cad)
+    if end is not None:  # (the run's last window: its shares may run past the budgets)
+        budgets = [e if b > 0 and e > b else b for b, e in zip(budgets, [end[r] for r in ranks])]
     helds = [ahead.get(r, 0) for r in ranks] if ahead else None  # the pinned plan's base already leaves them out of its share
     if final_alloc is None:
         sized = [s + h for s, h in zip(steps, helds)] if helds else steps
@@ -589,7 +625,7 @@ def _held_each(st: CoordinatorState, ranks: list[int]) -> dict[int, Optional[str
     cad = st.cadence
     recs, in_flight, throttled, marks = st.ranks, cad.in_flight, cad.throttled, cad.window_mark
     own, look = cad.elche.batch_counts, cad.overshoot.look_ahead(cad.overshoot_on)
-    probing = _probing(cad)
+    probing, end = _probing(cad), _share_end(cad)
     out: dict[int, Optional[str]] = {}
     for r in ranks:
         rec = recs[r]
@@ -599,7 +635,8 @@ def _held_each(st: CoordinatorState, ranks: list[int]) -> dict[int, Optional[str
             out[r] = "one chunk in flight"
         elif r in throttled:
             out[r] = "throttled until the Update"
-        elif (own[r] > 0 and rec.last_step - marks.get(r, 0) >= own[r] + (_probe_look(st, r, look) if probing else look)
+        elif (own[r] > 0 and rec.last_step - marks.get(r, 0) >= max(own[r] + (_probe_look(st, r, look) if probing else look),
+                                                                    end[r] if end is not None else 0)
               and rec.last_step > rec.folded_step):  # fmt: skip
             out[r] = "reduce barrier"  # window_steps >= _budget > 0, with unfolded steps
         else:

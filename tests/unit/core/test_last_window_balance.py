@@ -21,7 +21,7 @@ import pytest
 
 from flodl.core.cadence._boundary import run_ahead_room
 from flodl.core.cadence._chunk_pool import balance_last_window, final_window_alloc
-from flodl.core.cadence._dispatcher import start_window
+from flodl.core.cadence._dispatcher import _budget, _held, start_window
 
 from .test_cadence import _pool, _state
 
@@ -157,17 +157,51 @@ def test_a_probe_windows_run_ahead_outlasts_the_slowest_batch():
     assert run_ahead_room(st, 0) == 0
 
 
-def test_a_last_window_the_ranks_ran_ahead_into_past_their_budgets_is_not_pinned():
+def _ran_ahead_into_the_last_window(**kw):
     # Scenario 47's world (counts [45, 10, 9], 63 left: the final-window regime), but the
-    # ranks ran ahead into it: 40 / 8 / 7 steps of their windows already. What is left no
-    # longer fits what their budgets leave them (5 + 2 + 2 < 63): pinned, each share past a
-    # budget stopped there and the gate waited for counts the plan had cut short. Not the
-    # last window: it runs by counts, and the next trigger pins the rest.
-    st = _state(3, 10, total=63, epochs=1)
+    # ranks ran ahead into it: 40 / 8 / 7 steps of their windows already.
+    st = _state(3, 10, total=63, epochs=1, **kw)
     for _ in range(5):
         st.cadence.elche.report_timing([200, 900, 1000], [10, 10, 10], 10)
     _pool(st, 0, 63)
     for r, s in enumerate((40, 8, 7)):
         st.ranks[r].last_step = s
+    return st
+
+
+def test_without_run_ahead_a_last_window_the_ranks_ran_ahead_into_past_their_budgets_is_not_pinned():
+    # What is left no longer fits what their budgets leave them (5 + 2 + 2 < 63): pinned,
+    # each share past a budget stopped there and the gate waited for counts the plan had
+    # cut short. Not the last window: it runs by counts, and the next trigger pins the rest.
+    st = _ran_ahead_into_the_last_window(run_ahead=False)
     start_window(st, 0, [0, 1, 2])
     assert st.cadence.final_plan is None
+
+
+def test_with_run_ahead_the_run_ahead_last_window_is_split_by_time_and_each_share_is_its_barrier():
+    # With run-ahead (the default) a rank may run a window more than its budget: what is
+    # left fits, so the window is pinned and split by time (20 / 90 / 100 ms a batch: all
+    # three end at about 900 ms). Held to its budget instead, the fast rank idled at its
+    # barrier while the slow ones trained what it had no room for (150-200 ms of a real
+    # 1,1,2,3,5,8 run). Each rank's reduce barrier is where its share ends; the gate's
+    # counts are all within those, so nothing waits for a count the plan cut short.
+    st = _ran_ahead_into_the_last_window()
+    budgets = [_budget(st, r) for r in range(3)]
+    start_window(st, 0, [0, 1, 2], extra={})  # (a short take topped up with more ranges)
+    plan = st.cadence.final_plan
+    assert plan is not None and sum(plan.alloc) == 63 and plan.base == (40, 8, 7)
+    assert plan.alloc == (44, 10, 9)
+    assert plan.ends == (84, 18, 16) and plan.ends[0] > budgets[0]
+    assert [_budget(st, r) for r in range(3)] == [max(b, e) for b, e in zip(budgets, plan.ends)]
+    assert all(e >= c for e, c in zip(plan.ends, st.cadence.elche.batch_counts))
+    taken = [st.cadence.pools[0].in_flight(r) for r in range(3)]
+    assert taken == [44, 10, 9]  # each its whole share, past its budget
+    # The barrier holds at the share's end, not before.
+    st.cadence.in_flight.clear()
+    st.ranks[0].last_step = 83
+    assert _held(st, 0) is None
+    st.ranks[0].last_step = 84
+    assert _held(st, 0) == "reduce barrier"
+    # A trigger moves the window marks: the shares' ends no longer apply until pinned again.
+    st.cadence.marks_version += 1
+    assert [_budget(st, r) for r in range(3)] == budgets
