@@ -57,7 +57,13 @@ batches) that wait is a large part of every epoch -- 6.5-10 % of the run on a
   is the next window's first (the mark moves to the last step reported): the gate, the
   sizing and the folding count them exactly as before. Once the run's last window is pinned,
   its plan splits all that is left (nothing more is run ahead); a chunk run ahead into
-  it before the pin is work the plan counts as held.
+  it before the pin is work the plan counts as held. The split is by time over what each
+  rank may run with run-ahead (``run_ahead_limit``), not over what its budget leaves it,
+  and a rank's reduce barrier is where its share ends (``FinalWindowPlan.ends``): a fast
+  rank that had run ahead into the last window would otherwise have no room there, and
+  idle at its barrier while slower ranks trained the rest. In the run's last pool with no
+  plan pinned (the ranks ran ahead past what the budgets would split), a rank takes its
+  share of what is left by count (``_chunk_pool._share``), not a whole window.
 * **The last window's fragments go to whoever is still training** (``leaves_the_tail``).
 
 Checkpoints and resume are Async's: the save taken when ``e`` aggregates records the
