@@ -444,10 +444,24 @@ def stale_ranks(st: CoordinatorState, now: float) -> list[tuple[int, str]]:
 
 
 def beacon(st: CoordinatorState, now: float, out: list[Command]) -> None:
-    """``CoordHeartbeat`` to every addressable rank, at most once per interval."""
+    """``CoordHeartbeat`` to every addressable rank, at most once per interval.
+
+    Once the run ends (SHUTTING_DOWN, STOPPING) every addressable rank was sent its
+    Shutdown (a rank admitted then is told at once), and exits on it; its process (a
+    generator's sockets, an agent's host) may be gone before its exit is stepped: a
+    1,024-rank run whose end took 2-3 s reported 211-884 beacons ``send_host_unreachable``
+    in ``dropped_frames`` (an alert in its status) and forgot those ranks as lost. So then
+    only the ranks awaiting resync hear it: a restarted coordinator's Shutdowns may have
+    died with the old process, and the beacon is what tells those ranks of the new
+    incarnation (their resync report brings the Shutdown again)."""
     if st.last_beacon is not None and now - st.last_beacon < st.config.heartbeat_interval_s:
         return  # before listing the targets: a Tick that beacons nothing costs nothing
+    ending, awaiting = st.run.phase is SHUTTING_DOWN or st.run.phase is STOPPING, st.resync.awaiting
+    if ending and not awaiting:
+        return
     targets = st.addressable_ranks()
+    if ending:
+        targets = [r for r in targets if r in awaiting]
     if not targets:
         return
     st.beats += 1

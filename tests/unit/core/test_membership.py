@@ -19,7 +19,7 @@ from flodl.core import (
 )
 from flodl.core import MEMBERSHIP as TRANSITIONS
 from flodl.core._membership import transition
-from flodl.core import ACTIVE, DEAD, JOINING, LEFT, VACANT
+from flodl.core import ACTIVE, DEAD, JOINING, LEFT, SHUTTING_DOWN, STOPPING, VACANT, StopRequested
 from flodl.core._state import RankRecord
 from flodl.wire import pb
 
@@ -451,6 +451,36 @@ def test_beacon_skips_dead_ranks():
     c.kill(1)
     beats = [s.rank for s in c.feed(Tick(now=0.0)) if s.kind == "coord_heartbeat"]
     assert beats == [0, 2]
+
+
+@pytest.mark.parametrize("end", ["completed", "stopped"])
+def test_no_beacon_once_every_rank_was_told_to_shut_down(end):
+    # A rank exits on its Shutdown; its process may be gone before its exit is stepped (a
+    # busy coordinator at 1,024 ranks), and a beacon to it then failed as host unreachable:
+    # a dropped frame and a rank forgotten as lost, in a run that went well.
+    c = Cluster(policy="sync", world_size=3, total=48, epochs=1, heartbeat_interval_s=1.0)
+    c.join_all()
+    for r in c.ranks:
+        r.deaf.add("shutdown")  # told, not exited yet: as while their exits wait in the queue
+    beats = [s.rank for s in c.feed(Tick(now=c.now)) if s.kind == "coord_heartbeat"]
+    assert beats == [0, 1, 2]  # (while they train, the beacon goes out)
+    if end == "completed":
+        c.run_until(lambda: c.state.run.phase is SHUTTING_DOWN)
+    else:
+        c.feed(StopRequested(now=c.now, reason="operator"))
+        assert c.state.run.phase is STOPPING
+    assert c.state.addressable_ranks() == [0, 1, 2]
+    assert all("shutdown" in c.out(r) for r in range(3))
+    later = c.state.last_beacon + 5.0
+    assert [s for s in c.feed(Tick(now=later)) if s.kind == "coord_heartbeat"] == []
+    # A restarted coordinator's Shutdowns may have died with the old process: the ranks
+    # awaiting resync hear the beacon (the new incarnation), and their report brings the
+    # Shutdown again (tests/sim/test_sim_restart.py: a run that never ended without it).
+    c.now = later
+    c.restart_coordinator(2)
+    cmds = c.feed(Tick(now=later + 5.0))
+    beats = [s.rank for s in cmds if isinstance(s, Send) and s.kind == "coord_heartbeat"]
+    assert beats == [0, 1, 2] and sorted(c.state.resync.awaiting) == [0, 1, 2]
 
 
 def test_beacon_nothing_without_ranks():
