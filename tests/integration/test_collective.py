@@ -4,8 +4,9 @@ ranks all-reducing through gloo (``flodl run --local --plane collective``).
 * a clean run: every epoch's committed coverage exactly once (summary and the ranks' own
   traces), every rank ends on the same parameters;
 * a rank killed (-9, from outside) between reduces, right after it acked one;
-* a rank killed inside an all-reduce (the ``FLODL_FAULT`` failpoint SIGKILLs it right
-  after it launched the reduce of a chosen cycle, so its peers are blocked in it).
+* a rank killed inside an all-reduce (the ``FLODL_FAULT`` failpoint SIGKILLs it as it
+  launches the reduce of a chosen cycle, before its part leaves, so its peers are blocked
+  in it: killed just after, a reduce its peers were already waiting in could complete).
 
 In both fault runs the survivors re-form the group as a new generation, the run
 finishes, coverage stays exactly once, and the survivors agree on their parameters.

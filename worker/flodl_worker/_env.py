@@ -48,8 +48,8 @@ FLODL_RESTART_COUNT    no          set by the agent when it starts a failed rank
                                    (1, 2, ...); the hello carries it (the join record)
 FLODL_FAULT            no          test failpoint, never in production:
                                    ``exit_in_collective:CYCLE[@RANK]`` SIGKILLs the rank
-                                   (only RANK, if given) right after it launches the
-                                   all-reduce of averaging cycle CYCLE
+                                   (only RANK, if given) as it launches the all-reduce
+                                   of averaging cycle CYCLE, before its part leaves
 =====================  ==========  =====================================================
 """
 

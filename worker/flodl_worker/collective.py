@@ -90,7 +90,8 @@ tries another store host, and ends the run once none works (``flodl.core._collec
 rather than letting it train on without ever averaging.
 
 Failpoint (tests only): ``FLODL_FAULT=exit_in_collective:CYCLE[@RANK]`` SIGKILLs the
-rank right after it launched the all-reduce of ``CYCLE``.
+rank as it launches the all-reduce of ``CYCLE``, before its contribution leaves: its peers
+are blocked in that reduce, which cannot complete.
 """
 
 from __future__ import annotations
@@ -351,6 +352,12 @@ class CollectiveAverager(BusAverager):
             # The snapshot's values (the launch may come steps after it, once the group
             # formed), reduced on the GPU: one flat host-to-device copy.
             buf = buf.to(live[0].device)
+        if self.rank.cfg.fault_exit_cycle == cycle:  # FLODL_FAULT failpoint (tests)
+            # At the launch, before its contribution can leave: killed once it had gone, a
+            # reduce its peers were already waiting in could complete with it (a suite run
+            # saw the survivors' reduce of that cycle succeed), and nothing failed.
+            log.warning("FLODL_FAULT: killing this rank inside the all-reduce of cycle %d", cycle)
+            os.kill(os.getpid(), signal.SIGKILL)
         work = gen.group.allreduce([buf])
         future = work.get_future()
         self.ops.append(_Op(cycle, gen.number, work, future, buf, gen.group, time.perf_counter()))
@@ -358,9 +365,6 @@ class CollectiveAverager(BusAverager):
         # thread and must hold nothing but the socket: were it to drop the last reference
         # to this averager there, the group's destructor would join its own thread.
         future.add_done_callback(_waker(self._wake_w))
-        if self.rank.cfg.fault_exit_cycle == cycle:  # FLODL_FAULT failpoint (tests)
-            log.warning("FLODL_FAULT: killing this rank inside the all-reduce of cycle %d", cycle)
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def _completed(self, op: _Op) -> None:
         snap = self.snapshots[op.cycle]
