@@ -283,7 +283,10 @@ def top_up(st: CoordinatorState, rank: int, unreported: int, out: list[Command])
     ``unreported`` batches of its chunk in flight last no longer than its next report and
     a turnaround): the window's next chunk when the chunk ends inside its window
     (``_dispatcher.extend_in_window``, ``run_ahead`` or not); a run-ahead
-    chunk when it ends the window and the gate will still be waiting then. It goes out
+    chunk when it ends the window: what fills the gate's wait from then, and at least what
+    covers the rank's turnaround when the trigger is due first (by the window's intended
+    wall: a trigger later than that found the rank dry, a turnaround idle at every
+    window's end, ``tests/unit/core/test_plan_wait.py``). It goes out
     as an extension of the chunk the rank trains; handed out once it had run dry (its
     last report, the plan back), every chunk cost the rank a turnaround with nothing to
     train -- at 256 ranks 2-3 such waits of 7-20 ms a window."""
@@ -303,12 +306,8 @@ def top_up(st: CoordinatorState, rank: int, unreported: int, out: list[Command])
     if not st.config.run_ahead:
         return False  # it waits at its reduce barrier
     waiting = gate_wait_ms(st)
-    if waiting > 0.0:
-        waiting -= unreported * ms  # from the chunk's end
-        if waiting <= 0.0:
-            return False  # the trigger is due before the chunk ends: its window will come
-    elif waiting == 0.0:
-        return False
+    if waiting >= 0.0:
+        waiting = max(0.0, waiting - unreported * ms)  # from the chunk's end
     return _run_ahead(st, rank, waiting, unreported, out, extend_epoch=cad.in_flight[rank][0])
 
 

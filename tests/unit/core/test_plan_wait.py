@@ -197,7 +197,7 @@ def test_the_windows_next_chunk_is_no_run_ahead_and_an_older_epochs_holes_go_fir
     assert not top_up(st, 0, 1, out) and not out  # an idle rank draws from epoch 0 first: a plain take
 
 
-def test_no_run_ahead_top_up_when_it_is_off_throttled_or_the_trigger_comes_first():
+def test_no_run_ahead_top_up_when_it_is_off_or_throttled_and_a_short_one_when_the_trigger_comes_first():
     def rank_0_holding(batches, unreported, **kw):
         st = _paced_pair(batch_report_ms=0.0, **kw)
         _take_window(st, 0, 0, batches)
@@ -213,7 +213,13 @@ def test_no_run_ahead_top_up_when_it_is_off_throttled_or_the_trigger_comes_first
     assert not top_up(st, 0, 1, [])  # throttled: it waits for the round
     st = rank_0_holding(4, 1)
     st.now = st.rounds.opened_at + 0.017  # the window's wall (2 x 10 ms) ends in 3 ms
-    assert not top_up(st, 0, 1, [])  # the trigger is due before its last batch ends
+    # The trigger is due before its last batch ends -- by the window's intended wall. A
+    # trigger later than that (a slower rank's window) found it dry: a turnaround idle at
+    # every window's end (a simulated 1,1,2,3,5,8 rig at 5 ms links: 0.898 -> 0.908). So
+    # it gets what covers its turnaround (6 ms at 5 ms a batch: 2 batches), no more.
+    out = []
+    assert top_up(st, 0, 1, out)
+    assert [e.partition_size for _, e in _extensions(out)] == [2]
 
 
 def test_a_run_ahead_chunk_held_at_the_pin_is_not_the_ranks_share():
