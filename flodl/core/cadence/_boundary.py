@@ -345,6 +345,12 @@ def _run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, pending: int,
         n = int((max(0.0, waiting_ms) + turnaround) // ms) + 1
     else:
         n = 1  # no pace yet: one batch, as it always was
+    if turnaround > 0.0 and extend_epoch is None:
+        # A fresh chunk of one batch ends with its only report: nothing can top it up
+        # before the rank runs dry, so each such chunk cost a turnaround (the probe window,
+        # a batch at a time until the first round: 10-14 ms a batch, simulated at 5 ms
+        # links). Two let its first report bring the next in time (``top_up``).
+        n = max(n, 2)
     if waiting_ms < 0.0:
         # A wait of unknown length (the gate is later than its wall) that outlasted what
         # the rank already ran ahead (and trained): double it, so a late straggler costs

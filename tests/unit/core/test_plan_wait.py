@@ -138,6 +138,24 @@ def test_a_run_ahead_past_a_late_gate_doubles_what_the_rank_ran_ahead():
     assert handed(4.0) == 1  # a wait of known length: what fits in it, as before
 
 
+def test_a_fresh_run_ahead_chunk_is_two_batches_once_the_rank_has_waited_for_one():
+    # A chunk of one batch ends with its only report: nothing can top it up before the
+    # rank runs dry, so each cost a turnaround (the probe window: a batch at a time until
+    # the first round). Once the rank has waited for a plan, a fresh one is two batches,
+    # so that its first report brings the next in time.
+    def handed(turnaround_ms):
+        st = _paced_pair()
+        st.ranks[0].last_step = 4  # its window of 4 run: at its barrier
+        if turnaround_ms:
+            st.cadence.last_wait_ms[0] = turnaround_ms
+        assert run_ahead(st, 0, 1.0, [])  # a 1 ms wait at 5 ms a batch
+        return st.cadence.in_flight[0][2]
+
+    assert handed(0.0) == 1  # no wait seen yet: one batch, as before
+    assert handed(3.0) == 2  # a turnaround shorter than a batch: still two
+    assert handed(12.0) == 3  # (12 + 1) // 5 + 1: what fills it
+
+
 def _extensions(out):
     return [(c.rank, c.control.extend_partition) for c in out if c.control.WhichOneof("cmd") == "extend_partition"]
 
