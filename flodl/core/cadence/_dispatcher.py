@@ -191,6 +191,21 @@ def _budget(st: CoordinatorState, rank: int) -> int:
     return end[rank] if end is not None and budget > 0 and end[rank] > budget else budget
 
 
+def _budgets_each(st: CoordinatorState, ranks: list[int]) -> list[int]:
+    """``_budget`` of each of ``ranks``, the inputs they share read once (a trigger and a
+    window start ask it of every rank of a world of thousands)."""
+    cad = st.cadence
+    own, look = cad.elche.batch_counts, cad.overshoot.look_ahead(cad.overshoot_on)
+    if _probing(cad):
+        budgets = [own[r] + _probe_look(st, r, look) if own[r] > 0 else 0 for r in ranks]
+    else:
+        budgets = [own[r] + look if own[r] > 0 else 0 for r in ranks]
+    end = _share_end(cad)
+    if end is not None:  # (the run's last window: its shares may run past the budgets)
+        budgets = [e if b > 0 and e > b else b for b, e in zip(budgets, [end[r] for r in ranks])]
+    return budgets
+
+
 def _share_end(cad: CadenceState) -> Optional[tuple[int, ...]]:
     """The run's last window, pinned under the current window marks: each rank's step at
     which its share of it is run (``FinalWindowPlan.ends``), its reduce barrier where that
@@ -551,19 +566,12 @@ def _window_sizes(st: CoordinatorState, epoch: int, ranks: list[int], ahead: dic
     _, counts, counts_total, calibrated = counts_view(st)
     remaining = _batches(pool.remaining(), bs) * bs
     final_alloc = plan.alloc if plan is not None and plan.epoch == epoch else None
-    recs, marks, own, over, on = st.ranks, cad.window_mark, cad.elche.batch_counts, cad.overshoot, cad.overshoot_on
+    recs = st.ranks
     # (Conditionals, not min/max: a builtin's call per rank was most of a formation's sizing.)
-    get = marks.get
+    get = cad.window_mark.get
     steps = [recs[r].last_step - get(r, 0) for r in ranks]
     steps = [s if s > 0 else 0 for s in steps]  # window_steps
-    look = over.look_ahead(on)  # _budget (``OvershootBudget.budget_for``) of each rank
-    if _probing(cad):
-        budgets = [own[r] + _probe_look(st, r, look) if own[r] > 0 else 0 for r in ranks]
-    else:
-        budgets = [own[r] + look if own[r] > 0 else 0 for r in ranks]
-    end = _share_end(cad)
-    if end is not None:  # (the run's last window: its shares may run past the budgets)
-        budgets = [e if b > 0 and e > b else b for b, e in zip(budgets, [end[r] for r in ranks])]
+    budgets = _budgets_each(st, ranks)
     helds = [ahead.get(r, 0) for r in ranks] if ahead else None  # the pinned plan's base already leaves them out of its share
     if final_alloc is None:
         sized = [s + h for s, h in zip(steps, helds)] if helds else steps
@@ -624,10 +632,8 @@ def _held_each(st: CoordinatorState, ranks: list[int]) -> dict[int, Optional[str
     round ask it of every participant)."""
     cad = st.cadence
     recs, in_flight, throttled, marks = st.ranks, cad.in_flight, cad.throttled, cad.window_mark
-    own, look = cad.elche.batch_counts, cad.overshoot.look_ahead(cad.overshoot_on)
-    probing, end = _probing(cad), _share_end(cad)
     out: dict[int, Optional[str]] = {}
-    for r in ranks:
+    for r, budget in zip(ranks, _budgets_each(st, ranks)):
         rec = recs[r]
         if rec.phase is not ACTIVE:
             out[r] = "not active"
@@ -635,9 +641,7 @@ def _held_each(st: CoordinatorState, ranks: list[int]) -> dict[int, Optional[str
             out[r] = "one chunk in flight"
         elif r in throttled:
             out[r] = "throttled until the Update"
-        elif (own[r] > 0 and rec.last_step - marks.get(r, 0) >= max(own[r] + (_probe_look(st, r, look) if probing else look),
-                                                                    end[r] if end is not None else 0)
-              and rec.last_step > rec.folded_step):  # fmt: skip
+        elif budget > 0 and rec.last_step - marks.get(r, 0) >= budget and rec.last_step > rec.folded_step:
             out[r] = "reduce barrier"  # window_steps >= _budget > 0, with unfolded steps
         else:
             out[r] = None
