@@ -41,9 +41,12 @@ def test_a_settle_collects_then_freezes_only_when_a_world_formed_or_an_epoch_agg
     assert settle.settles == 1
     settle.notice("epoch")
     settle.settle()
-    assert settle.settles == 2 and gc.get_freeze_count() >= frozen
+    after = gc.get_freeze_count()
+    assert settle.settles == 2 and after >= frozen
     st = settle.stats()
-    assert st["gc_settles"] == 2 and st["gc_frozen"] == gc.get_freeze_count()
+    # (Frozen objects can still be freed -- by another thread too: the count only falls
+    # until the next freeze, so two reads need not be equal; a suite run saw 20 go.)
+    assert st["gc_settles"] == 2 and 0 < st["gc_frozen"] <= after
     assert st["gc_settle_s"] >= 0.0 and st["gc_settle_max_ms"] >= 0.0
 
 
