@@ -368,15 +368,13 @@ def _pin(st: CoordinatorState, epoch: int) -> None:
         alloc = plan.alloc
         ends: tuple[int, ...] = ()
         if epoch + 1 >= st.config.num_epochs:  # the run's last window: split it by time
-            if st.config.run_ahead:
-                # What each may run of it: as far as run-ahead would take it past its
-                # budget (``run_ahead_room``: a window more). Held to its budget, a fast
-                # rank that had run ahead into this window had no room left, so the split
-                # gave the rest to the slower ranks and the fast one idled at its barrier
-                # while they trained it (150-200 ms of a 1.7 s real 1,1,2,3,5,8 run).
-                room = [max(0, run_ahead_limit(st, r) - b) for r, b in enumerate(base)]
-            else:
-                room = [max(0, _budget(st, r) - b) for r, b in enumerate(base)]
+            # What each may run of it: with run-ahead, as far as that would take it past its
+            # budget (a window more). Held to its budget, a fast rank that had run ahead
+            # into this window had no room left, so the split gave the rest to the slower
+            # ranks and the fast one idled at its barrier while they trained it (150-200 ms
+            # of a 1.7 s real 1,1,2,3,5,8 run).
+            limit = run_ahead_limit if st.config.run_ahead else _budget
+            room = [max(0, limit(st, r) - b) for r, b in enumerate(base)]
             if sum(compress(room, plan.pinned_alive)) < sum(alloc):
                 # Not the last window after all: the ranks ran ahead into it, and what is
                 # left no longer fits what their budgets leave them. Pinned, the shares past
