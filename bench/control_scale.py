@@ -53,6 +53,10 @@ the last one), ``end_shutdown_s`` (to the last Shutdown a rank heard) and ``end_
 (to the coordinator's exit; ``end_exit_s_each``: every run's, since a stall at the end is
 an outlier a median hides); each run's summary ``timeline_s`` names the coordinator's marks.
 
+What the frames were: ``sent_per_batch_by_kind`` (the ranks' frames, a timing frame by
+its event) and ``received_per_batch_by_kind`` (a control by its command), per batch
+trained -- where a frame rate goes (a probe of one-batch chunks, heartbeats, rounds).
+
 Ranks run ``--gens`` to a generator process, each serving its ranks from one poller.
 Every figure is the median of ``--repeats`` runs (3; ``--quick``: 1 run, N = 16, 64,
 shorter epochs). Prints one JSON object. The generators share the machine with the
@@ -302,7 +306,10 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
     lat_handled = sorted(decision_latencies([(c, h, s) for c, _a, s, h in requests]))
     handling = sum(o["handling_lag_s"] for o in outs)
     loop = summ.get("coordinator_loop", {})  # the coordinator's own measure (``loopmeter``)
+    from scale_ranks import _sum_counts  # (beside this file, as in _batch_quantile)
+
     sent = sum(o["sent"] for o in outs)
+    batches = max(1, sum(o["batches"] for o in outs))
     return {
         "ok": bool(summ.get("ok")) and rc == 0 and all(o["finished"] == o["ranks"] for o in outs),
         "reason": summ.get("reason"),
@@ -312,6 +319,11 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
         "rank_frames_per_s": sent / max(1e-9, t1 - t0),
         "batches_per_s": sum(o["batches"] for o in outs) / max(1e-9, t1 - t0),
         "span_s": t1 - t0,
+        # What the frames were, per batch trained (a rank's sent by kind, a timing frame by
+        # its event; received, a control by its command): where a frame rate goes.
+        "sent_per_batch_by_kind": {k: v / batches for k, v in _sum_counts(o["sent_by"] for o in outs).items()},
+        "received_per_batch_by_kind": {k: v / batches
+                                       for k, v in _sum_counts(o["received_by"] for o in outs).items()},
         "idle_share": idle / max(1e-9, train + idle),
         # A rank acts on a command from its arrival (scale_ranks); counted from when the
         # generator's thread got round to it instead, the idle share would be this:
@@ -416,6 +428,9 @@ def _median(runs: list[dict]) -> dict:
     for k, v in runs[0].items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out[k] = round(statistics.median(r[k] for r in runs), 4)
+        elif k.endswith("_by_kind"):  # a count per kind: each kind's median (0 where a run had none)
+            out[k] = {kind: round(statistics.median(r[k].get(kind, 0.0) for r in runs), 4)
+                      for kind in sorted({kind for r in runs for kind in r[k]})}
         elif k == "coord_frame_max_event":  # a name, not a number: each run's
             out[k + "_each"] = [r.get(k) for r in runs]
     bad = [{"reason": r["reason"], "dropped_frames": r["dropped_frames"], "log": r["log"]}

@@ -111,6 +111,8 @@ class FakeRank:
         self.requests: list[tuple[int, float, float, float]] = []  # (cycle, arrival, our last frame before it, handled)
         self.latency_us: list[float] = []
         self.sent = self.received = 0
+        self.sent_by: dict[str, int] = {}  # frames sent, by kind (a timing frame by its body)
+        self.received_by: dict[str, int] = {}  # frames received, by kind (a control by its command)
         self.done = False
         self.exit_reason = ""
         self.exited_at: float | None = None  # when its Shutdown came
@@ -128,6 +130,8 @@ class FakeRank:
             self.next_beat = now + self.heartbeat_s
         self.sock.send_multipart(self.ep.frames(body_field, body, blobs), copy=not blobs)
         self.sent += 1
+        what = body.WhichOneof("event") if body_field == "timing" else body_field
+        self.sent_by[what] = self.sent_by.get(what, 0) + 1
         if not beat:  # a heartbeat sent while waiting is not what the rank waits on
             self.last_sent = now
 
@@ -144,6 +148,8 @@ class FakeRank:
             self.drops[e.reason] = self.drops.get(e.reason, 0) + 1
             return
         env, kind = d.envelope, d.kind
+        what = env.control.WhichOneof("cmd") if kind == "control" else kind
+        self.received_by[what] = self.received_by.get(what, 0) + 1
         self.execute(self.m.handle(IncarnationSeen(incarnation=env.sender.incarnation, hello_ack=kind == "hello_ack")))
         if kind == "hello_ack":
             if not env.hello_ack.accepted:
@@ -242,6 +248,14 @@ def _end_hist(ranks: list[FakeRank]) -> dict[str, int]:
     return hist
 
 
+def _sum_counts(counts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 def serve_ranks(spec: dict) -> dict:
     ctx = zmq.Context()
     connects = spec["connect"]  # one endpoint per "host": the coordinator, or that host's relay
@@ -334,6 +348,8 @@ def serve_ranks(spec: dict) -> dict:
         "batches": sum(rk.m.local_step for rk in ranks),
         "sent": sum(rk.sent for rk in ranks),
         "received": sum(rk.received for rk in ranks),
+        "sent_by": _sum_counts(rk.sent_by for rk in ranks),
+        "received_by": _sum_counts(rk.received_by for rk in ranks),
         "batch_end_hist": _end_hist(ranks),
         "drops": {k: sum(rk.drops.get(k, 0) for rk in ranks) for k in {k for rk in ranks for k in rk.drops}},
     }
