@@ -257,9 +257,14 @@ def test_first_reduce_hands_out_the_next_windows_at_the_trigger_then_recalibrate
     window = [x for x in cmds if isinstance(x, Notice) and x.kind == "window"]
     assert len(window) == 1 and window[0].data["counts"] == [8, 4] and window[0].data["verdict"] == "Stable"
     _drain(c, 0, 1)
+    sent = len(c.sends())
     for _ in range(4):
         c.train_one(0)
-    assert _plan(c.sends("start_epoch")[-1].control) == (0, 8, 4)  # 8 - 4 already run
+    # 8 - 4 already run, sent with its last batch (a batch is a report here: the next
+    # would come when it had run dry), as an extension of the chunk it trains.
+    (ext,) = c.sends()[sent:]
+    assert ext.kind == "extend_partition" and ext.rank == 0
+    assert (ext.control.extend_partition.partition_offset, ext.control.extend_partition.partition_size) == (8, 4)
     assert window_steps(c.state, 0) == 4 and c.state.cadence.in_flight[0] == (0, 8, 4)
 
 

@@ -21,7 +21,7 @@ import pytest
 from flodl.core import BatchDone, from_record, to_record
 from flodl.core._translate import timing_event
 from flodl.core.cadence._boundary import leaves_the_tail, run_ahead, top_up
-from flodl.core.cadence._dispatcher import _take_window
+from flodl.core.cadence._dispatcher import _take_window, top_up_pace
 from flodl.core.cadence._chunk_pool import FinalWindowPlan
 from flodl.core.cadence._window import WindowLedger
 from flodl.sim import SimConfig, simulate
@@ -166,12 +166,13 @@ def test_a_rank_about_to_run_its_window_dry_is_topped_up_before_it_does():
     pool = st.cadence.pools[0]
     pool.mark_completed(0, 2)
     st.ranks[0].last_step = 2
-    st.cadence.last_wait_ms[0] = 6.0  # its turnaround: a report and a plan back take 6 ms
+    st.cadence.last_wait_ms[0] = 4.0  # its turnaround: a report and a plan back take 4 ms
     out = []
-    assert not top_up(st, 0, 2, out) and not out  # 10 ms still to train: a later report is in time
+    # 10 ms still to train: its next report (a batch on: reports are per batch here) is in time
+    assert not top_up(st, 0, 2, out) and not out
     pool.mark_completed(0, 1)
     st.ranks[0].last_step = 3
-    assert top_up(st, 0, 1, out)  # 5 ms left, less than its turnaround: now
+    assert top_up(st, 0, 1, out)  # 5 ms left, no more than a batch and a turnaround: now
     (rank, ext), = _extensions(out)
     assert rank == 0 and ext.epoch == 0 and ext.partition_offset == off + size  # its span, on
     assert st.cadence.in_flight[0] == (0, ext.partition_offset, ext.partition_size)
@@ -183,12 +184,12 @@ def test_a_chunk_ending_inside_its_window_is_followed_by_the_windows_next_before
     st = _paced_pair(batch_report_ms=0.0)
     (off, size), = _take_window(st, 0, 0, 2)  # half its window of 4, in flight
     pool = st.cadence.pools[0]
-    st.cadence.last_wait_ms[0] = 6.0
+    st.cadence.last_wait_ms[0] = 4.0
     out = []
     assert not top_up(st, 0, 2, out) and not out  # 10 ms still to train: a later report is in time
     pool.mark_completed(0, 1)
     st.ranks[0].last_step = 1
-    assert top_up(st, 0, 1, out)  # its last batch (5 ms) is shorter than its turnaround: now
+    assert top_up(st, 0, 1, out)  # its last batch: the report it ends with would be too late
     (rank, ext), = _extensions(out)
     assert rank == 0 and ext.partition_offset == off + size and ext.partition_size == 2  # the window's rest
     assert st.ranks[0].last_step + 1 + ext.partition_size == 4  # never past its window: that is run-ahead's
@@ -280,3 +281,44 @@ def test_a_top_up_past_a_late_gate_never_doubles_untrained_work():
         assert pool.in_flight(0) == held
     assert sent[:4] == [(s, fits) for s in (1, 2, 3, 4)], sent  # up to its window end: what outlasts a turnaround
     assert 4 + sum(n for _, n in sent) <= 2 * 16  # never past the room
+
+
+def test_under_cadence_a_chunks_last_batch_is_due_when_a_batch_outlasts_a_report():
+    # A batch longer than a report is a report of its own: the next report comes a batch
+    # on, so a chunk's last batch is the last chance to send more before the rank runs
+    # dry. Held to the report's length instead, a rank whose batch outlasted a report and
+    # a turnaround (most ranks of a paced 1,024-rank run: 100-400 ms batches, 40 ms
+    # turnarounds) was never topped up, and idled a turnaround at every chunk's end. Only
+    # where a turnaround is no shorter than a report: a loaded coordinator.
+    from .test_async import _state as _async_state
+
+    def rank_0_on_its_last_batch(st, epoch=0):
+        st.cadence.elche.report_timing([10, 20], [2, 2], 0)  # 5 and 10 ms a batch: counts [4, 2]
+        _pool(st, epoch, 1000)
+        st.dispatch.last_dispatched = epoch
+        _take_window(st, 0, epoch, 4)  # its window, in flight
+        st.cadence.pools[epoch].mark_completed(0, 3)
+        st.ranks[0].last_step = 3  # one batch (5 ms) left: longer than a report (2 ms) and a turnaround (2 ms)
+        st.cadence.last_wait_ms[0] = 2.0
+        return st
+
+    out = []
+    assert top_up(rank_0_on_its_last_batch(_state(2, 2, total=1000, batch_report_ms=2.0)), 0, 1, out)
+    assert [(r, e.epoch) for r, e in _extensions(out)] == [(0, 0)]  # run ahead, before it runs dry
+    # Two batches left: its next report (one batch on) is still in time.
+    st = rank_0_on_its_last_batch(_state(2, 2, total=1000, batch_report_ms=2.0))
+    st.ranks[0].last_step = 2
+    assert not top_up(st, 0, 2, [])
+    # In the run's last epoch its tail is split by what each rank holds: a batch early is
+    # a share taken early (test_sim_async_run_end), so it still asks when its chunk is done.
+    assert not top_up(rank_0_on_its_last_batch(_state(2, 2, total=1000, batch_report_ms=2.0), 1), 0, 1, [])
+    # Async keeps its own rule (its top-up is the window's next chunk, sized as a take).
+    assert not top_up_pace(rank_0_on_its_last_batch(_async_state(2, 2, total=1000, batch_report_ms=2.0)), 0, 1)
+    # A turnaround shorter than a report (a coordinator that keeps up) costs less than
+    # holding a batch more a batch early: held to the report and a turnaround, as before.
+    st = rank_0_on_its_last_batch(_state(2, 2, total=1000, batch_report_ms=2.0))
+    st.cadence.last_wait_ms[0] = 1.0
+    assert not top_up_pace(st, 0, 1)
+    # A batch shorter than a report: the same (27 ms: 1 batch of 5 ms is due, 6 are not).
+    st = rank_0_on_its_last_batch(_state(2, 2, total=1000, batch_report_ms=25.0))
+    assert top_up_pace(st, 0, 1) == 5.0 and not top_up_pace(st, 0, 6)
