@@ -848,12 +848,16 @@ def test_a_rank_still_running_ahead_at_the_trigger_gets_the_rest_of_its_window_q
     _drain(c, 0)
     for _ in range(4):
         c.train_one(0)
-    _drain(c, 0)  # its window is run: the run-ahead chunk arrives (one batch: no pace known yet)
+    _drain(c, 0)  # its window is run: the run-ahead chunk arrives
     assert 0 in st.cadence.in_flight and window_steps(st, 0) == 4
+    # What it holds: the run-ahead chunk, and the top-up sent with its window's last batch
+    # (a batch per report here, so the next report would have found it dry).
+    held = st.cadence.pools[0].in_flight(0)
+    assert held == 2
     _rank_1_fires_the_round(c)
     kinds = [(ctl.WhichOneof("cmd"), ctl) for ctl in c.ranks[0].inbox]
     assert [k for k, _ in kinds] == ["extend_partition", "request_params"]
-    assert kinds[0][1].extend_partition.partition_size == 3  # its window of 4, less the batch it holds
+    assert kinds[0][1].extend_partition.partition_size == 4 - held  # its window of 4, less the batches it holds
     res = c.run()
     assert not any(r.warnings for r in c.ranks)
     assert res.ok and [{k: e[k] for k in EXACT} for e in res.summary["coverage"]] == [EXACT]
