@@ -345,11 +345,15 @@ def _run_ahead(st: CoordinatorState, rank: int, waiting_ms: float, pending: int,
         n = int((max(0.0, waiting_ms) + turnaround) // ms) + 1
     else:
         n = 1  # no pace yet: one batch, as it always was
-    if turnaround > 0.0 and extend_epoch is None:
+    if extend_epoch is None:
         # A fresh chunk of one batch ends with its only report: nothing can top it up
         # before the rank runs dry, so each such chunk cost a turnaround (the probe window,
         # a batch at a time until the first round: 10-14 ms a batch, simulated at 5 ms
-        # links). Two let its first report bring the next in time (``top_up``).
+        # links). Two let its first report bring the next in time (``top_up``). A fresh
+        # chunk goes to an idle rank, which waits for it whether or not a turnaround is
+        # known yet (held to one batch until one was, a paced 1,024-rank run idled a
+        # turnaround more a rank in its probe window: simulated at 50 ms links, efficiency
+        # 0.751 -> 0.765).
         n = max(n, 2)
     if waiting_ms < 0.0:
         # A wait of unknown length (the gate is later than its wall) that outlasted what

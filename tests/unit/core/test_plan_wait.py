@@ -112,7 +112,7 @@ def test_a_run_ahead_chunk_outlasts_the_ranks_last_turnaround():
         assert run_ahead(st, 0, -1.0, [])  # the gate waits for rank 1, for how long is unknown
         return st.cadence.in_flight[0][2]
 
-    assert handed(0.0) == 1  # no turnaround known: one batch, as before
+    assert handed(0.0) == 2  # no turnaround known: a fresh chunk's two (its first report brings more)
     assert handed(12.0) == 3  # 12 ms at 5 ms a batch, and one more
     assert handed(1000.0) == 4  # never past the room: one more window in all
 
@@ -135,14 +135,14 @@ def test_a_run_ahead_past_a_late_gate_doubles_what_the_rank_ran_ahead():
         return st.cadence.in_flight[0][2]
 
     assert handed(-1.0) == 3  # the gate is late: as many again, not one batch per turnaround
-    assert handed(4.0) == 1  # a wait of known length: what fits in it, as before
+    assert handed(4.0) == 2  # a wait of known length: what fits in it, and a fresh chunk's two
 
 
-def test_a_fresh_run_ahead_chunk_is_two_batches_once_the_rank_has_waited_for_one():
+def test_a_fresh_run_ahead_chunk_is_two_batches():
     # A chunk of one batch ends with its only report: nothing can top it up before the
     # rank runs dry, so each cost a turnaround (the probe window: a batch at a time until
-    # the first round). Once the rank has waited for a plan, a fresh one is two batches,
-    # so that its first report brings the next in time.
+    # the first round). A fresh one goes to an idle rank, which waits for it: two
+    # batches, so that its first report brings the next in time, turnaround known or not.
     def handed(turnaround_ms):
         st = _paced_pair()
         st.ranks[0].last_step = 4  # its window of 4 run: at its barrier
@@ -151,7 +151,7 @@ def test_a_fresh_run_ahead_chunk_is_two_batches_once_the_rank_has_waited_for_one
         assert run_ahead(st, 0, 1.0, [])  # a 1 ms wait at 5 ms a batch
         return st.cadence.in_flight[0][2]
 
-    assert handed(0.0) == 1  # no wait seen yet: one batch, as before
+    assert handed(0.0) == 2  # no wait seen yet: two all the same
     assert handed(3.0) == 2  # a turnaround shorter than a batch: still two
     assert handed(12.0) == 3  # (12 + 1) // 5 + 1: what fills it
 
