@@ -49,3 +49,22 @@ AsyncMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestAsyncStateful = AsyncMachine.TestCase
+
+
+def test_a_slower_batch_puts_the_ranks_a_wake_dropped_back_in_its_view():
+    # Found by this machine: a slower batch raises every rank's ``round_wait_batches``,
+    # so the budget of a probing rank held at its barrier; rank 1, dropped by a wake as
+    # held, could be served by the next one but was out of its view (nobody woke it).
+    from flodl.core._drift import view_drift
+
+    m = AsyncMachine()
+    m.setup(ws=4, total=23, bs=2, epochs=2, prejoin=False, anchor=1, max_batch_diff=None, report_ms=25.0, sweep=False)
+    for _ in range(4):
+        m.join()
+    m.everyone_moves()
+    m.everyone_moves()
+    m.c.silence(0)
+    m.c.advance(1.0)
+    for _ in range(2):
+        m.everyone_moves()
+        assert view_drift(m.c.state) == []

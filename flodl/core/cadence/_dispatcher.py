@@ -1025,6 +1025,10 @@ class CadenceDispatcher:
         spent = ev.batch_ms + ev.data_ms
         if spent > cad.slowest_batch_ms:  # (a NaN compares false: never taken)
             cad.slowest_batch_ms = min(spent, st.config.liveness_timeout_s * 1e3)
+            # A slower batch raises every rank's ``round_wait_batches``, so the budget of
+            # a probing rank held at its barrier and the run-ahead room of one at it: a
+            # rank a wake dropped may be servable now (a max: it rises a few times a run).
+            rearm(st, unpark=False)
         pool = cad.pools.get(ev.epoch)
         if pool is not None and ev.samples > 0:
             pool.mark_completed(r, ev.samples)
