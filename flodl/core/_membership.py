@@ -443,6 +443,11 @@ def stale_ranks(st: CoordinatorState, now: float) -> list[tuple[int, str]]:
     return [(r, f"heartbeat stale (>{t:g}s)") for r in ranks if now - st.ranks[r].last_seen > t]
 
 
+# A liveness timeout of at least this many heartbeat intervals lets the beacon skip the
+# ranks that were sent a command since the last one (at most two intervals of silence).
+BEACON_SKIP_LIVENESS = 3.0
+
+
 def beacon(st: CoordinatorState, now: float, out: list[Command]) -> None:
     """``CoordHeartbeat`` to every addressable rank, at most once per interval.
 
@@ -464,9 +469,18 @@ def beacon(st: CoordinatorState, now: float, out: list[Command]) -> None:
         targets = [r for r in targets if r in awaiting]
     if not targets:
         return
-    st.beats += 1
+    heard = st.sent_since_beacon
+    if heard and st.config.liveness_timeout_s >= BEACON_SKIP_LIVENESS * st.config.heartbeat_interval_s:
+        # Every frame is liveness to a rank: one sent a command since the last beacon
+        # heard the coordinator within the interval, and goes without (a paced 1,024-rank
+        # run: a seventh of the frames the coordinator sent, each second's in one burst).
+        # It hears something within two intervals; a timeout that tight beacons everyone.
+        targets = [r for r in targets if r not in heard or r in awaiting]
     st.last_beacon = now
-    st.send_built_each(out, targets, "coord_heartbeat", _beat, (st.beats,))  # built when sent
+    if targets:
+        st.beats += 1
+        st.send_built_each(out, targets, "coord_heartbeat", _beat, (st.beats,))  # built when sent
+    st.sent_since_beacon = set()  # (the beacon itself is no other traffic)
 
 
 def _beat(ctl: pb.Control, beat: int) -> None:

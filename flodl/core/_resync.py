@@ -167,6 +167,7 @@ def await_reports(
     (``spec``: the run spec, given when some slot is JOINING)."""
     rs = st.resync
     st.last_beacon = None
+    st.sent_since_beacon = set()  # (every rank hears the new incarnation's first beacon)
     alive = st.alive_ranks()
     rs.awaiting = {r: ev.now for r in alive}
     rs.sent = {}

@@ -491,6 +491,8 @@ class CoordinatorState:
     cohort_len: Optional[int] = None
     last_beacon: Optional[float] = None
     beats: int = 0
+    # Ranks sent a command since the last beacon: they heard the coordinator (``beacon``).
+    sent_since_beacon: set[int] = field(default_factory=set)
     now: float = 0.0  # the latest event time seen
     next_command_id: int = 1
     ignored: dict[str, int] = field(default_factory=dict)  # benign drops, by cause
@@ -565,6 +567,7 @@ class CoordinatorState:
         ctl = pb.Control(command_id=self.next_command_id, **cmd)
         self.next_command_id += 1
         out.append(Send(rank, ctl))
+        self.sent_since_beacon.add(rank)
 
     def control(self, out: list[Command], rank: int) -> pb.Control:
         """Append ``Send(rank, Control(command_id=next))`` and return the Control, for the
@@ -575,6 +578,7 @@ class CoordinatorState:
         ctl = pb.Control(command_id=self.next_command_id)
         self.next_command_id += 1
         out.append(Send(rank, ctl))
+        self.sent_since_beacon.add(rank)
         return ctl
 
     def send_built(self, out: list[Command], rank: int, kind: str, build: Callable[..., None], args: tuple = ()) -> None:
@@ -589,6 +593,7 @@ class CoordinatorState:
         cid = self.next_command_id
         self.next_command_id = cid + 1
         out.append(Send.built(rank, cid, kind, build, args))
+        self.sent_since_beacon.add(rank)
 
     def send_built_each(self, out: list[Command], ranks: Sequence[int], kind: str, build: Callable[..., None],
                         args: tuple = ()) -> None:  # fmt: skip
@@ -598,6 +603,7 @@ class CoordinatorState:
         cid = self.next_command_id
         out.extend(Send.each(ranks, cid, kind, build, args))
         self.next_command_id = cid + len(ranks)
+        self.sent_since_beacon.update(ranks)
 
     def send_built_zip(self, out: list[Command], ranks: list[int], kind: str, build: Callable[..., None],
                        args: list[tuple], wire: Optional[Encoder] = None) -> None:  # fmt: skip
@@ -607,6 +613,7 @@ class CoordinatorState:
         cid = self.next_command_id
         out.extend(Send.each_of(ranks, cid, kind, build, args, wire))
         self.next_command_id = cid + len(ranks)
+        self.sent_since_beacon.update(ranks)
 
     def _check_all_addressable(self, ranks: Sequence[int]) -> None:
         if self.index.phases[ACTIVE].issuperset(ranks):

@@ -385,6 +385,7 @@ def test_clean_exit_then_staleness_declares_nothing():
     c.join_all()
     c.feed(RankExiting(now=0.0, rank=1))
     c.feed(HeartbeatSeen(now=50.0, rank=0))
+    _heard_nothing_since(c)
     cmds = c.feed(Tick(now=50.0))
     assert not [x for x in cmds if isinstance(x, ForgetRank)]
     assert c.state.ranks[1].phase is LEFT
@@ -432,23 +433,51 @@ def test_exited_rank_skipped_by_broadcasts():
 # -- the coordinator's beacon -------------------------------------------------------------
 
 
+def _heard_nothing_since(c):
+    """As if the coordinator sent no rank anything since its last beacon (which skips
+    those it did: ``test_beacon_skips_the_ranks_sent_a_command_since_the_last``)."""
+    c.state.sent_since_beacon.clear()
+
+
 def test_beacon_at_most_once_per_interval_to_addressable_ranks():
     c = Cluster(policy="sync", world_size=3, heartbeat_interval_s=1.0)
     c.hello(0)
+    _heard_nothing_since(c)
     first = c.feed(Tick(now=0.0))
     assert [s.rank for s in first] == [0]  # JOINING ranks hear the beacon too
     assert c.feed(Tick(now=0.5)) == []
     c.hello(1)
     c.hello(2)
+    _heard_nothing_since(c)
     beats = [s for s in c.feed(Tick(now=1.0)) if s.kind == "coord_heartbeat"]
     assert [s.rank for s in beats] == [0, 1, 2]
     assert beats[0].control.coord_heartbeat.beat == 2
+
+
+def test_beacon_skips_the_ranks_sent_a_command_since_the_last():
+    # Every frame is liveness to a rank: one sent a command since the last beacon heard
+    # the coordinator in the interval. At 1,024 paced ranks the beacon was a seventh of
+    # the frames the coordinator sent, all of a second's in one burst.
+    c = Cluster(policy="sync", world_size=3, heartbeat_interval_s=1.0, liveness_timeout_s=10.0)
+    c.join_all()
+    _heard_nothing_since(c)
+    assert [s.rank for s in c.feed(Tick(now=c.now + 1.0)) if s.kind == "coord_heartbeat"] == [0, 1, 2]
+    c.state.send(out := [], 1, coord_heartbeat=pb.Control.CoordHeartbeat(beat=0))  # rank 1 hears something
+    assert [s.rank for s in c.feed(Tick(now=c.now + 2.0)) if s.kind == "coord_heartbeat"] == [0, 2]
+    # The beacon itself is not other traffic: the next one goes to every rank again.
+    assert [s.rank for s in c.feed(Tick(now=c.now + 3.0)) if s.kind == "coord_heartbeat"] == [0, 1, 2]
+    # A liveness timeout under three intervals: two of silence could trip it, so everyone.
+    tight = Cluster(policy="sync", world_size=3, heartbeat_interval_s=1.0, liveness_timeout_s=2.5)
+    tight.join_all()
+    assert tight.state.sent_since_beacon  # (its dispatch)
+    assert [s.rank for s in tight.feed(Tick(now=tight.now + 1.0)) if s.kind == "coord_heartbeat"] == [0, 1, 2]
 
 
 def test_beacon_skips_dead_ranks():
     c = Cluster(policy="sync", world_size=3)
     c.join_all()
     c.kill(1)
+    _heard_nothing_since(c)
     beats = [s.rank for s in c.feed(Tick(now=0.0)) if s.kind == "coord_heartbeat"]
     assert beats == [0, 2]
 
@@ -462,7 +491,8 @@ def test_no_beacon_once_every_rank_was_told_to_shut_down(end):
     c.join_all()
     for r in c.ranks:
         r.deaf.add("shutdown")  # told, not exited yet: as while their exits wait in the queue
-    beats = [s.rank for s in c.feed(Tick(now=c.now)) if s.kind == "coord_heartbeat"]
+    c.feed(Tick(now=c.now))  # (it skips the ranks just sent their plans; the next one does not)
+    beats = [s.rank for s in c.feed(Tick(now=c.now + 1.0)) if s.kind == "coord_heartbeat"]
     assert beats == [0, 1, 2]  # (while they train, the beacon goes out)
     if end == "completed":
         c.run_until(lambda: c.state.run.phase is SHUTTING_DOWN)
