@@ -144,7 +144,7 @@ class CoreConfig:
     )  # fmt: skip
     # Liveness (zguide's named trio): beacon interval, and how long silence may last.
     heartbeat_interval_s: float = setting(
-        1.0, help="coordinator beacon / rank heartbeat interval (a rank's batch reports stand in for its heartbeats)"
+        1.0, help="coordinator beacon / rank heartbeat interval (a rank's batch reports stand in for its heartbeats, a coordinator's commands for its beacon)"
     )
     liveness_timeout_s: float = setting(10.0, help="silence after which a rank is declared dead")
     batch_report_ms: float = setting(
