@@ -678,31 +678,42 @@ def offer_chunk(st: CoordinatorState, rank: int, epoch: int, pool: ChunkPool, ou
     return True
 
 
+def _drains_run(st: CoordinatorState, rank: int) -> bool:
+    """The rank's chunk in flight is of the run's last epoch (nothing streams in after it)."""
+    held = st.cadence.in_flight.get(rank)
+    return held is None or held[0] + 1 >= st.config.num_epochs
+
+
 def top_up_pace(st: CoordinatorState, rank: int, unreported: int) -> float:
     """The rank's ms per batch when the ``unreported`` batches of its chunk in flight last
     no longer than its next report and a turnaround (more work must go out now, or it
     runs dry first); 0.0 while a later report is still in time. While ElChe has no pace
     yet (the probe windows) the rank's own batches say it.
 
-    Under Async, or with a turnaround shorter than a report, a batch longer than that is
-    never due: its rank asks when its chunk is done, and idles a turnaround. (Due at its
-    last batch instead, the slowest rank of a 1,1,2,3,5,8 rig took its share of Async's last pool a batch early and held the run's
-    end: the others idled 0.10-0.14 s, ``tests/sim/test_sim_async_run_end.py``.)"""
+    Under Async, in the run's last epoch, or with a turnaround shorter than a report, a
+    batch longer than that is never due: its rank asks when its chunk is done, and idles a
+    turnaround. (Due at its last batch instead, the slowest rank of a 1,1,2,3,5,8 rig took
+    its share of Async's last pool a batch early and held the run's end: the others idled
+    0.10-0.14 s, ``tests/sim/test_sim_async_run_end.py``.)"""
     cad = st.cadence
     ms = cad.elche.smoothed_ms_per_batch(rank) or st.ranks[rank].mean_batch_ms()
     if not ms:
         return 0.0
     next_report_ms, turnaround = st.config.batch_report_ms, cad.last_wait_ms.get(rank, 0.0)
-    if ms > next_report_ms and turnaround >= next_report_ms and cad.barrier_paced:
+    if ms > next_report_ms and turnaround >= next_report_ms and cad.barrier_paced and not _drains_run(st, rank):
         # Cadence with a loaded coordinator (a turnaround no shorter than a report): a batch
         # longer than a report is a report of its own, so the next report comes a batch
         # on, and a chunk's last batch is due. Held to the report instead, a rank whose
         # batch outlasts a report plus a turnaround (most of a paced 1,024-rank run's,
         # 100-400 ms against 40 ms) ran every chunk dry and idled a turnaround each
-        # (simulated 1,024 ranks at 50 ms links: idle between batches 916 -> 611 rank-s). Not with a
-        # short turnaround (a batch held early costs more than the wait: a 1,1,2,3,5,8 rig
+        # (simulated 1,024 ranks at 50 ms links, the rule in every epoch: idle between
+        # batches 916 -> 611 rank-s). Not with a short turnaround (a batch held early costs more than the wait: a 1,1,2,3,5,8 rig
         # at 0.5 ms links had a 10 ms boundary wait), nor under Async (its last pool's
-        # share taken a batch early, above; 1,1,2,3,5,8 at 0.5 ms links: 0.980 -> 0.964).
+        # share taken a batch early, above; 1,1,2,3,5,8 at 0.5 ms links: 0.980 -> 0.964),
+        # nor in the run's last epoch: a slow rank topped up there ran ahead into what the
+        # last window's plan then counts as its own, and trained it alone after every other
+        # rank was done (simulated 1,024 ranks at 50 ms links, 6 seeds: 3 runs ended 0.5 s
+        # late on one 400 ms rank's last two batches; none with this rule).
         next_report_ms = ms
     if unreported * ms > next_report_ms + turnaround:
         return 0.0
