@@ -58,12 +58,14 @@ def test_a_partitioned_hosts_ranks_rejoin_when_the_link_returns(tmp_path, plane)
             stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
         agents = []
-        # Host a's ranks are slow, host b's is fast: while b is cut off the run crawls (an
-        # epoch takes ~14 s; b's rank may stream a couple of epochs past the first before
-        # the cut lands, and the 5+ left outlast the partition and a restart by a minute),
-        # and once b's rank is back it trains most of the rest: the epochs after the rejoin
-        # are quick.
-        for i, (key, offset, ranks, slow) in enumerate((("a", 0, 2, "300"), ("b", 2, 1, "1")), start=2):
+        # Host a's ranks are slow (300 ms a batch), host b's is 15x faster (20 ms): while b
+        # is cut off the run crawls (two slow ranks train ~7 batches/s of an epoch's 90), and
+        # once b's rank is back it trains most of the rest. b's rank is slow enough that the
+        # cut lands with 6+ epochs left: the epoch commits trail it (a slow rank's batch
+        # holds the epochs after it open), so the cut waits for an epoch to open, not commit:
+        # at 1 ms a batch b's rank ran all 8 epochs' chunks before "epoch 1/8" was committed,
+        # and had nothing left to train after the rejoin.
+        for i, (key, offset, ranks, slow) in enumerate((("a", 0, 2, "300"), ("b", 2, 1, "20")), start=2):
             # Every namespace shares the machine's hostname: gloo is told each host's own
             # address and interface, as an operator would on a multi-homed host.
             env = {**os.environ, "FLODL_STORE_HOST": f"10.77.{tag}.{i}", "GLOO_SOCKET_IFNAME": f"v{key}{sfx}x"}
@@ -75,7 +77,7 @@ def test_a_partitioned_hosts_ranks_rejoin_when_the_link_returns(tmp_path, plane)
                 stdout=open(tmp_path / f"agent-{key}.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
             ))  # fmt: skip
         try:
-            _wait_for(log, "epoch 1/8")  # training, host b included
+            _wait_for(log, "epoch_opened: epoch=1 ")  # training, host b included (it does most)
             subprocess.run(["ip", "-n", ns["b"], "link", "set", link, "down"], check=True)
             _wait_for(log, "rank 2 forgotten: heartbeat stale")  # the coordinator gave it up
             _wait_for(tmp_path / "agent-b.log", "restarting it in")  # and its agent restarts it
