@@ -326,7 +326,9 @@ class CoordinatorService:
 
     def _loop(self, poller, sock, wake_r, next_tick, http, curve, ctx) -> int:
         try:
-            while self.finished is None or self.checkpointing.lingering(self.clock()):
+            # A second stop request does not wait for the ranks (as a second SIGTERM ends the
+            # process): the run ends unfinished, exit 1.
+            while (self.finished is None or self.checkpointing.lingering(self.clock())) and self._stop_signals < 2:
                 timeout_ms = max(0.0, (next_tick - self.clock()) * 1000.0)
                 events = dict(poller.poll(timeout_ms))
                 if wake_r.fileno() in events:
@@ -418,7 +420,9 @@ class CoordinatorService:
                 pass
         except (BlockingIOError, OSError):
             pass
-        if self._stop_signals:
+        if self._stop_signals >= 2:
+            log.warning("stop requested again: stopping now, without waiting for the ranks to acknowledge")
+        elif self._stop_signals:
             log.warning("stop requested by signal; asking ranks to shut down")
             self._feed(StopRequested(now=self.clock(), reason="signal"))
 

@@ -5,6 +5,7 @@ DEALER sockets and reads what comes back, with poll deadlines instead of sleeps.
 """
 
 
+import threading
 import time
 
 import pytest
@@ -245,3 +246,33 @@ def test_every_agent_hears_that_the_run_ended(service):
     assert not ended.ok and ended.reason
     agent.close(0)
 
+
+
+def test_a_second_stop_request_stops_at_once_without_the_ranks_acknowledging():
+    """One stop asks the ranks to shut down and waits for them (up to the liveness
+    timeout); a second one, like a second SIGTERM, stops now: the run ends unfinished."""
+    from flodl_coordinator.service import CoordinatorService
+
+    svc = CoordinatorService(load_settings(env={}, flags={
+        "world_size": 2, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 1,
+        "batch_size": 4, "liveness_timeout_s": 60.0,
+    }))  # fmt: skip
+    rc: list = []
+    ready: list = []
+    svc._ready = ready.append
+    t = threading.Thread(target=lambda: rc.append(svc.run(install_signals=False)), daemon=True)
+    t.start()
+    assert _until(lambda: ready)
+    ctx = zmq.Context()
+    try:
+        peers = [Peer(ctx, ready[0], r, r + 1) for r in (0, 1)]
+        assert all(p.hello(r).accepted for r, p in enumerate(peers))  # a world; neither acknowledges a Shutdown
+        assert _until(lambda: svc.state.run.phase != "FORMING"), svc.state.run.phase
+        svc.request_stop()
+        t.join(1.0)
+        assert t.is_alive()  # the graceful stop waits for the ranks (their liveness: 60 s)
+        svc.request_stop()
+        t.join(30)
+        assert not t.is_alive() and rc == [1] and svc.finished is None
+    finally:
+        ctx.destroy(0)
