@@ -248,7 +248,9 @@ class RunBook:
             self._committed_rate.add(now, prog["samples_committed"])
         ranks = []
         for r in view["ranks"]:
-            rate = self._rates.setdefault(r["rank"], _Rate())
+            rate = self._rates.get(r["rank"])
+            if rate is None:  # (not setdefault: that builds a _Rate per rank per publish)
+                rate = self._rates[r["rank"]] = _Rate()
             rate.add(now, r["samples"])
             ranks.append({"rank": r["rank"], "phase": r["phase"], "samples": r["samples"],
                           "rate": rate.per_s(), "window": r["window"]})  # fmt: skip

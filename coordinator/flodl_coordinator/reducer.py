@@ -450,7 +450,9 @@ class BusReducer:
 
     def _maybe_finish(self) -> RoundResult | None:
         o = self._open
-        if o is None or not o.expected.issubset(o.counted.keys()):
+        # Fewer counted than expected cannot cover them: a length test first, so a round of
+        # N contributions is not N subset walks of N (O(N^2): 95 us a contribution at 4,096).
+        if o is None or len(o.counted) < len(o.expected) or not o.expected.issubset(o.counted.keys()):
             return None
         self._open = None
         for ranks, why in self._too_far(o):
