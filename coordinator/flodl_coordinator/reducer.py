@@ -161,6 +161,7 @@ class RoundResult:
     # (rank, code, reason): refused this round; sent the consensus to reset to (``header_for``).
     refused: tuple[tuple[int, str, str], ...] = ()
     nonfinite: bool = False  # the average was not finite: this is the weight-0 fallback
+    _shared_wire: bytes | None = field(default=None, repr=False, compare=False)  # (``wire_for``)
 
     @property
     def direct(self) -> tuple[int, ...]:
@@ -177,6 +178,17 @@ class RoundResult:
         h.CopyFrom(self.header)
         del h.contributing_ranks[:]
         return h
+
+    def wire_for(self, rank: int) -> bytes | pb.RoundHeader:
+        """``header_for(rank)`` as ``Endpoint.frames`` takes it: the header every rank but
+        a refused one gets is serialised once (it names every contributor: written per
+        rank, a round's fan-out was O(N^2))."""
+        h = self.header_for(rank)
+        if h is not self.header:
+            return h
+        if self._shared_wire is None:
+            self._shared_wire = h.SerializeToString()
+        return self._shared_wire
 
     def relay_header(self, ranks) -> pb.RoundHeader:
         """The consensus header for a relay's fan-out: the same, plus ``deliver_to``."""

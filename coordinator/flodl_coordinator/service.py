@@ -1035,17 +1035,11 @@ class CoordinatorService:
         # frames, so each rank still sees the coordinator's frames in order.
         for relay, ranks in result.fanout:
             self._send_frames(self.endpoint.frames("round", result.relay_header(ranks), result.blobs, route=relay))
-        shared = None  # the header every rank but a refused one gets, serialised once: it
-        # names every contributor, so writing it per rank made a round's fan-out O(N^2)
         for rank in result.direct:
             route = self.state.route_of(rank)
             if route is None:
                 continue
-            header = result.header_for(rank)
-            if header is result.header:
-                shared = shared if shared is not None else header.SerializeToString()
-                header = shared
-            self._send_frames(self.endpoint.frames("round", header, result.blobs, route=tuple(route)))
+            self._send_frames(self.endpoint.frames("round", result.wire_for(rank), result.blobs, route=tuple(route)))
         if self._pending_seeds and self.reducer.seed is not None:
             self._flush_seeds()
 

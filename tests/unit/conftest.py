@@ -58,4 +58,3 @@ def serve():
         t.join(15)
         ctx.destroy(0)
         assert not t.is_alive(), "the coordinator service thread did not stop at a second stop request"
-

@@ -50,6 +50,10 @@ def test_a_non_finite_contribution_leaves_the_round_and_the_others_complete_it()
     assert res.header_for(0) is res.header
     own = res.header_for(1)
     assert list(own.contributing_ranks) == [] and own.weight == res.header.weight and own.cycle == 1
+    # As sent: the shared header's bytes, written once for all; the refused rank's own header.
+    shared = res.wire_for(0)
+    assert shared == res.header.SerializeToString() and res.wire_for(2) is shared
+    assert list(res.wire_for(1).contributing_ranks) == []
     assert red.refused_frames == 1
 
 
