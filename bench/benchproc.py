@@ -4,10 +4,23 @@ and follow a growing journal (another process's file) record by record."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from typing import IO, Iterator, Optional
 
-__all__ = ["start_ready", "JournalTail"]
+__all__ = ["start_ready", "JournalTail", "peer_env"]
+
+
+def peer_env(peer: str, keep_path: bool = False) -> dict[str, str]:
+    """This process's environment with another checkout's three package roots as
+    ``PYTHONPATH`` (a ``--peer`` bench runs the code before in a subprocess); with
+    ``keep_path`` the current ``PYTHONPATH`` follows them."""
+    env = dict(os.environ)
+    paths = [peer, os.path.join(peer, "coordinator"), os.path.join(peer, "worker")]
+    if keep_path:
+        paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
 
 
 def start_ready(cmd: list[str], log: IO[str], token: str = "COORDINATOR_READY", **popen) -> tuple[subprocess.Popen, str]:

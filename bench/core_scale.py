@@ -59,6 +59,7 @@ import time
 import tracemalloc
 from typing import Any, Optional
 
+from benchproc import peer_env
 from flodl.core import HeartbeatSeen, Notice, Send, initial_state, step
 from flodl.sim import SimConfig, simulate
 from flodl_coordinator.gcsettle import CollectorSettle
@@ -210,8 +211,7 @@ def summarise(rows: list[dict], events: int, peak: Optional[float]) -> dict[str,
 def _peer_replays(peer: str, journal: str, repeats: int, memory: bool, budget_s: float) -> dict[str, Any]:
     """Replay the pickled journal through the checkout at ``peer`` (a subprocess):
     ``{"rows": [...], "peak_mib": ...}``, or ``{"over_budget": True}`` / ``{"error": ...}``."""
-    paths = [peer, os.path.join(peer, "coordinator"), os.path.join(peer, "worker")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env = peer_env(peer)
     cmd = [sys.executable, os.path.abspath(__file__), "--replay", journal, "--repeats", str(repeats)]
     if not memory:
         cmd.append("--no-memory")

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-OWN_TREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchproc import peer_env
 
 
 def measure(n: int, floats: int, repeats: int) -> dict:
@@ -74,7 +74,7 @@ def main() -> None:
     out = {"bench": "reducer_scale", "floats": args.floats, "repeats": args.repeats, "ours": ours}
     if args.peer:
         peer = os.path.abspath(args.peer)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([peer, os.path.join(peer, "coordinator"), os.path.join(peer, "worker")])}
+        env = peer_env(peer)
         cmd = [sys.executable, os.path.abspath(__file__), "--sizes", args.sizes, "--floats", str(args.floats),
                "--repeats", str(args.repeats), "--curve-only"]  # fmt: skip
         got = subprocess.run(cmd, env=env, cwd=peer, capture_output=True, text=True, timeout=1800)

@@ -42,6 +42,8 @@ import sys
 import tempfile
 import time
 
+from benchproc import peer_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -297,9 +299,7 @@ def replay(path: str, repeats: int) -> dict:
 
 
 def _peer_replay(peer: str, path: str, repeats: int) -> dict:
-    env = dict(os.environ)
-    paths = [peer, os.path.join(peer, "coordinator"), os.path.join(peer, "worker")]
-    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = peer_env(peer, keep_path=True)
     # This file runs in the peer's interpreter with the peer's code first on the path.
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--replay", path, "--repeats", str(repeats)],
                        capture_output=True, text=True, env=env, timeout=1800)  # fmt: skip

@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from benchproc import peer_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = {"prefork": [], "fresh": ["--no-prefork"]}
 FIELDS = ("launcher_wall_s", "time_to_first_batch_s", "train_s", "teardown_s", "overhead_share", "user_cpu_s")
@@ -42,8 +44,7 @@ FIELDS = ("launcher_wall_s", "time_to_first_batch_s", "train_s", "teardown_s", "
 def run_once(extra: list[str], epochs: int, peer: str | None = None) -> dict:
     env, cwd = dict(os.environ), ROOT
     if peer is not None:
-        cwd = peer
-        env["PYTHONPATH"] = os.pathsep.join([peer, os.path.join(peer, "coordinator"), os.path.join(peer, "worker")])
+        env, cwd = peer_env(peer), peer
     with tempfile.TemporaryDirectory() as tmp:
         summary_path = os.path.join(tmp, "summary.json")
         cmd = [

@@ -247,7 +247,6 @@ def test_every_agent_hears_that_the_run_ended(service):
     agent.close(0)
 
 
-
 def test_a_second_stop_request_stops_at_once_without_the_ranks_acknowledging():
     """One stop asks the ranks to shut down and waits for them (up to the liveness
     timeout); a second one, like a second SIGTERM, stops now: the run ends unfinished."""
