@@ -39,6 +39,18 @@ def alive(pids) -> set[int]:
     return {p for p in pids if (ps := _ppid_state(p)) is not None and ps[1] != "Z"}
 
 
+def commands(pids) -> dict[int, str]:
+    """Each live pid's command line (what a failure names: a bare pid says nothing once
+    the tree is killed)."""
+    out = {}
+    for p in pids:
+        try:
+            out[p] = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+        except OSError:
+            pass
+    return out
+
+
 def wait_gone(pids, timeout: float) -> set[int]:
     """Wait up to ``timeout`` s for every pid to end; return those still alive."""
     end = time.monotonic() + timeout

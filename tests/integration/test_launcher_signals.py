@@ -15,7 +15,7 @@ import time
 import pytest
 
 from faults import lines_in
-from proctree import descendants, kill_all, wait_gone
+from proctree import commands, descendants, kill_all, wait_gone
 from runlocal import ROOT
 
 pytestmark = pytest.mark.integration
@@ -68,6 +68,7 @@ def test_a_stop_signal_stops_the_whole_tree_and_prints_the_summary_so_far(tmp_pa
 
 def test_children_die_with_a_launcher_killed_outright(tmp_path):
     proc, tree, _ = _start(tmp_path)
+    named = commands(tree)
     try:
         proc.kill()  # SIGKILL: no handler runs; only PR_SET_PDEATHSIG can stop the children
         proc.wait(10)
@@ -77,4 +78,4 @@ def test_children_die_with_a_launcher_killed_outright(tmp_path):
     finally:
         kill_all(tree)
     print(f"kill -9 of the launcher: its tree was gone after {took:.2f}s")
-    assert not left, f"orphans of a killed launcher: {left}"
+    assert not left, f"orphans of a killed launcher: {({p: named.get(p, '?') for p in left})}"
