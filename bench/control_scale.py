@@ -5,6 +5,12 @@ For each N (16, 64, 256, 1024), in the same invocation:
 * **raw**: a pyzmq ROUTER echo process and N DEALERs (real sockets, in the generator
   processes), each keeping ``WINDOW`` timing frames in flight: frames/s in and out. The
   transport's ceiling, with the same fan-in and the same frame sizes.
+* **raw_broadcast**: the decision latency's floor: a bare pyzmq ROUTER that answers one
+  DEALER's trigger with one RequestParams-sized frame to every one of the N DEALERs
+  (the same generator processes, ``--raw-rounds`` rounds), each arrival counted from the
+  trigger's send as ours are (``latency_p50/p99_us``, ``first_command_p50/p99_us``). No
+  decision and nothing built: what the fan-out and the generators' turn cost on this
+  machine, beside the paced runs' latency (``goals``: ``raw_broadcast_p99_ms``).
 * **saturated**: a real ``flodl-coordinator serve`` (cadence, bus plane, no journal) and N
   fake ranks (``scale_ranks.FakeRank``: the real rank machine on a real DEALER) whose
   batches take no time (they report 1 ms): every rank sends as fast as the coordinator
@@ -75,6 +81,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SESSION = "scale"
@@ -117,6 +124,72 @@ while time.monotonic() - t0 < seconds:
             d.send_multipart([b"", frame])
 dt = time.monotonic() - t0
 print(json.dumps({"echoed": got, "seconds": dt}), flush=True)
+for d in socks:
+    d.close(0)
+"""
+
+# A round's fan-out with no decision in it: a ROUTER that answers one DEALER's trigger
+# with one frame to every DEALER, sent part by part with plain int flags (the cheapest
+# way pyzmq has; the coordinator's ``_send_parts``). The broadcast carries the trigger's
+# send time (CLOCK_MONOTONIC is system-wide), so each DEALER's arrival minus it is the
+# raw floor of the decision latency, measured as ``decision_latencies`` measures ours.
+BCAST = r"""
+import sys, zmq
+n = int(sys.argv[1])
+ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.setsockopt(zmq.RCVHWM, 0); s.setsockopt(zmq.SNDHWM, 0)
+s.bind("tcp://127.0.0.1:0")
+print("READY", s.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
+ids = []
+while len(ids) < n:
+    ids.append(s.recv_multipart()[0])
+more, last = int(zmq.SNDMORE), 0
+send = s.send
+for i in ids:
+    send(i, more); send(b"", more); send(b"go", last)
+while True:
+    f = s.recv_multipart()
+    if f[-1] == b"stop": break
+    body = f[-1]
+    for i in ids:
+        send(i, more); send(b"", more); send(body, last)
+"""
+
+BCAST_CLIENTS = r"""
+import json, struct, sys, time, zmq
+ep, n, rounds, trigger, frame = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", bytes.fromhex(sys.argv[5])
+ctx = zmq.Context(); socks = []
+for i in range(n):
+    d = ctx.socket(zmq.DEALER); d.connect(ep); d.send_multipart([b"", b"hi"]); socks.append(d)
+for d in socks:
+    d.recv_multipart()  # "go": every DEALER of every generator is connected
+poller = zmq.Poller()
+for d in socks:
+    poller.register(d, zmq.POLLIN)
+lat = {}  # round -> [arrival - trigger's send, us]
+got = fired = 0
+def fire():
+    global fired
+    socks[0].send_multipart([b"", frame + struct.pack("<dI", time.monotonic(), fired)])
+    fired += 1
+if trigger:
+    time.sleep(0.05); fire()
+deadline = time.monotonic() + 60 + rounds
+while got < n * rounds and time.monotonic() < deadline:
+    ready = poller.poll(1000)
+    polled = time.monotonic()  # as the fake ranks count an arrival (scale_ranks)
+    for d, _ in ready:
+        while True:
+            try:
+                body = d.recv_multipart(zmq.NOBLOCK)[-1]
+            except zmq.Again:
+                break
+            t, k = struct.unpack("<dI", body[-12:])
+            lat.setdefault(k, []).append((polled - t) * 1e6)
+            got += 1
+    if trigger and fired < rounds and len(lat.get(fired - 1, ())) == n:
+        time.sleep(0.03)  # the last round reached this generator's DEALERs; the others have had time
+        fire()
+print(json.dumps({"rounds": {str(k): v for k, v in lat.items()}, "got": got}), flush=True)
 for d in socks:
     d.close(0)
 """
@@ -172,6 +245,43 @@ def run_raw(n: int, gens: int, seconds: float) -> dict:
     sampled = inside[-1][0] - inside[0][0] if len(inside) > 1 else float("nan")
     return {"frames_per_s": rate, "cpu_pct": cpu, "rss_mib": rss,
             "cpu_us_per_frame": 1e6 * cpu_s / max(1.0, frames * min(1.0, sampled / seconds_run))}
+
+
+def run_raw_broadcast(n: int, gens: int, rounds: int) -> dict:
+    """The raw floor of the decision latency (``BCAST``): ``rounds`` broadcasts of a
+    RequestParams-sized frame to N DEALERs in the same generator processes, each
+    DEALER's arrival counted from the trigger's send as ours are. No decision, no
+    envelope built, no journal: what the transport and the generators' turn cost."""
+    echo, ep = _spawn_ready([sys.executable, "-c", BCAST, str(n)], "READY")
+    frame = _request_params_frame().hex()
+    procs = [subprocess.Popen([sys.executable, "-c", BCAST_CLIENTS, ep, str(k), str(rounds), "1" if i == 0 else "0",
+                               frame], stdout=subprocess.PIPE, text=True)
+             for i, k in enumerate(k for k in _split(n, gens) if k)]  # fmt: skip
+    outs = [json.loads(p.communicate(timeout=120 + rounds)[0]) for p in procs]
+    import zmq
+
+    d = zmq.Context.instance().socket(zmq.DEALER)
+    d.connect(ep)
+    d.send_multipart([b"", b"stop"])
+    echo.wait(timeout=10)
+    d.close(0)
+    every, first = [], []
+    for k in {k for o in outs for k in o["rounds"]}:
+        lat = [x for o in outs for x in o["rounds"].get(k, ())]
+        every.extend(lat)
+        first.append(min(lat))
+    every.sort()
+    first.sort()
+    return {"ok": len(every) == n * rounds, "rounds": rounds, "arrivals": len(every), "expected": n * rounds,
+            "latency_p50_us": _pct(every, 0.50), "latency_p99_us": _pct(every, 0.99),
+            "first_command_p50_us": _pct(first, 0.50), "first_command_p99_us": _pct(first, 0.99)}  # fmt: skip
+
+
+def _request_params_frame() -> bytes:
+    from flodl.wire import Endpoint, pb
+
+    ctl = pb.Control(command_id=123456, request_params=pb.Control.RequestParams(cycle=42))
+    return Endpoint(SESSION, pb.Sender.KIND_COORDINATOR).frames("control", ctl)[-1]
 
 
 def _split(n: int, parts: int) -> list[int]:
@@ -458,6 +568,7 @@ def main() -> None:
     ap.add_argument("--saturated-batches", type=int, default=30000,
                     help="batches in a saturated run, all ranks together (at least 20 per rank)")
     ap.add_argument("--raw-s", type=float, default=3.0, help="seconds of raw echo")
+    ap.add_argument("--raw-rounds", type=int, default=20, help="broadcasts of the raw latency floor (raw_broadcast)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1 run each, N = 16, 64, shorter")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: raw,saturated,paced,relayed")
@@ -470,6 +581,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.ranks, args.repeats, args.paced_s, args.saturated_batches, args.raw_s = "16,64", 1, 3.0, 6000, 1.5
+        args.raw_rounds = 5
     skip = set(filter(None, args.skip.split(",")))
     factors = [float(x) for x in args.slowdown.split(",")]
     res: dict = {"bench": "control_scale", "policy": args.policy, "slowdown": factors, "repeats": args.repeats,
@@ -484,6 +596,7 @@ def main() -> None:
         row: dict = {"generators": gens, "base_ms": base, "loadavg": os.getloadavg()[0]}
         if "raw" not in skip:
             row["raw"] = _median([run_raw(n, gens, args.raw_s) for _ in range(args.repeats)])
+            row["raw_broadcast"] = _median([run_raw_broadcast(n, gens, args.raw_rounds) for _ in range(args.repeats)])
         variants = [("", args.batch_report_ms)]
         if args.peer_report_ms is not None:
             variants.append((f"@{args.peer_report_ms:g}ms", args.peer_report_ms))
@@ -520,6 +633,10 @@ def main() -> None:
     print(json.dumps(res, indent=2))
 
 
+def _ms(us: Optional[float]) -> Optional[float]:
+    return round(us / 1e3, 2) if us is not None else None
+
+
 def goals(by_n: dict) -> dict:
     """The issue's goals, against what this run measured (absent: not measured)."""
     out: dict = {}
@@ -538,6 +655,8 @@ def goals(by_n: dict) -> dict:
                                       "coordinator_cpu_pct": r["cpu_pct"],
                                       # (its own part of that latency: decision and fan-out)
                                       "coordinator_round_trigger_p99_le_ms": r.get("coord_round_trigger_p99_le_ms"),
+                                      # (the floor: the same fan-out by a bare pyzmq ROUTER, no decision)
+                                      "raw_broadcast_p99_ms": _ms(by_n[n].get("raw_broadcast", {}).get("latency_p99_us")),
                                       "met": share >= 0.95 and r["latency_p99_us"] <= 10_000}  # fmt: skip
     return out
 

@@ -2,8 +2,9 @@
 
 The load generator is only worth its numbers if its ranks do what real ones do: here
 six of them (the real rank machine on real DEALER sockets) train a cadence run against
-the real service to the end, every sample once, nothing dropped; and the round-trigger
-latency is computed from the right frames.
+the real service to the end, every sample once, nothing dropped; the round-trigger
+latency is computed from the right frames; and the raw floor beside it (a bare ROUTER's
+broadcast) counts every DEALER's arrival of every round.
 """
 
 from __future__ import annotations
@@ -59,3 +60,10 @@ def test_round_trigger_is_the_latest_frame_before_the_first_request_arrived():
     reqs = [(1, 2.0, 1.0), (1, 2.5, 1.5), (2, 3.1, 3.0), (2, 3.3, 3.2)]
     lat = sorted(control_scale.decision_latencies(reqs))
     assert lat == pytest.approx([0.1e6, 0.3e6, 0.5e6, 1.0e6])
+
+
+def test_the_raw_broadcast_floor_counts_every_arrival_of_every_round():
+    # 10 DEALERs in 2 generator processes, 3 rounds: 30 arrivals, each after its trigger.
+    got = control_scale.run_raw_broadcast(10, 2, 3)
+    assert got["ok"] and got["arrivals"] == got["expected"] == 30, got
+    assert 0 < got["first_command_p50_us"] <= got["latency_p50_us"] <= got["latency_p99_us"], got
