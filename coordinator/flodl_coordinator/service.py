@@ -1084,12 +1084,16 @@ class CoordinatorService:
             yield
             return
         self._outbox = []
+        deferred = self._gc_settling and self.gc.defer()  # (the collector waits for the sends: gcsettle)
         try:
             yield
         finally:
-            self._flush_outbox()
-            if self._gc_settling:
-                self.gc.settle()  # (its commands are out: a world formed, an epoch aggregated)
+            try:
+                self._flush_outbox()
+                if self._gc_settling:
+                    self.gc.settle()  # (its commands are out: a world formed, an epoch aggregated)
+            finally:
+                self.gc.resume(deferred)  # (after a settle's collection: none is due then)
 
     def _flush_outbox(self) -> None:
         while True:

@@ -66,3 +66,31 @@ def test_collections_are_counted_by_generation_while_installed_and_a_settle_is_n
     assert settle._on_gc not in gc.callbacks
     gc.collect(2)
     assert settle.collections == before
+
+
+def test_a_deferred_collector_collects_nothing_until_resumed_then_at_once():
+    # A pass defers the collector so its sends go first (gcsettle's module doc): while
+    # deferred, far more allocations than a young collection's threshold collect nothing;
+    # resumed, the collection that became due runs at the next allocations.
+    s = CollectorSettle()
+    old = gc.get_threshold()
+    gc.enable()
+    gc.set_threshold(100, 10, 10)
+    try:
+        held = s.defer()
+        assert held and not gc.isenabled()
+        dead = weakref.ref(_Cycle())  # cyclic garbage: only a collection frees it
+        junk = [[] for _ in range(5000)]
+        assert dead() is not None
+        s.resume(held)
+        assert gc.isenabled()
+        more = [[] for _ in range(500)]
+        assert dead() is None
+        del junk, more
+        gc.disable()  # already off (nested, or someone else's): defer leaves it so, and resume too
+        assert s.defer() is False
+        s.resume(False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.set_threshold(*old)
