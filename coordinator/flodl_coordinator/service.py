@@ -188,6 +188,7 @@ class CoordinatorService:
             self.agents.restore(record)
         self._peer_key = ""  # the CURVE client key (ZAP User-Id) of the frame being handled
         self.finished: RunFinished | None = None
+        self.exit_code: int | None = None  # what ``run`` returned, once it has (``start_thread``)
         self._pending_seeds: list[int] = []  # joiners waiting for a consensus this process has not seen yet
         self._hello_logs = {  # refused / deferred hellos, rate-limited per kind of reason
             "refused": DropLog(log, first="hello refused (from %s)", more="%d more hellos refused for %r in the last %.0fs (last from %s)"),
@@ -247,6 +248,7 @@ class CoordinatorService:
         """Run the loop in a daemon thread (no signal handlers); return (endpoint, thread).
 
         For embedding and tests: the thread owns the sockets; stop it with ``request_stop``.
+        Once the thread has ended, ``exit_code`` is what ``run`` returned.
         """
         ready = threading.Event()
         box: dict = {}
@@ -256,7 +258,10 @@ class CoordinatorService:
             ready.set()
 
         self._ready = on_ready
-        t = threading.Thread(target=lambda: self.run(install_signals=False), name="flodl-coordinator", daemon=True)
+        def serve() -> None:
+            self.exit_code = self.run(install_signals=False)
+
+        t = threading.Thread(target=serve, name="flodl-coordinator", daemon=True)
         t.start()
         if not ready.wait(ready_timeout_s):
             raise RuntimeError(f"coordinator did not bind within {ready_timeout_s:g}s")

@@ -5,7 +5,6 @@ DEALER sockets and reads what comes back, with poll deadlines instead of sleeps.
 """
 
 
-import threading
 import time
 
 import pytest
@@ -256,15 +255,10 @@ def test_a_second_stop_request_stops_at_once_without_the_ranks_acknowledging():
         "world_size": 2, "bind": "tcp://127.0.0.1:0", "session": SESSION, "epochs": 1,
         "batch_size": 4, "liveness_timeout_s": 60.0,
     }))  # fmt: skip
-    rc: list = []
-    ready: list = []
-    svc._ready = ready.append
-    t = threading.Thread(target=lambda: rc.append(svc.run(install_signals=False)), daemon=True)
-    t.start()
-    assert _until(lambda: ready)
+    ep, t = svc.start_thread()
     ctx = zmq.Context()
     try:
-        peers = [Peer(ctx, ready[0], r, r + 1) for r in (0, 1)]
+        peers = [Peer(ctx, ep, r, r + 1) for r in (0, 1)]
         assert all(p.hello(r).accepted for r, p in enumerate(peers))  # a world; neither acknowledges a Shutdown
         assert _until(lambda: svc.state.run.phase != "FORMING"), svc.state.run.phase
         svc.request_stop()
@@ -272,6 +266,6 @@ def test_a_second_stop_request_stops_at_once_without_the_ranks_acknowledging():
         assert t.is_alive()  # the graceful stop waits for the ranks (their liveness: 60 s)
         svc.request_stop()
         t.join(30)
-        assert not t.is_alive() and rc == [1] and svc.finished is None
+        assert not t.is_alive() and svc.exit_code == 1 and svc.finished is None
     finally:
         ctx.destroy(0)
