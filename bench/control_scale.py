@@ -133,9 +133,12 @@ for d in socks:
 # way pyzmq has; the coordinator's ``_send_parts``). The broadcast carries the trigger's
 # send time (CLOCK_MONOTONIC is system-wide), so each DEALER's arrival minus it is the
 # raw floor of the decision latency, measured as ``decision_latencies`` measures ours.
+# Rounds never overlap: each generator reports a round once all its DEALERs have it
+# ("done"), and the trigger fires the next only once the ROUTER heard every generator
+# ("next"), so a slow generator's backlog is not counted as the next round's latency.
 BCAST = r"""
-import sys, zmq
-n = int(sys.argv[1])
+import struct, sys, zmq
+n, gens = int(sys.argv[1]), int(sys.argv[2])
 ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.setsockopt(zmq.RCVHWM, 0); s.setsockopt(zmq.SNDHWM, 0)
 s.bind("tcp://127.0.0.1:0")
 print("READY", s.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
@@ -146,10 +149,19 @@ more, last = int(zmq.SNDMORE), 0
 send = s.send
 for i in ids:
     send(i, more); send(b"", more); send(b"go", last)
+done, trigger = {}, None
 while True:
     f = s.recv_multipart()
-    if f[-1] == b"stop": break
     body = f[-1]
+    if body == b"stop":
+        break
+    if body[:4] == b"done":  # a generator has round k at every DEALER of its own
+        k = struct.unpack("<I", body[4:8])[0]
+        done[k] = done.get(k, 0) + 1
+        if done[k] == gens and trigger is not None:
+            s.send_multipart([trigger, b"", b"next"])
+        continue
+    trigger = f[0]
     for i in ids:
         send(i, more); send(b"", more); send(body, last)
 """
@@ -176,19 +188,25 @@ if trigger:
 deadline = time.monotonic() + 60 + rounds
 while got < n * rounds and time.monotonic() < deadline:
     ready = poller.poll(1000)
-    polled = time.monotonic()  # as the fake ranks count an arrival (scale_ranks)
+    polled = time.monotonic()  # every ready socket's first message was there by now (scale_ranks)
     for d, _ in ready:
+        arrival = polled
         while True:
             try:
                 body = d.recv_multipart(zmq.NOBLOCK)[-1]
             except zmq.Again:
                 break
+            if body == b"next":  # every generator has the last round: the next may go
+                if fired < rounds:
+                    fire()
+                arrival = time.monotonic()  # (what this socket gets next came after that)
+                continue
             t, k = struct.unpack("<dI", body[-12:])
-            lat.setdefault(k, []).append((polled - t) * 1e6)
+            lat.setdefault(k, []).append((arrival - t) * 1e6)
+            arrival = time.monotonic()  # (a later message on this socket: when it was received)
             got += 1
-    if trigger and fired < rounds and len(lat.get(fired - 1, ())) == n:
-        time.sleep(0.03)  # the last round reached this generator's DEALERs; the others have had time
-        fire()
+            if len(lat[k]) == n:
+                socks[0].send_multipart([b"", b"done" + struct.pack("<I", k)])
 print(json.dumps({"rounds": {str(k): v for k, v in lat.items()}, "got": got}), flush=True)
 for d in socks:
     d.close(0)
@@ -252,7 +270,8 @@ def run_raw_broadcast(n: int, gens: int, rounds: int) -> dict:
     RequestParams-sized frame to N DEALERs in the same generator processes, each
     DEALER's arrival counted from the trigger's send as ours are. No decision, no
     envelope built, no journal: what the transport and the generators' turn cost."""
-    echo, ep = _spawn_ready([sys.executable, "-c", BCAST, str(n)], "READY")
+    procs_n = len([k for k in _split(n, gens) if k])
+    echo, ep = _spawn_ready([sys.executable, "-c", BCAST, str(n), str(procs_n)], "READY")
     frame = _request_params_frame().hex()
     procs = [subprocess.Popen([sys.executable, "-c", BCAST_CLIENTS, ep, str(k), str(rounds), "1" if i == 0 else "0",
                                frame], stdout=subprocess.PIPE, text=True)
@@ -273,6 +292,7 @@ def run_raw_broadcast(n: int, gens: int, rounds: int) -> dict:
     every.sort()
     first.sort()
     return {"ok": len(every) == n * rounds, "rounds": rounds, "arrivals": len(every), "expected": n * rounds,
+            "latency_min_us": every[0] if every else None,
             "latency_p50_us": _pct(every, 0.50), "latency_p99_us": _pct(every, 0.99),
             "first_command_p50_us": _pct(first, 0.50), "first_command_p99_us": _pct(first, 0.99)}  # fmt: skip
 

@@ -19,7 +19,9 @@ neighbours) -- medians of ``--repeats`` replays:
   ``gc.freeze()`` (not timed: the service does it once the step's sends are out), so
   later collections do not walk the world's long-lived state, and it stands for the
   one the step made due. A checkout whose service does not defer: the collections that
-  fell inside the step;
+  fell inside the step. (Deferred, a collection is counted in ``core_s`` but in no
+  step's own time: ``heartbeat_us`` no longer carries the ones that fell in a
+  heartbeat's step, so it reads a little lower beside such a checkout.)
 * ``formation_build_ms`` / ``epoch_dispatch_build_ms``: the bytes of every ``Send``
   those two steps returned, as the shell takes them (``Send.wire``: a broadcast's body
   serialised once, a round's ``Update`` written directly; a checkout without it: the
@@ -130,6 +132,7 @@ def replay_timed(config: Any, events: list) -> dict[str, Any]:
     collections = CollectorSettle(clock)  # times every collection, settles as the service does
     collections.install()
     defer = getattr(collections, "defer", None)  # (a service that does not defer: collections fall in the step)
+    deferred = False
     try:
         for ev in events:
             gc0 = collections.collect_s
@@ -162,11 +165,14 @@ def replay_timed(config: Any, events: list) -> dict[str, Any]:
             if deferred:
                 c0 = collections.collect_s
                 collections.resume(deferred)
+                deferred = False
                 _Allocation()  # (a collection the step made due runs here, as after a pass)
                 total += collections.collect_s - c0  # (collecting the core's garbage is its cost, wherever it runs)
             if big is not None:
                 in_gc[big] = collections.collect_s - gc0
     finally:
+        if deferred:  # (a budget's alarm inside a step: the collector back on for what follows)
+            collections.resume(deferred)
         collections.uninstall()
         gc.unfreeze()
 

@@ -1089,8 +1089,9 @@ class CoordinatorService:
             yield
             return
         self._outbox = []
-        deferred = self._gc_settling and self.gc.defer()  # (the collector waits for the sends: gcsettle)
+        deferred = False
         try:
+            deferred = self._gc_settling and self.gc.defer()  # (the collector waits for the sends: gcsettle)
             yield
         finally:
             try:

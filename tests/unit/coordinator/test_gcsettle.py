@@ -94,3 +94,33 @@ def test_a_deferred_collector_collects_nothing_until_resumed_then_at_once():
     finally:
         gc.enable()
         gc.set_threshold(*old)
+
+
+def test_a_service_pass_defers_the_collector_and_gives_it_back_even_when_it_raises():
+    # The main-thread service (``_gc_settling``) holds the collector through a pass; a
+    # nested pass leaves that to the outer one; a pass that raises still gives it back;
+    # a service in another thread (an embedding's, the tests') leaves it alone.
+    from flodl_coordinator.service import CoordinatorService
+    from flodl_coordinator.settings import load_settings
+
+    svc = CoordinatorService(load_settings(env={}, flags={
+        "world_size": 2, "bind": "tcp://127.0.0.1:0", "session": "gc", "epochs": 1, "batch_size": 4,
+    }), ready=lambda ep: None)  # fmt: skip
+    gc.enable()
+    try:
+        svc._gc_settling = True  # (what run() sets on the main thread)
+        with pytest.raises(RuntimeError, match="mid-pass"):
+            with svc._pass():
+                assert not gc.isenabled()
+                with svc._pass():
+                    assert not gc.isenabled()
+                assert not gc.isenabled()
+                raise RuntimeError("mid-pass")
+        assert gc.isenabled() and svc._outbox is None
+        svc._gc_settling = False
+        with svc._pass():
+            assert gc.isenabled()
+    finally:
+        gc.enable()
+        svc._wake_r.close()
+        svc._wake_w.close()
