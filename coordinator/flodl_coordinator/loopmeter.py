@@ -5,8 +5,9 @@ operator should see that without a profiler. ``LoopMeter`` counts, per frame, th
 from the frame being read off the socket to the core having stepped what it carried and
 the shell having queued its commands (a pass's commands then leave together, after its
 journal fsync), the same for the frames that opened an averaging round (a round's
-trigger: the decision and its fan-out of N ``RequestParams``, without a journal all of
-it), and the loop's busy time (the drains with their sends, ticks, status
+trigger: such a frame sends what its pass decided so far at once, so its time is the
+decision, the journal's fsync if there is one, and its N ``RequestParams`` handed to the
+socket), and the loop's busy time (the drains with their sends, ticks, status
 publishes) against its wall time. Fixed buckets: a frame costs one ``bisect`` and a few
 additions, at tens of thousands of frames a second.
 

@@ -539,7 +539,9 @@ class CoordinatorService:
                     self._on_frames(payload if not curve else frames)
                 else:
                     on_routed(route, payload)
-                dt = clock() - t0  # (its commands go out at the pass's end, with the others')
+                if self._opened_round:  # a round's RequestParams leave now, not behind the pass's other frames
+                    self._send_decided()
+                dt = clock() - t0  # (other frames' commands go out at the pass's end, together)
                 if dt > meter.frame_max_s:  # the operator's first question about a slow frame: what was it
                     meter.slowest = self._last_event
                 meter.frame(dt, opened_round=self._opened_round)
@@ -1100,6 +1102,15 @@ class CoordinatorService:
                     self.gc.settle()  # (its commands are out: a world formed, an epoch aggregated)
             finally:
                 self.gc.resume(deferred)  # (after a settle's collection: none is due then)
+
+    def _send_decided(self) -> None:
+        """Mid-pass: what the pass decided so far goes out now (the journal that decided
+        it synced first, as at a pass's end), and the pass goes on holding what follows.
+        For a round's trigger: its N ``RequestParams`` would otherwise wait for every
+        frame after it in the pass (up to ``DRAIN_BATCH``, a median of 6 ms at 256 ranks
+        paced), and the ranks sit idle for them."""
+        self._flush_outbox()
+        self._outbox = []
 
     def _flush_outbox(self) -> None:
         while True:
