@@ -1086,7 +1086,8 @@ class CoordinatorService:
 
     @contextmanager
     def _pass(self):
-        """Hold every frame produced inside until its end; then one fsync, then send."""
+        """Hold every frame produced inside until its end; then one fsync, then send (a
+        round's trigger sends what is held so far at once: ``_send_decided``)."""
         if self._outbox is not None:  # nested: the outer pass flushes
             yield
             return
