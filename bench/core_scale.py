@@ -109,6 +109,52 @@ class _Allocation:
     list or a tuple may come off a free list, which does not)."""
 
 
+class ServiceCollector:
+    """The cyclic collector around each step, as the service's pass treats it
+    (``gcsettle.CollectorSettle``): deferred while the step runs (``before``); after it
+    (``after``, once its commands are dropped) the settle the step's notices call for
+    (a collection and a ``gc.freeze()`` after the world forms and after each epoch),
+    then the collection the step made due, if any. A checkout whose service does not
+    defer: collections fall inside the step. ``collect_s``: every collection's CPU."""
+
+    def __init__(self, clock: Any) -> None:
+        self._settle = CollectorSettle(clock)
+        self._defer = getattr(self._settle, "defer", None)
+        self._deferred = False
+
+    @property
+    def collect_s(self) -> float:
+        return self._settle.collect_s
+
+    def install(self) -> None:
+        gc.collect()
+        self._settle.install()
+
+    def uninstall(self) -> None:
+        if self._deferred:  # (a budget's alarm inside a step: the collector back on for what follows)
+            self._settle.resume(self._deferred)
+            self._deferred = False
+        self._settle.uninstall()
+        gc.unfreeze()
+
+    def before(self) -> None:
+        self._deferred = self._defer() if self._defer is not None else False
+
+    def after(self, kinds: Any) -> float:
+        """The step's notice ``kinds`` seen; returns the CPU of the collection that ran
+        once the collector was back (collecting the core's garbage is its cost)."""
+        for kind in kinds:
+            self._settle.notice(kind)
+        self._settle.settle()  # (the service's order at a pass's end: sends, settle, resume)
+        if not self._deferred:
+            return 0.0
+        c0 = self._settle.collect_s
+        self._settle.resume(self._deferred)
+        self._deferred = False
+        _Allocation()  # (a collection the step made due runs here, as after a pass)
+        return self._settle.collect_s - c0
+
+
 def replay_timed(config: Any, events: list) -> dict[str, Any]:
     """Step every event of the journal once, timing each step.
 
@@ -128,15 +174,12 @@ def replay_timed(config: Any, events: list) -> dict[str, Any]:
     builds: dict[str, float] = {}
     in_gc: dict[str, float] = {}
     clock = time.thread_time  # CPU time: the machine may be shared, the core's work is what counts
-    gc.collect()
-    collections = CollectorSettle(clock)  # times every collection, settles as the service does
+    collections = ServiceCollector(clock)  # times every collection, settles as the service does
     collections.install()
-    defer = getattr(collections, "defer", None)  # (a service that does not defer: collections fall in the step)
-    deferred = False
     try:
         for ev in events:
             gc0 = collections.collect_s
-            deferred = defer() if defer is not None else False
+            collections.before()
             t0 = clock()
             st, cmds = step(st, ev)
             dt = clock() - t0
@@ -158,23 +201,12 @@ def replay_timed(config: Any, events: list) -> dict[str, Any]:
                         formation = dt - in_step
                     else:
                         boundary = dt - in_step
-            for kind in kinds:
-                collections.notice(kind)
             del cmds
-            collections.settle()  # (the service's order at a pass's end: sends, settle, resume)
-            if deferred:
-                c0 = collections.collect_s
-                collections.resume(deferred)
-                deferred = False
-                _Allocation()  # (a collection the step made due runs here, as after a pass)
-                total += collections.collect_s - c0  # (collecting the core's garbage is its cost, wherever it runs)
+            total += collections.after(kinds)  # (collecting the core's garbage is its cost, wherever it runs)
             if big is not None:
                 in_gc[big] = collections.collect_s - gc0
     finally:
-        if deferred:  # (a budget's alarm inside a step: the collector back on for what follows)
-            collections.resume(deferred)
         collections.uninstall()
-        gc.unfreeze()
 
     def ms(x: Optional[float]) -> Optional[float]:
         return x * 1e3 if x is not None else None

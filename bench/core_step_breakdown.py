@@ -9,7 +9,10 @@ then wraps every function and method of ``flodl.core`` in a CPU timer and takes 
 step. Per function it reports calls and inclusive ms; a function called inside another
 counts in both.
 
-* ``step_ms`` is the step's own CPU time, from a replay without the wrappers.
+* ``step_ms`` is the step's own CPU time, from a replay without the wrappers. The
+  replay treats the collector as ``core_scale``'s does (``ServiceCollector``: as the
+  service's pass), so it reads as that bench's ``--peer`` figures, which replay in fresh
+  processes too.
 * ``wrapped_step_ms`` is the same step with the wrappers. Each wrapper costs about 0.5 us
   a call, so a function called once per rank reads high by that much a rank.
 * ``same_commands``: both replays returned the same commands, so the wrappers changed
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
 import os
 import pickle
@@ -39,6 +41,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from core_scale import ServiceCollector, workload
 from flodl.core import Notice, initial_state, step
 
 STEPS = ("formation", "boundary")
@@ -109,17 +112,22 @@ def replay_to(journal: str, index: int, wrap: bool) -> dict[str, Any]:
     if wrap:
         install_timers(acc)
     st = initial_state(config)
-    for ev in events[:index]:
-        st, _ = step(st, ev)
-    # The collector waits while the step runs, as in the service's pass; no collection
-    # just before it either: a full one walks the whole state, and would leave it in
-    # the cache for the step, which the service's does not find there.
-    gc.disable()
-    acc.clear()
-    t0 = time.thread_time()
-    st, cmds = step(st, events[index])
-    dt = time.thread_time() - t0
-    gc.enable()
+    collections = ServiceCollector(time.thread_time)  # as core_scale's replay: the same heap, the same step time
+    collections.install()
+    try:
+        for ev in events[:index]:
+            collections.before()
+            st, cmds = step(st, ev)
+            kinds = {c.kind for c in cmds if isinstance(c, Notice)}
+            del cmds
+            collections.after(kinds)
+        acc.clear()
+        collections.before()
+        t0 = time.thread_time()
+        st, cmds = step(st, events[index])
+        dt = time.thread_time() - t0
+    finally:
+        collections.uninstall()
     return {
         "step_ms": dt * 1e3,
         "commands": [type(c).__name__ + ":" + str(getattr(c, "rank", getattr(c, "kind", ""))) for c in cmds],
@@ -169,8 +177,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.n, args.repeats = 64, 1
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from core_scale import workload
     from flodl.sim import simulate
 
     res = simulate(workload(args.n, args.policy, batches=8, base_ms=50.0, batch_size=32))
