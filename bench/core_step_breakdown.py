@@ -13,6 +13,9 @@ counts in both.
   replay treats the collector as ``core_scale``'s does (``ServiceCollector``: as the
   service's pass), so it reads as that bench's ``--peer`` figures, which replay in fresh
   processes too.
+* ``phases_ms``: what the step is made of, timed in that plain replay: forming the world,
+  dispatching an epoch, closing a round, opening the next, aggregating an epoch
+  (``PHASES``, those it ran: a timer on a call made once a step costs nothing that shows).
 * ``wrapped_step_ms`` is the same step with the wrappers. Each wrapper costs about 0.5 us
   a call, so a function called once per rank reads high by that much a rank.
 * ``same_commands``: both replays returned the same commands, so the wrappers changed
@@ -39,12 +42,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from core_scale import ServiceCollector, workload
 from flodl.core import Notice, initial_state, step
 
 STEPS = ("formation", "boundary")
+# What the two steps are made of, timed in the plain replay too (once a step each: their
+# timers cost nothing that shows): forming the world, dispatching an epoch, closing a
+# round, opening the next, aggregating an epoch. (module, function name): any class.
+PHASES = {("_membership", "form_all"), ("_dispatcher", "dispatch_epoch"), ("_dispatch", "dispatch_epoch"),
+          ("_averaging", "finish"), ("_averaging", "trigger"), ("_metrics", "aggregate_next")}  # fmt: skip
 
 
 def find_steps(config: Any, events: list) -> dict[str, int]:
@@ -67,10 +75,14 @@ def _core_modules() -> list[Any]:
     return [m for name, m in list(sys.modules.items()) if name.startswith("flodl.core") and m is not None]
 
 
-def install_timers(acc: dict[str, list]) -> None:
+def install_timers(acc: dict[str, list], only: Optional[set[tuple[str, str]]] = None) -> None:
     """Replace every plain function of ``flodl.core`` (in each module that names it) and
-    every method of its classes by a wrapper adding its calls and CPU seconds to ``acc``."""
+    every method of its classes by a wrapper adding its calls and CPU seconds to ``acc``;
+    ``only``: just those, as (module, function name)."""
     clock = time.thread_time
+
+    def wanted(fn: Callable) -> bool:
+        return only is None or (fn.__module__.rsplit(".", 1)[-1], fn.__name__) in only
 
     def timer(label: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -91,7 +103,8 @@ def install_timers(acc: dict[str, list]) -> None:
     wrapped: dict[int, Callable] = {}  # id(function) -> its wrapper, one per function
     for m in modules:
         for name, obj in list(vars(m).items()):
-            if type(obj) is type(install_timers) and getattr(obj, "__module__", "").startswith("flodl.core"):
+            if type(obj) is type(install_timers) and getattr(obj, "__module__", "").startswith("flodl.core") \
+                    and wanted(obj):  # fmt: skip
                 if id(obj) not in wrapped:
                     wrapped[id(obj)] = timer(f"{obj.__module__.rsplit('.', 1)[-1]}.{obj.__qualname__}", obj)
                 setattr(m, name, wrapped[id(obj)])
@@ -99,7 +112,7 @@ def install_timers(acc: dict[str, list]) -> None:
                if isinstance(c, type) and c.__module__ == m.__name__}  # fmt: skip
     for c in classes.values():
         for name, obj in list(vars(c).items()):
-            if type(obj) is type(install_timers) and not name.startswith("__"):
+            if type(obj) is type(install_timers) and not name.startswith("__") and wanted(obj):
                 setattr(c, name, timer(f"{c.__module__.rsplit('.', 1)[-1]}.{obj.__qualname__}", obj))
 
 
@@ -109,8 +122,7 @@ def replay_to(journal: str, index: int, wrap: bool) -> dict[str, Any]:
     with open(journal, "rb") as fh:
         config, events = pickle.load(fh)
     acc: dict[str, list] = {}
-    if wrap:
-        install_timers(acc)
+    install_timers(acc, None if wrap else PHASES)
     st = initial_state(config)
     collections = ServiceCollector(time.thread_time)  # as core_scale's replay: the same heap, the same step time
     collections.install()
@@ -152,9 +164,12 @@ def breakdown(journal: str, index: int, repeats: int, top: int) -> dict[str, Any
         ms = statistics.median(t["functions"].get(name, [0, 0.0])[1] for t in timed)
         rows.append({"function": name, "calls": timed[0]["functions"].get(name, [0])[0], "ms": round(ms, 3)})
     rows.sort(key=lambda r: -r["ms"])
+    phases = set().union(*(p["functions"] for p in plain))
     return {
         "index": index,
         "step_ms": round(statistics.median(p["step_ms"] for p in plain), 3),
+        "phases_ms": {name: round(statistics.median(p["functions"].get(name, [0, 0.0])[1] for p in plain), 3)
+                      for name in sorted(phases)},  # fmt: skip
         "wrapped_step_ms": round(statistics.median(t["step_ms"] for t in timed), 3),
         "same_commands": all(t["commands"] == plain[0]["commands"] for t in [*plain, *timed]),
         "commands": len(plain[0]["commands"]),

@@ -24,11 +24,14 @@ def test_quick_breakdown_takes_both_big_steps_apart():
     out = json.loads(done.stdout)
     assert out["ok"] is True and out["n"] == 64
     formation, boundary = out["formation"], out["boundary"]
+    assert {"_membership.form_all", "_dispatcher.CadenceDispatcher.dispatch_epoch"} <= set(formation["phases_ms"])
+    assert "_averaging.finish" in boundary["phases_ms"]
     assert 0 < formation["index"] < boundary["index"] < out["events"]
     for part, must in ((formation, "_membership.form_all"), (boundary, "_averaging.finish")):
         assert part["same_commands"] and part["commands"] >= 64, part["commands"]
         names = {row["function"]: row for row in part["functions"]}
         assert must in names and names[must]["calls"] == 1, sorted(names)[:20]
+        assert all(0 < ms <= part["step_ms"] for ms in part["phases_ms"].values()), part  # (each inside the step)
         # inclusive times: none above the whole (timed) step, listed costliest first
         assert all(0 <= row["ms"] <= part["wrapped_step_ms"] for row in part["functions"])
         assert [row["ms"] for row in part["functions"]] == sorted((row["ms"] for row in part["functions"]), reverse=True)
