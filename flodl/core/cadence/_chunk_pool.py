@@ -119,7 +119,9 @@ class ChunkPool:
         self.dispatched = [0] * ws
         self.completed = [0] * ws
         self.chunks_sent = [0] * ws
-        self._outstanding: list[deque[list[int]]] = [deque() for _ in repeat(None, ws)]
+        # (Lists, not deques: a rank has few chunks out at once -- its plan and the
+        # extensions behind it -- and 4,096 deques were 3 MB and most of a pool's making.)
+        self._outstanding: list[list[list[int]]] = [[] for _ in repeat(None, ws)]
         self._reclaimed: deque[Range] = deque()
         # ``remaining()`` is asked per rank on every chunk: its two sums are kept as the
         # cursors, span ends and reclaimed ranges move (``check_sums`` recomputes them).
@@ -314,10 +316,10 @@ class ChunkPool:
         ``reclaimed``; returns the number of samples returned. Idempotent."""
         q = self._outstanding[rank]
         moved = 0
-        while q:
-            off, n = q.popleft()
+        for off, n in q:
             self._reclaim((off, n))
             moved += n
+        q.clear()
         self.dispatched[rank] = max(0, self.dispatched[rank] - moved)
         return moved
 
@@ -365,7 +367,7 @@ class ChunkPool:
             front = q[0]
             if front[1] <= left:
                 left -= front[1]
-                q.popleft()
+                del q[0]
             else:
                 front[0] += left
                 front[1] -= left
