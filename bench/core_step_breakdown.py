@@ -9,7 +9,8 @@ then wraps every function and method of ``flodl.core`` in a CPU timer and takes 
 step. Per function it reports calls and inclusive ms; a function called inside another
 counts in both.
 
-* ``step_ms`` is the step's own CPU time, from a replay without the wrappers. The
+* ``step_ms`` is the step's own CPU time, from a replay without the wrappers (but for
+  the few ``phases_ms`` times: a call each, once a step). The
   replay treats the collector as ``core_scale``'s does (``ServiceCollector``: as the
   service's pass), so it reads as that bench's ``--peer`` figures, which replay in fresh
   processes too.
