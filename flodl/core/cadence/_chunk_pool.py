@@ -101,7 +101,7 @@ class ChunkPool:
         """A pool whose only work is ``holes`` (served once each, in order): every cursor
         is parked at its span end and the holes wait in ``reclaimed``."""
         pool = cls(epoch, total, world_size)
-        pool._cursor = [end for _, end in pool._spans]
+        pool._cursor = list(pool._span_end)
         pool._unassigned = 0
         for o, s in holes:
             if s > 0:
@@ -113,7 +113,9 @@ class ChunkPool:
         self.total = total
         ends = list(accumulate(sizes))  # (a world of thousands: no Python loop per rank)
         starts = [0, *ends[:-1]]
-        self._spans: list[list[int]] = list(map(list, zip(starts, ends)))
+        # Each span's end, which a steal moves down (a span's start is never read again:
+        # the cursor walks from it). One flat list, not a [start, end] list per rank.
+        self._span_end: list[int] = ends
         ws = len(sizes)
         self._cursor = starts
         self.dispatched = [0] * ws
@@ -177,12 +179,12 @@ class ChunkPool:
 
     @property
     def world_size(self) -> int:
-        return len(self._spans)
+        return len(self._span_end)
 
     # --- views --------------------------------------------------------------------
 
     def residue(self, rank: int) -> int:
-        return max(0, self._spans[rank][1] - self._cursor[rank])
+        return max(0, self._span_end[rank] - self._cursor[rank])
 
     def reservation(self, rank: int) -> Range:
         """``(next_offset, len)`` of the unassigned front of the rank's own span."""
@@ -255,10 +257,10 @@ class ChunkPool:
         if donor is None:
             return None
         n = min(size, self.residue(donor))
-        self._spans[donor][1] -= n
+        self._span_end[donor] -= n
         self._unassigned -= n
         self._residue_moved(donor)
-        return self._record(rank, self._spans[donor][1], n)
+        return self._record(rank, self._span_end[donor], n)
 
     def take_own_run(self, wants: list[tuple[int, int]], start: int, got: list[tuple[int, int, int]]) -> int:
         """``take_chunk(rank, size)`` for ``wants[start:]`` in order, each appended to
@@ -269,13 +271,13 @@ class ChunkPool:
         caller takes with ``take_chunk``, so the order -- and every result -- is the same."""
         if self._reclaimed:
             return start
-        cursor, spans, dispatched, sent, outstanding = (self._cursor, self._spans, self.dispatched,
-                                                        self.chunks_sent, self._outstanding)  # fmt: skip
+        cursor, span_end, dispatched, sent, outstanding = (self._cursor, self._span_end, self.dispatched,
+                                                           self.chunks_sent, self._outstanding)  # fmt: skip
         donors, taken, i = self._donors, 0, start
         for i in range(start, len(wants)):
             rank, size = wants[i]
             off = cursor[rank]
-            if size <= 0 or spans[rank][1] - off < size:
+            if size <= 0 or span_end[rank] - off < size:
                 self._unassigned -= taken
                 return i
             cursor[rank] = off + size
@@ -284,8 +286,8 @@ class ChunkPool:
             sent[rank] += 1
             outstanding[rank].append([off, size])
             got.append((rank, off, size))
-            if donors is not None and spans[rank][1] > off + size:
-                heapq.heappush(donors, (off + size - spans[rank][1], -rank))
+            if donors is not None and span_end[rank] > off + size:
+                heapq.heappush(donors, (off + size - span_end[rank], -rank))
         self._unassigned -= taken
         return len(wants)
 
