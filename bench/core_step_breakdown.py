@@ -1,5 +1,4 @@
-"""Where a big step's core time goes: the world's formation and the first epoch boundary,
-function by function.
+"""Where a big step's core time goes: the formation and the first epoch boundary, by function.
 
 ``core_scale.py`` times the step that forms the world (it dispatches epoch 0 too) and the
 one that aggregates epoch 0 (and dispatches epoch 1) as wholes. This bench simulates the
