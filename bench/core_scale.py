@@ -155,6 +155,15 @@ class ServiceCollector:
         return self._settle.collect_s - c0
 
 
+def big_step(kinds: Any, formed: bool) -> Optional[str]:
+    """Which of the two big steps a step with these notice ``kinds`` is, ``formed``: the
+    world's formation was seen already -- the step that forms the world, then the first
+    later one with an ``epoch`` notice (it aggregates epoch 0); None otherwise."""
+    if not formed:
+        return "formation" if "world_formed" in kinds else None
+    return "boundary" if "epoch" in kinds else None
+
+
 def replay_timed(config: Any, events: list) -> dict[str, Any]:
     """Step every event of the journal once, timing each step.
 
@@ -188,19 +197,14 @@ def replay_timed(config: Any, events: list) -> dict[str, Any]:
                 heartbeat += dt
                 beats += 1
             kinds = {c.kind for c in cmds if isinstance(c, Notice)} if cmds else ()
-            big = None
-            if boundary is None:
-                if formation is None and "world_formed" in kinds:
-                    big = "formation"
-                elif "epoch" in kinds:
-                    big = "boundary"
-                if big is not None:
-                    builds[big] = _build_s(cmds, clock)
-                    in_step = collections.collect_s - gc0
-                    if big == "formation":
-                        formation = dt - in_step
-                    else:
-                        boundary = dt - in_step
+            big = big_step(kinds, formation is not None) if boundary is None else None
+            if big is not None:
+                builds[big] = _build_s(cmds, clock)
+                in_step = collections.collect_s - gc0
+                if big == "formation":
+                    formation = dt - in_step
+                else:
+                    boundary = dt - in_step
             del cmds
             total += collections.after(kinds)  # (collecting the core's garbage is its cost, wherever it runs)
             if big is not None:

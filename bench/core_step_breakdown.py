@@ -42,9 +42,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import FunctionType
 from typing import Any, Callable, Optional
 
-from core_scale import ServiceCollector, workload
+from core_scale import ServiceCollector, big_step, workload
 from flodl.core import Notice, initial_state, step
 
 STEPS = ("formation", "boundary")
@@ -56,18 +57,16 @@ PHASES = {("_membership", "form_all"), ("_dispatcher", "dispatch_epoch"), ("_dis
 
 
 def find_steps(config: Any, events: list) -> dict[str, int]:
-    """The journal index of each big step, found as ``core_scale.replay_timed`` finds them:
-    the first step that forms the world, then the first later one with an ``epoch`` notice."""
+    """The journal index of each big step, as ``core_scale`` tells them (``big_step``)."""
     st = initial_state(config)
     found: dict[str, int] = {}
     for i, ev in enumerate(events):
         st, cmds = step(st, ev)
-        kinds = {c.kind for c in cmds if isinstance(c, Notice)}
-        if "formation" not in found and "world_formed" in kinds:
-            found["formation"] = i
-        elif "formation" in found and "epoch" in kinds:
-            found["boundary"] = i
-            return found
+        big = big_step({c.kind for c in cmds if isinstance(c, Notice)}, "formation" in found)
+        if big is not None:
+            found[big] = i
+            if big == "boundary":
+                break
     return found
 
 
@@ -81,8 +80,11 @@ def install_timers(acc: dict[str, list], only: Optional[set[tuple[str, str]]] = 
     ``only``: just those, as (module, function name)."""
     clock = time.thread_time
 
+    def module(fn: Callable) -> str:
+        return fn.__module__.rsplit(".", 1)[-1]
+
     def wanted(fn: Callable) -> bool:
-        return only is None or (fn.__module__.rsplit(".", 1)[-1], fn.__name__) in only
+        return only is None or (module(fn), fn.__name__) in only
 
     def timer(label: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -103,17 +105,16 @@ def install_timers(acc: dict[str, list], only: Optional[set[tuple[str, str]]] = 
     wrapped: dict[int, Callable] = {}  # id(function) -> its wrapper, one per function
     for m in modules:
         for name, obj in list(vars(m).items()):
-            if type(obj) is type(install_timers) and getattr(obj, "__module__", "").startswith("flodl.core") \
-                    and wanted(obj):  # fmt: skip
+            if type(obj) is FunctionType and obj.__module__.startswith("flodl.core") and wanted(obj):
                 if id(obj) not in wrapped:
-                    wrapped[id(obj)] = timer(f"{obj.__module__.rsplit('.', 1)[-1]}.{obj.__qualname__}", obj)
+                    wrapped[id(obj)] = timer(f"{module(obj)}.{obj.__qualname__}", obj)
                 setattr(m, name, wrapped[id(obj)])
     classes = {id(c): c for m in modules for c in vars(m).values()
                if isinstance(c, type) and c.__module__ == m.__name__}  # fmt: skip
     for c in classes.values():
         for name, obj in list(vars(c).items()):
-            if type(obj) is type(install_timers) and not name.startswith("__") and wanted(obj):
-                setattr(c, name, timer(f"{c.__module__.rsplit('.', 1)[-1]}.{obj.__qualname__}", obj))
+            if type(obj) is FunctionType and not name.startswith("__") and wanted(obj):
+                setattr(c, name, timer(f"{module(obj)}.{obj.__qualname__}", obj))
 
 
 def replay_to(journal: str, index: int, wrap: bool) -> dict[str, Any]:
