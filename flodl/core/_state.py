@@ -153,6 +153,16 @@ class RankRecord:
             _set(self, "train_ms", self.train_ms + spent_ms)
         _set(self, "wait_ms", self.wait_ms + wait_ms)
 
+    def advance_step(self, step: int) -> None:
+        """``last_step = step`` for a newer batch. A rank already among the index's movers
+        (ACTIVE, steps no round folded) stays one at a higher step: the index has nothing to
+        learn, so the write goes past ``__setattr__``'s hook (per batch, on the hot path)."""
+        index = self.index
+        if index is not None and step > self.last_step and self.rank in index.movers:
+            object.__setattr__(self, "last_step", step)
+        else:
+            self.last_step = step
+
     def mean_batch_ms(self) -> float:
         """The rank's ms per batch over the batches it reported (0.0: none yet)."""
         return self.train_ms / self.batches if self.batches else 0.0

@@ -441,7 +441,7 @@ def _ingest_batch(st: CoordinatorState, ev: BatchDone, out: list[Command], *, ad
     later batches of the rank's frame follow (``Dispatcher.on_batch``)."""
     rec = st.ranks[ev.rank]
     if advance_last_step:
-        rec.last_step = ev.step_count
+        rec.advance_step(ev.step_count)
     # (wait_ms is sane by then: the wire's translation zeroes a hostile one)
     rec.count_batch(ev.samples, ev.batch_ms + ev.data_ms, ev.wait_ms)
     _dispatch.record_batch(st, ev)

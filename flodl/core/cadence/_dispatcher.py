@@ -1027,8 +1027,7 @@ class CadenceDispatcher:
         cad, r = st.cadence, ev.rank
         # A plan wait is a window's fixed cost, except in the run's last window (a final
         # plan is pinned): the tail's waits end the run, no longer window amortises them.
-        cad.ledger.record_batch(r, ev.batch_ms, ev.data_ms, ev.wait_ms if cad.final_plan is None else 0.0)
-        cad.ledger.record_batch_loss(r, ev.loss)
+        cad.ledger.record_batch(r, ev.batch_ms, ev.data_ms, ev.wait_ms if cad.final_plan is None else 0.0, ev.loss)
         if ev.lr > 0.0:
             cad.last_lr[r] = ev.lr
         if ev.wait_ms > 0.0:  # (the wire's translation zeroed a hostile one)

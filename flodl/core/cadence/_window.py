@@ -41,10 +41,11 @@ the ``Update``, CPU before the next chunk is folded, because chunk sizing reads 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Iterable, Optional, Sequence
+
+_INF = float("inf")
 
 __all__ = [
     "WindowLedger",
@@ -163,28 +164,27 @@ class WindowLedger:
 
     # --- write path ---------------------------------------------------------------
 
-    def record_batch(self, rank: int, batch_ms: float, data_ms: float, wait_ms: float = 0.0) -> None:
+    def record_batch(self, rank: int, batch_ms: float, data_ms: float, wait_ms: float = 0.0,
+                     loss: Optional[float] = None) -> None:
         """One batch done: bump steps and compute wall; route ``batch_ms + data_ms`` to the
         fill slot (first batch of the window) or the marginal accumulators (2..n); add the
-        plan wait before it (a non-finite or negative one, from a hostile frame, counts 0)."""
+        plan wait before it (a non-finite or negative one, from a hostile frame, counts 0);
+        ``loss`` into the monitoring feed unless non-finite (a diverged batch). One call
+        a batch, not two: this is the hot path (every batch a rank trains)."""
         if not 0 <= rank < self.world_size:
             return
-        if wait_ms > 0.0 and math.isfinite(wait_ms):
+        if wait_ms > 0.0 and wait_ms < _INF:  # (a NaN compares false)
             self.wait_ms[rank] += wait_ms
-        self.steps[rank] += 1
+        steps = self.steps[rank] = self.steps[rank] + 1
         self.wall_ms[rank] += batch_ms
-        if self.steps[rank] > 1:
+        if steps > 1:
             self.delivered_ms[rank] += batch_ms + data_ms
             self.delivered_batches[rank] += 1
         else:
             self.first_batch_ms[rank] = batch_ms + data_ms
-
-    def record_batch_loss(self, rank: int, loss: float) -> None:
-        """Monitoring feed; a non-finite loss (a diverged batch) is ignored."""
-        if not 0 <= rank < self.world_size or not math.isfinite(loss):
-            return
-        self.loss_sum[rank] += loss
-        self.loss_count[rank] += 1
+        if loss is not None and -_INF < loss < _INF:
+            self.loss_sum[rank] += loss
+            self.loss_count[rank] += 1
 
     def reset_timing(self) -> None:
         """Zero wall, delivered, first-batch and loss accumulators. Steps are kept."""

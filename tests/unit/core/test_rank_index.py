@@ -63,6 +63,21 @@ def test_drift_names_a_servable_rank_missing_from_wakeable():
     assert any(f"rank {r} could be served" in d for d in view_drift(st))  # ... but nobody told the views
 
 
+def test_a_batchs_step_tells_the_index_only_when_it_makes_a_mover():
+    c = Cluster(policy="cadence", world_size=3)
+    c.join_all()
+    st = c.state
+    rec = st.ranks[1]
+    rec.folded_step = rec.last_step  # nothing unfolded: not a mover
+    assert 1 not in st.index.movers
+    rec.advance_step(rec.last_step + 1)  # told: it becomes one
+    assert 1 in st.index.movers and view_drift(st) == []
+    rec.advance_step(rec.last_step + 5)  # already one: past the hook, and the views still agree
+    assert 1 in st.index.movers and view_drift(st) == []
+    rec.folded_step = rec.last_step  # a round folds it: no longer a mover
+    assert 1 not in st.index.movers and view_drift(st) == []
+
+
 def test_index_seen_floor_only_bounds_from_below_and_ticks_skip_the_walk():
     c = Cluster(policy="sync", world_size=4, liveness_timeout_s=10.0)
     c.join_all()

@@ -126,13 +126,13 @@ def test_report_window_feed_selection_drives_smoothing():
 
 def test_per_batch_wall_and_resets_are_split():
     led = WindowLedger(2)
-    led.record_batch(0, 10.0, 5.0)
-    led.record_batch(0, 10.0, 5.0)
-    led.record_batch(1, 4.0, 1.0)
-    led.record_batch_loss(0, 0.4)
-    led.record_batch_loss(0, math.nan)
+    led.record_batch(0, 10.0, 5.0, loss=0.4)
+    led.record_batch(0, 10.0, 5.0, loss=math.nan)  # a diverged batch: counted as trained, not in the loss
+    led.record_batch(1, 4.0, 1.0)  # no loss given: none fed
+    assert led.loss_sum == [0.4, 0.0] and led.loss_count == [1, 0]
     led.reset_timing()
     assert led.wall_ms == [0.0, 0.0] and not led.has_delivered_sample(0)
+    assert led.loss_sum == [0.0, 0.0] and led.loss_count == [0, 0]
     assert led.steps == [2, 1]
     led.reset_steps()
     assert led.steps == [0, 0]
