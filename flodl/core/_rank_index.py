@@ -26,7 +26,8 @@ Who keeps it: the records themselves. Assigning a ``RankRecord``'s ``phase``,
 ``last_step``, ``folded_step`` or ``last_seen`` tells its index (``RankRecord.__setattr__``),
 so every writer -- membership's transitions, the step's batch ledger, the averaging acks,
 the resync report, a test, a mid-run join (issue 12) -- keeps it exact without having to
-call anything; the round's participants come from ``_averaging`` (``open_round`` /
+call anything (``RankRecord.advance_step`` skips the hook only where it would change
+nothing: a mover's higher step); the round's participants come from ``_averaging`` (``open_round`` /
 ``acked`` / ``close_round``). Nothing else writes it. It is derived data: the state's
 equality ignores it, and ``drift`` recomputes every view from the records and names the
 ones that differ (the property tests run it after every step).
