@@ -29,6 +29,7 @@ The summary per epoch is ``{"epoch", "expected", "trained", "duplicates", "missi
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any
 
 from ._state import CoverageState, EpochCoverage
@@ -55,8 +56,7 @@ def open_epoch(cov: CoverageState, epoch: int, expected: int) -> None:
 
 def _mark(ec: EpochCoverage, offset: int, samples: int) -> int:
     """Commit ``[offset, offset+samples)``; returns how many were already committed."""
-    view = ec.committed[offset : offset + samples]
-    dup = view.count(1)
+    dup = ec.committed.count(1, offset, offset + samples)  # (counted in place: no slice copied)
     ec.committed[offset : offset + samples] = b"\x01" * samples
     ec.unique += samples - dup
     ec.trained += samples
@@ -91,19 +91,35 @@ def commit(cov: CoverageState, rank: int, step: int) -> int:
     pending = cov.pending.get(rank)
     if not pending:
         return 0
+    done = [item for item in pending if item[3] <= step]
+    if not done:
+        return 0
+    cov.pending[rank] = [item for item in pending if item[3] > step] if len(done) < len(pending) else []
+    return _mark_runs(cov, done)
+
+
+def _mark_runs(cov: CoverageState, items: list[tuple[int, int, int, int]]) -> int:
+    """Commit ``items`` (pending batches), each run of them that follows on in one epoch
+    (a chunk's batches: each starts where the last ended) in one ``_mark``; returns the
+    samples. A run's batches are disjoint, so its duplicates are theirs summed: the
+    counters read as a mark per batch would leave them (an ack commits a window: tens
+    of batches, a few runs)."""
     done = 0
-    keep: list[tuple[int, int, int, int]] = []
-    for item in pending:
-        epoch, offset, samples, s = item
-        if s <= step:
-            ec = cov.epochs[epoch]
-            ec.pending -= 1
-            _mark(ec, offset, samples)
-            done += samples
-        else:
-            keep.append(item)
-    cov.pending[rank] = keep
-    return done
+    epoch, start, end, count = items[0][0], items[0][1], items[0][1] + items[0][2], 1
+    for e, offset, samples, _s in islice(items, 1, None):
+        if e == epoch and offset == end:
+            end += samples
+            count += 1
+            continue
+        done += _mark_run(cov.epochs[epoch], start, end, count)
+        epoch, start, end, count = e, offset, offset + samples, 1
+    return done + _mark_run(cov.epochs[epoch], start, end, count)
+
+
+def _mark_run(ec: EpochCoverage, start: int, end: int, batches: int) -> int:
+    ec.pending -= batches
+    _mark(ec, start, end - start)
+    return end - start
 
 
 def discard(cov: CoverageState, rank: int) -> int:

@@ -1,5 +1,7 @@
 """Coverage ledger: pending -> committed on ack, duplicates, discards, remainders."""
 
+import random
+
 from flodl.core._coverage import (
     commit,
     discard,
@@ -149,6 +151,54 @@ def test_the_pending_counter_follows_every_move_and_freeze_walks_only_when_neede
     assert discard(cov, 1) == 2
     _counted_pending(cov)
     assert cov.epochs[1].pending == 1
+
+
+def _commit_batch_by_batch(cov, rank, step):
+    """The ledger's rule, one batch at a time: what ``commit`` must leave, run or no run."""
+    keep, done = [], 0
+    for epoch, offset, samples, s in cov.pending.get(rank, []):
+        if s > step:
+            keep.append((epoch, offset, samples, s))
+            continue
+        ec = cov.epochs[epoch]
+        ec.pending -= 1
+        dup = sum(ec.committed[offset : offset + samples])
+        ec.committed[offset : offset + samples] = b"\x01" * samples
+        ec.unique, ec.trained, ec.duplicates = ec.unique + samples - dup, ec.trained + samples, ec.duplicates + dup
+        done += samples
+    cov.pending[rank] = keep
+    return done
+
+
+def _ledger_state(cov):
+    return ({e: (bytes(ec.committed), ec.unique, ec.trained, ec.duplicates, ec.pending) for e, ec in cov.epochs.items()},
+            {r: list(items) for r, items in cov.pending.items()})  # fmt: skip
+
+
+def test_an_ack_commits_runs_of_batches_as_it_would_commit_each():
+    # A chunk's batches follow on (each starts where the last ended) and are marked as one
+    # run; batches that overlap, repeat, skip, change epoch or come late are not. The
+    # counters, bitmaps and pending lists must read as a commit batch by batch leaves them.
+    rng = random.Random(11)
+    for _ in range(300):
+        ours, ref = _ledger(64), _ledger(64)
+        for cov in (ours, ref):
+            open_epoch(cov, 1, 64)
+        for rank in (0, 1):
+            offset, epoch = rng.randrange(64), rng.choice((0, 1))
+            for step in range(1, rng.randrange(2, 14)):
+                if rng.random() < 0.25:  # a jump, a repeat or an overlap
+                    offset, epoch = rng.randrange(60), rng.choice((0, 1))
+                n = rng.randint(1, 4)
+                if offset + n > 64:
+                    offset = 64 - n
+                late = step if rng.random() < 0.9 else max(1, step - rng.randint(1, 3))
+                for cov in (ours, ref):
+                    record_batch(cov, rank, epoch, offset, n, step=late, folded=0)
+                offset += n
+        for rank, ack in ((0, rng.randint(0, 14)), (1, rng.randint(0, 14)), (0, 14)):
+            assert commit(ours, rank, ack) == _commit_batch_by_batch(ref, rank, ack)
+            assert _ledger_state(ours) == _ledger_state(ref)
 
 
 def test_e2e_committed_means_acked():
