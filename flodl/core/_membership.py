@@ -202,7 +202,7 @@ def run_spec(st: CoordinatorState, dataset_len: int) -> pb.RunSpec:
         bf16_wire=cfg.bf16_wire,
         heartbeat_interval_s=cfg.heartbeat_interval_s,
         liveness_timeout_s=cfg.liveness_timeout_s,
-        batch_report_ms=cfg.batch_report_ms,
+        batch_report_ms=cfg.report_interval_ms,
         start_epoch=0,
         global_step=st.rounds.global_step,  # the run's progress so far: LR schedules start there
         samples_committed=_coverage.committed_samples(st.coverage),

@@ -114,7 +114,8 @@ def form(st: CoordinatorState, out: list[Command]) -> None:
     st.run.formed_with = tuple(members)
     hosts = [st.ranks[r].host for r in members]
     sig = (st.cohort_sig or b"").hex()  # what an operator pins as model_signature
-    body = {"world_size": len(members), "total_samples": st.total_samples, "hosts": hosts, "model_signature": sig}
+    body = {"world_size": len(members), "total_samples": st.total_samples, "hosts": hosts, "model_signature": sig,
+            "report_interval_ms": st.config.report_interval_ms}  # (batch_report_ms, stretched for many ranks)
     if st.config.elastic:
         body.update(ranks=members, capacity=len(st.ranks), quorum=st.config.quorum)
     out.append(Notice("world_formed", body))

@@ -699,7 +699,7 @@ def top_up_pace(st: CoordinatorState, rank: int, unreported: int) -> float:
     ms = cad.elche.smoothed_ms_per_batch(rank) or st.ranks[rank].mean_batch_ms()
     if not ms:
         return 0.0
-    next_report_ms, turnaround = st.config.batch_report_ms, cad.last_wait_ms.get(rank, 0.0)
+    next_report_ms, turnaround = st.config.report_interval_ms, cad.last_wait_ms.get(rank, 0.0)
     if ms > next_report_ms and turnaround >= next_report_ms and cad.barrier_paced and not _drains_run(st, rank):
         # Cadence with a loaded coordinator (a turnaround no shorter than a report): a batch
         # longer than a report is a report of its own, so the next report comes a batch

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from flodl.core import BatchDone, BatchesDone, RankViolation, replay, step, timing_event
+from flodl.core import BatchDone, BatchesDone, CoreConfig, RankViolation, replay, step, timing_event
 from flodl.core._events import from_record, to_record
 from flodl.wire import pb
 
@@ -158,3 +158,33 @@ def test_the_journal_record_round_trips():
     back = from_record(rec)
     assert back == ev and all(type(b) is BatchDone for b in back.batches)
     assert [b.step_count for b in back.batches] == [7, 8] and back.batches[1].sync_divergence == 0.3
+
+
+def test_many_ranks_stretch_the_report_interval_to_the_coordinators_frame_budget():
+    """``batch_reports_per_s``: N ranks report at most once per 1000*N / budget ms, at
+    least ``batch_report_ms``, at most half a heartbeat interval; 0 stays a frame per batch."""
+    ms = lambda **kw: CoreConfig(**kw).report_interval_ms  # noqa: E731
+    assert ms(world_size=16) == 25.0  # (up to 50 ranks the default budget changes nothing)
+    assert ms(world_size=256) == 128.0
+    assert ms(world_size=1024) == 500.0  # half of the 1 s heartbeat: reports stand in for it
+    assert ms(world_size=1024, heartbeat_interval_s=2.0) == 512.0
+    assert ms(world_size=1024, batch_report_ms=0.0) == 0.0
+    assert ms(world_size=1024, batch_reports_per_s=0.0) == 25.0
+    assert ms(world_size=16, batch_report_ms=600.0) == 600.0
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="batch_reports_per_s"):
+            CoreConfig(world_size=2, batch_reports_per_s=bad)
+
+
+def test_the_ranks_are_told_the_stretched_interval_and_report_less_often():
+    def frames(c: Cluster) -> int:
+        return sum(isinstance(ev, (BatchDone, BatchesDone)) for ev in c.journal)
+
+    plain = _run("cadence", 25.0)
+    stretched = _run("cadence", 25.0, batch_reports_per_s=30.0)  # 3 ranks: once per 100 ms
+    assert stretched.config.report_interval_ms == 100.0
+    assert {r.m.spec.batch_report_ms for r in stretched.ranks} == {100.0}
+    assert {r.m.spec.batch_report_ms for r in plain.ranks} == {25.0}
+    assert frames(stretched) < frames(plain)
+    formed = [cmd for cmd in stretched.commands if getattr(cmd, "kind", "") == "world_formed"]
+    assert formed and formed[0].data["report_interval_ms"] == 100.0  # the operator's world_formed line says it
