@@ -602,11 +602,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 run each, N = 16, 64, shorter")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: raw,saturated,paced,relayed")
     ap.add_argument("--batch-report-ms", type=float, default=None,
-                    help="the coordinator's batch_report_ms (default: its own default)")
+                    help="the coordinator's batch_report_ms (default: its own default; a floor that "
+                    "batch_reports_per_s stretches for many ranks, unless FLODL_BATCH_REPORTS_PER_S=0 is set)")
     ap.add_argument("--coordinator-log-level", default="WARNING",
                     help="the coordinator's --log-level (its log: coordinator.log in the run's kept tmp dir)")
     ap.add_argument("--peer-report-ms", type=float, default=None,
-                    help="also run saturated and paced with this batch_report_ms (rows NAME@Xms): a peer in the same run")
+                    help="also run saturated and paced with this batch_report_ms (rows NAME@Xms): a peer in the same "
+                    "run (0: a frame per batch; another value is a floor, as --batch-report-ms)")
     args = ap.parse_args()
     if args.quick:
         args.ranks, args.repeats, args.paced_s, args.raw_s = "16,64", 1, 3.0, 1.5

@@ -699,8 +699,13 @@ def top_up_pace(st: CoordinatorState, rank: int, unreported: int) -> float:
     ms = cad.elche.smoothed_ms_per_batch(rank) or st.ranks[rank].mean_batch_ms()
     if not ms:
         return 0.0
-    next_report_ms, turnaround = st.config.report_interval_ms, cad.last_wait_ms.get(rank, 0.0)
-    if ms > next_report_ms and turnaround >= next_report_ms and cad.barrier_paced and not _drains_run(st, rank):
+    paced_ahead = cad.barrier_paced and not _drains_run(st, rank)
+    # The report interval many ranks stretch (``report_interval_ms``) only where a rank may
+    # run ahead: under Async and in the run's last epoch the rule below stays as tuned, on
+    # the setting (a 400 ms rank is not due at its last batch there, 500 ms stretched or not).
+    next_report_ms = st.config.report_interval_ms if paced_ahead else st.config.batch_report_ms
+    turnaround = cad.last_wait_ms.get(rank, 0.0)
+    if paced_ahead and ms > next_report_ms and turnaround >= next_report_ms:
         # Cadence with a loaded coordinator (a turnaround no shorter than a report): a batch
         # longer than a report is a report of its own, so the next report comes a batch
         # on, and a chunk's last batch is due. Held to the report instead, a rank whose

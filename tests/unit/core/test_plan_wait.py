@@ -323,3 +323,29 @@ def test_under_cadence_a_chunks_last_batch_is_due_when_a_batch_outlasts_a_report
     # A batch shorter than a report: the same (27 ms: 1 batch of 5 ms is due, 6 are not).
     st = rank_0_on_its_last_batch(_state(2, 2, total=1000, batch_report_ms=25.0))
     assert top_up_pace(st, 0, 1) == 5.0 and not top_up_pace(st, 0, 6)
+
+
+def test_a_stretched_report_interval_runs_ranks_ahead_only_where_they_may():
+    """Many ranks stretch the report interval (``batch_reports_per_s``): a barrier-paced
+    rank is topped up that much earlier, but under Async and in the run's last epoch the
+    rule keeps ``batch_report_ms`` (a slow rank topped up there ran ahead into the end)."""
+    from .test_async import _state as _async_state
+
+    def rank_0_with_left(st, left, epoch=0):
+        st.cadence.elche.report_timing([10, 20], [2, 2], 0)  # 5 ms a batch
+        _pool(st, epoch, 1000)
+        st.dispatch.last_dispatched = epoch
+        _take_window(st, 0, epoch, 4)
+        st.cadence.pools[epoch].mark_completed(0, 4 - left)
+        st.ranks[0].last_step = 4 - left
+        st.cadence.last_wait_ms[0] = 2.0
+        return st
+
+    stretched = dict(total=1000, batch_report_ms=2.0, batch_reports_per_s=100.0)  # 2 ranks: 20 ms
+    assert _state(2, 2, **stretched).config.report_interval_ms == 20.0
+    # Three batches (15 ms) left fit in a stretched report and a turnaround: due now ...
+    assert top_up_pace(rank_0_with_left(_state(2, 2, **stretched), 3), 0, 3) == 5.0
+    assert not top_up_pace(rank_0_with_left(_state(2, 2, total=1000, batch_report_ms=2.0), 3), 0, 3)  # (unstretched)
+    # ... but not in the run's last epoch, nor under Async, even at the last batch.
+    assert not top_up_pace(rank_0_with_left(_state(2, 2, **stretched), 1, epoch=1), 0, 1)
+    assert not top_up_pace(rank_0_with_left(_async_state(2, 2, **stretched), 1), 0, 1)
