@@ -167,8 +167,8 @@ class CoreConfig:
         "(`world_size`) each reports at most once per max(`batch_report_ms`, 1000·N / this) ms of training, "
         "and at most half of `heartbeat_interval_s` -- 25 ms up to 50 ranks, 128 ms at 256, 500 ms at "
         "1,024 (the run's `report_interval_ms`, in the `world_formed` line). Nothing waits on it (see "
-        "`batch_report_ms`); at 1,024 paced ranks it cut the ranks' report frames by 44 %, the "
-        "coordinator's CPU per batch by 14 % and the ranks' idle share from 2.4 % to 1.5 %. 0 = "
+        "`batch_report_ms`); at 1,024 paced ranks the ranks sent 39-44 % fewer report frames and the "
+        "coordinator spent 7-14 % less CPU per batch (`bench/control_scale.py`). 0 = "
         "`batch_report_ms` as set; `batch_report_ms` 0 is always a frame per batch",
     )  # fmt: skip
     reduce_stall_s: float = setting(
