@@ -60,7 +60,7 @@ from flodl.core import (
 )
 from flodl.core import FINISHED
 
-from .settings import Settings, SettingsError
+from .settings import NO_BEFORE, Settings, SettingsError
 
 __all__ = ["Recovered", "recover", "HeldSends", "continuing", "bind_address", "agent_record", "SERVICE_KEYS"]
 
@@ -146,11 +146,14 @@ def _compare(path: str, start: dict, settings: Settings) -> None:
     for f in fields(Settings):
         if f.name in SERVICE_KEYS:
             continue
-        old = theirs.get(f.name, f.default)
+        before = f.metadata["setting"].before
+        absent = f.name not in theirs
+        old = theirs.get(f.name, f.default if before is NO_BEFORE else before)
         new = getattr(settings, f.name)
         if old != new:
+            why = " (its journal predates the setting: it ran as that)" if absent else ""
             raise SettingsError(
-                f"journal {path} holds another run: {f.name} is {old!r} there and {new!r} here "
+                f"journal {path} holds another run: {f.name} is {old!r} there{why} and {new!r} here "
                 f"(restart with the same settings, or move the journal away to start a new run)"
             )
 

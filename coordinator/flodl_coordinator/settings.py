@@ -24,14 +24,14 @@ import tomllib
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Optional, get_type_hints
 
-from flodl.core._config import CoreConfig, Setting, setting
+from flodl.core._config import NO_BEFORE, CoreConfig, Setting, setting
 from flodl.envvars import WORKER_ENV
 from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, max_message_bytes_problem
 
 from .outer import OUTER_KINDS, validate_outer
 
 __all__ = ["Settings", "SettingsError", "load_settings", "ENV_PREFIX", "SCHEMA", "Key", "PER_PROCESS_KEYS",
-           "add_flags", "flag_argv", "markdown_table"]  # fmt: skip
+           "NO_BEFORE", "add_flags", "flag_argv", "markdown_table"]  # fmt: skip
 
 ENV_PREFIX = "FLODL_"
 

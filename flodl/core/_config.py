@@ -42,13 +42,22 @@ def parse_policy(policy: str) -> Optional[int]:
     raise ValueError(f"epoch_callback_policy must be 'fastest' or 'rank:N', got {policy!r}")
 
 
+# ``Setting.before`` unset: the setting is as old as the journal, or its default is what
+# came before it.
+NO_BEFORE: Any = type("NoBefore", (), {"__repr__": lambda self: "NO_BEFORE"})()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Setting:
     """What a config field is as a setting: its one-line ``help`` (flags' ``--help``), its
     README text ``doc`` (default: ``help``), its ``key`` where the setting's name differs
     from the field's, ``choices`` where it is one of a few words, and ``per_process``: a
     service setting that may differ between a run's first process and a restarted one
-    (``flodl_coordinator.recovery`` compares all the others with the journal's)."""
+    (``flodl_coordinator.recovery`` compares all the others with the journal's), and
+    ``before``: for a setting added after runs were journaled, the value that gives the
+    behaviour from before it existed -- a journal that lacks the key ran as that, so
+    recovery compares with it, not with today's default (which would replay the old run
+    under a new rule and decide differently from what it sent)."""
 
     help: str
     doc: str = ""
@@ -56,13 +65,14 @@ class Setting:
     choices: tuple[str, ...] = ()
     per_process: bool = False
     aliases: tuple[str, ...] = ()  # other spellings of the key, accepted everywhere (torchrun / issue 12 names)
+    before: Any = NO_BEFORE
 
 
 def setting(default: Any = MISSING, *, help: str, doc: str = "", key: str = "", choices: tuple[str, ...] = (),
-            per_process: bool = False, aliases: tuple[str, ...] = ()) -> Any:  # fmt: skip
+            per_process: bool = False, aliases: tuple[str, ...] = (), before: Any = NO_BEFORE) -> Any:  # fmt: skip
     """A dataclass field declared as a setting (``Setting``); no default: required."""
     meta = {"setting": Setting(help=help, doc=doc or help, key=key, choices=choices, per_process=per_process,
-                               aliases=aliases)}  # fmt: skip
+                               aliases=aliases, before=before)}  # fmt: skip
     return field(metadata=meta) if default is MISSING else field(default=default, metadata=meta)
 
 
@@ -148,7 +158,7 @@ class CoreConfig:
     )
     liveness_timeout_s: float = setting(10.0, help="silence after which a rank is declared dead")
     batch_report_ms: float = setting(
-        25.0,
+        25.0, before=0.0,  # (a frame per batch until d27a0b1)
         help="a rank reports its batches at most once per this many ms of training (0 = a frame per batch)",
         doc="a rank sends its batch reports (which positions it trained, its timing, its loss) at most "
         "once per this many ms of its training time, several batches to a frame; it sends at once when "
@@ -159,7 +169,7 @@ class CoreConfig:
         "`heartbeat_interval_s`; many ranks stretch it (`batch_reports_per_s`)",
     )  # fmt: skip
     batch_reports_per_s: float = setting(
-        2000.0,
+        2000.0, before=0.0,  # (no stretch until 9479eff)
         help="the batch-report frames a second the coordinator plans for, all ranks together: N ranks "
         "report at most once per max(batch_report_ms, 1000*N / this) ms, at most half the heartbeat "
         "interval (0 = no plan: batch_report_ms as set)",

@@ -92,6 +92,25 @@ def test_a_journal_of_another_run_is_refused_naming_the_key(Cluster, tmp_path, o
     assert recover(same, Checkpointing(same)) is not None
 
 
+@pytest.mark.parametrize("key", ["batch_reports_per_s", "batch_report_ms"])
+def test_a_journal_from_before_a_setting_ran_as_its_old_behaviour(Cluster, tmp_path, key):
+    """A journal written before ``key`` existed lacks it, and that run behaved as the
+    setting's ``before`` (0: no stretch / a frame per batch), not as today's default:
+    recovering it under the default would replay it under another rule. Refused, naming
+    the key and why; with the old value set, it is the same run."""
+    old = _settings(tmp_path, **{key: 0.0})
+    c = _half_run(Cluster, old)
+    lines = _write(old, c.journal)
+    del lines[0]["settings"][key]  # as a journal written before the setting
+    pathlib.Path(old.journal).write_text("".join(json.dumps(x, sort_keys=True) + "\n" for x in lines))
+    today = _settings(tmp_path)
+    assert getattr(today, key) != 0.0  # (the default changed the behaviour: that is the hazard)
+    with pytest.raises(SettingsError, match=f"{key} is 0.0 there \\(its journal predates the setting"):
+        recover(today, Checkpointing(today))
+    rec = recover(old, Checkpointing(old))
+    assert rec is not None and rec.state == c.state
+
+
 def test_a_finished_run_is_refused_or_rotated(Cluster, tmp_path):
     s = _settings(tmp_path)
     c = Cluster(total=48, config=replace(s, epochs=1).core_config())
