@@ -55,7 +55,9 @@ Batch reports: a rank sends its batches several to a frame (the coordinator's
 ``batches_vs_raw_frames_per_cpu`` its batches per CPU-second over the echo's frames per
 CPU-second (``goals``: ``batch_rate_vs_raw_at_N`` beside the per-frame ``rate_vs_raw_at_N``).
 ``--peer-report-ms 0`` runs saturated and paced again with a frame per batch
-(rows ``saturated@0ms``, ``paced@0ms``): the peer in the same sitting.
+(rows ``saturated@0ms``, ``paced@0ms``), and ``--peer-reports-per-s 0`` with the interval
+unstretched (rows ``saturated@0/s``, ``paced@0/s``): a peer in the same sitting, its runs
+taking turns with ours within each repeat.
 
 A saturated run trains ``--saturated-batches`` (200,000) among its ranks, and at least
 ``--saturated-per-rank`` (200) a rank: a rank of a shorter run spends most of it starting
@@ -366,7 +368,8 @@ class Sampler(threading.Thread):
 
 
 def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, batches_per_rank: int,
-              policy: str, timeout_s: float, report_ms: float | None = None, log_level: str = "WARNING") -> dict:
+              policy: str, timeout_s: float, report_ms: float | None = None, reports_per_s: float | None = None,
+              log_level: str = "WARNING") -> dict:  # fmt: skip
     """One run: coordinator (+ relays) + fake ranks to the end; what they measured."""
     total = max(n, int(batches_per_rank * n / epochs))  # batch size 1: samples = batches
     tmp = tempfile.mkdtemp(prefix="flodl-scale-")
@@ -379,6 +382,8 @@ def run_flodl(n: int, ms: list[float], *, gens: int, hosts: int, epochs: int, ba
     ]  # fmt: skip
     if report_ms is not None:
         coord_cmd += ["--batch-report-ms", str(report_ms)]
+    if reports_per_s is not None:
+        coord_cmd += ["--batch-reports-per-s", str(reports_per_s)]
     coord_log = open(os.path.join(tmp, "coordinator.log"), "w")  # a failed run's story (see "log")
     coord, ep = _spawn_ready(coord_cmd, "COORDINATOR_READY", stderr=coord_log)
     sampler = Sampler(coord.pid)
@@ -609,6 +614,9 @@ def main() -> None:
     ap.add_argument("--peer-report-ms", type=float, default=None,
                     help="also run saturated and paced with this batch_report_ms (rows NAME@Xms): a peer in the same "
                     "run (0: a frame per batch; another value is a floor, as --batch-report-ms)")
+    ap.add_argument("--peer-reports-per-s", type=float, default=None,
+                    help="also run saturated and paced with this batch_reports_per_s (rows NAME@X/s): a peer in the "
+                    "same run, interleaved with ours run by run (0: batch_report_ms unstretched)")
     args = ap.parse_args()
     if args.quick:
         args.ranks, args.repeats, args.paced_s, args.raw_s = "16,64", 1, 3.0, 1.5
@@ -629,24 +637,29 @@ def main() -> None:
         if "raw" not in skip:
             row["raw"] = _median([run_raw(n, gens, args.raw_s) for _ in range(args.repeats)])
             row["raw_broadcast"] = _median([run_raw_broadcast(n, gens, args.raw_rounds) for _ in range(args.repeats)])
-        variants = [("", args.batch_report_ms)]
+        # (suffix, batch_report_ms, batch_reports_per_s): ours, then the peers, run by run in
+        # turn within each repeat, so a machine that slows down mid-sitting slows them alike.
+        variants = [("", args.batch_report_ms, None)]
         if args.peer_report_ms is not None:
-            variants.append((f"@{args.peer_report_ms:g}ms", args.peer_report_ms))
-        for suffix, report_ms in variants:  # interleaved per repeat would be fairer; one block each is simpler
-            if "saturated" not in skip:
-                row["saturated" + suffix] = _median([
-                    run_flodl(n, [0.0], gens=gens, hosts=0, epochs=1, policy=args.policy,
-                              batches_per_rank=max(args.saturated_per_rank, args.saturated_batches // n), timeout_s=timeout,
-                              report_ms=report_ms, log_level=args.coordinator_log_level)
-                    for _ in range(args.repeats)])  # fmt: skip
-            for name, hosts in (("paced", 0), ("relayed", args.hosts)):
-                if name in skip or (name == "relayed" and not hosts) or (suffix and name == "relayed"):
-                    continue
-                row[name + suffix] = _median([
-                    run_flodl(n, ms, gens=gens, hosts=hosts, epochs=2, policy=args.policy,
-                              batches_per_rank=paced_batches, timeout_s=timeout, report_ms=report_ms,
-                              log_level=args.coordinator_log_level)
-                    for _ in range(args.repeats)])  # fmt: skip
+            variants.append((f"@{args.peer_report_ms:g}ms", args.peer_report_ms, None))
+        if args.peer_reports_per_s is not None:
+            variants.append((f"@{args.peer_reports_per_s:g}/s", args.batch_report_ms, args.peer_reports_per_s))
+        runs: dict[str, list] = {}
+        for _ in range(args.repeats):
+            for suffix, report_ms, per_s in variants:
+                common = dict(gens=gens, policy=args.policy, timeout_s=timeout, report_ms=report_ms,
+                              reports_per_s=per_s, log_level=args.coordinator_log_level)  # fmt: skip
+                if "saturated" not in skip:
+                    runs.setdefault("saturated" + suffix, []).append(run_flodl(
+                        n, [0.0], hosts=0, epochs=1,
+                        batches_per_rank=max(args.saturated_per_rank, args.saturated_batches // n), **common))  # fmt: skip
+                for name, hosts in (("paced", 0), ("relayed", args.hosts)):
+                    if name in skip or (name == "relayed" and not hosts) or (suffix and name == "relayed"):
+                        continue
+                    runs.setdefault(name + suffix, []).append(run_flodl(
+                        n, ms, hosts=hosts, epochs=2, batches_per_rank=paced_batches, **common))  # fmt: skip
+        for name, each in runs.items():
+            row[name] = _median(each)
         if "raw" in row:
             raw = row["raw"]
             for name, r in row.items():
