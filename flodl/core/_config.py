@@ -176,9 +176,11 @@ class CoreConfig:
         doc="the batch-report frames a second the coordinator plans for, all ranks together: with N ranks "
         "(`world_size`) each reports at most once per max(`batch_report_ms`, 1000·N / this) ms of training, "
         "and at most half of `heartbeat_interval_s` -- 25 ms up to 50 ranks, 128 ms at 256, 500 ms at "
-        "1,024 (the run's `report_interval_ms`, in the `world_formed` line). Nothing waits on it (see "
-        "`batch_report_ms`); at 1,024 paced ranks the ranks sent 39-44 % fewer report frames and the "
-        "coordinator spent 7-14 % less CPU per batch (`bench/control_scale.py`). 0 = "
+        "1,024 (the run's `report_interval_ms`, in the `world_formed` line). A trade: at 1,024 paced "
+        "ranks (100-400 ms batches) the ranks sent about 40 % fewer report frames, the coordinator spent "
+        "7-20 % less CPU per batch and the ranks idled 0.6-2.3 points less (3 sittings); at 256 (10-40 ms "
+        "batches) the coordinator spent 13-28 % less CPU per batch but the ranks idled 0.4-1.9 points "
+        "more in 3 sittings of 4 (`bench/control_scale.py --peer-reports-per-s 0`). 0 = "
         "`batch_report_ms` as set; `batch_report_ms` 0 is always a frame per batch",
     )  # fmt: skip
     reduce_stall_s: float = setting(
