@@ -13,7 +13,6 @@ import statistics
 import tempfile
 import time
 from collections import Counter
-from dataclasses import fields
 from pathlib import Path
 
 from flodl.core import BATCH_RECORDS
@@ -77,10 +76,9 @@ def _records(path: Path) -> list[dict]:
 def _decisions(records: list[dict]) -> list[tuple[float, int, str]]:
     """(now, rank, reason) of every ForgetRank: the journal replayed through the core."""
     from flodl.core import ForgetRank, RankViolation, from_record, initial_state, step
-    from flodl_coordinator.settings import Settings
+    from flodl_coordinator.settings import journaled_settings
 
-    known = {f.name for f in fields(Settings)}
-    settings = Settings(**{k: v for k, v in records[0]["settings"].items() if k in known})
+    settings = journaled_settings(records[0]["settings"], "the run's journal")
     state, out = initial_state(settings.core_config()), []
     for rec in records[1:]:
         if str(rec.get("type", "")).startswith("_"):

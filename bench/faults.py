@@ -68,12 +68,11 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import fields
 from pathlib import Path
 
 from benchproc import JournalTail, start_ready
 from flodl.core import BATCH_RECORDS, BatchDone, BatchesDone, ForgetRank, RankViolation, batches_in, from_record, initial_state, step
-from flodl_coordinator.settings import Settings
+from flodl_coordinator.settings import Settings, journaled_settings
 from flodl_worker.agent import AgentConfig, rank_env
 
 KINDS = ("kill9_agent", "kill9_no_agent", "sigstop", "kill9_coordinator")
@@ -292,8 +291,7 @@ def analyse(journal: Path, summary: dict, victim: int, t_fault: float) -> dict:
     """Replay the journal through the core: when was the victim forgotten, and what did
     the survivors' batch stream do around it."""
     records = [json.loads(line) for line in journal.read_text().splitlines() if line.strip()]
-    known = {f.name for f in fields(Settings)}
-    settings = Settings(**{k: v for k, v in records[0]["settings"].items() if k in known})
+    settings = journaled_settings(records[0]["settings"], str(journal))
     state = initial_state(settings.core_config())
     decided_at, reason = None, None
     survivor = []
@@ -359,8 +357,7 @@ def analyse_coordinator(journal: Path, summary: dict, steps: dict[int, list[floa
     out["resynced_batches"] = sum(len(r.get("batches", ())) for r in after if r.get("type") == "RankResynced")
     # Replay everything through the core: a restart must not cost a rank (leaving at
     # the end of the run is a ForgetRank too, with one of these reasons).
-    known = {f.name for f in fields(Settings)}
-    settings = Settings(**{k: v for k, v in records[0]["settings"].items() if k in known})
+    settings = journaled_settings(records[0]["settings"], str(journal))
     state, lost = initial_state(settings.core_config()), []
     left = ("exited cleanly", "exited after Shutdown")
     for rec in records[1:]:

@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 
-from .settings import SCHEMA, Settings, SettingsError, add_flags, load_settings
+from .settings import SCHEMA, Settings, SettingsError, add_flags, journaled_settings, load_settings
 
 __all__ = ["main"]
 
@@ -99,7 +99,11 @@ def _replay(path: str) -> int:
     if not lines or lines[0].get("type") != "_start":
         print(f"flodl-coordinator: {path} does not start with a _start record", file=sys.stderr)
         return 2
-    settings = Settings(**lines[0]["settings"])
+    try:
+        settings = journaled_settings(lines[0].get("settings") or {}, f"journal {path}")
+    except SettingsError as e:
+        print(f"flodl-coordinator: {e}", file=sys.stderr)
+        return 2
     resume_meta = lines[0].get("resume_meta")
     try:
         point = resume_plan(resume_meta) if resume_meta is not None else None

@@ -60,7 +60,7 @@ from flodl.core import (
 )
 from flodl.core import FINISHED
 
-from .settings import NO_BEFORE, Settings, SettingsError
+from .settings import Settings, SettingsError, journaled_settings
 
 __all__ = ["Recovered", "recover", "HeldSends", "continuing", "bind_address", "agent_record", "SERVICE_KEYS"]
 
@@ -143,15 +143,13 @@ def _lines(path: str) -> tuple[list[dict], int]:
 
 def _compare(path: str, start: dict, settings: Settings) -> None:
     theirs = start.get("settings") or {}
+    ran = journaled_settings(theirs, f"journal {path}")
     for f in fields(Settings):
         if f.name in SERVICE_KEYS:
             continue
-        before = f.metadata["setting"].before
-        absent = f.name not in theirs
-        old = theirs.get(f.name, f.default if before is NO_BEFORE else before)
-        new = getattr(settings, f.name)
+        old, new = getattr(ran, f.name), getattr(settings, f.name)
         if old != new:
-            why = " (its journal predates the setting: it ran as that)" if absent else ""
+            why = " (its journal predates the setting: it ran as that)" if f.name not in theirs else ""
             raise SettingsError(
                 f"journal {path} holds another run: {f.name} is {old!r} there{why} and {new!r} here "
                 f"(restart with the same settings, or move the journal away to start a new run)"

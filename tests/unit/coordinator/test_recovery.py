@@ -15,7 +15,7 @@ from flodl_coordinator.checkpointing import Checkpointing
 from flodl_coordinator.cli import main
 from flodl_coordinator.recovery import HeldSends, agent_record, bind_address, continuing, recover
 from flodl_coordinator.service import CoordinatorService
-from flodl_coordinator.settings import Settings, SettingsError
+from flodl_coordinator.settings import Settings, SettingsError, journaled_settings
 
 def _settings(tmp_path, **over) -> Settings:
     base = dict(world_size=2, batch_size=8, epochs=3, policy="cadence", journal=str(tmp_path / "run.journal"))
@@ -163,6 +163,23 @@ def test_a_journal_with_a_restart_replays_via_the_cli(Cluster, tmp_path, capsys)
     assert out["events"] == len(c.journal)
     assert out["summary"]["coordinator_restarts"][0]["restart"] == 1
     assert replay(c.config, c.journal) == c.state
+
+
+def test_a_journals_settings_are_read_as_the_run_ran(tmp_path, capsys):
+    """``journaled_settings``: a key the record lacks is the setting's ``before`` where it
+    declares one, else its default; a key this version does not know is refused, named
+    (``replay`` too: exit 2, one line), not dropped."""
+    s = _settings(tmp_path)
+    record = asdict(s)
+    del record["batch_reports_per_s"], record["seed"]  # one declares a before, one does not
+    ran = journaled_settings(record, "journal J")
+    assert ran.batch_reports_per_s == 0.0 and ran.seed == s.seed == 42
+    assert replace(ran, batch_reports_per_s=s.batch_reports_per_s) == s
+    with pytest.raises(SettingsError, match="journal J: its settings name keys this flodl does not know: zeta"):
+        journaled_settings({**asdict(s), "zeta": 1}, "journal J")
+    pathlib.Path(s.journal).write_text(json.dumps({"type": "_start", "settings": {**asdict(s), "zeta": 1}}) + "\n")
+    assert main(["replay", s.journal]) == 2
+    assert "does not know: zeta" in capsys.readouterr().err
 
 
 def test_continuing_clock_never_runs_backwards():
