@@ -49,8 +49,8 @@ per-frame cost falls as it drains more per pass).
 
 Batch reports: a rank sends its batches several to a frame (the coordinator's
 ``batch_report_ms``, 25 ms of training by default, stretched to 1000*N /
-``batch_reports_per_s`` ms for many ranks: 128 ms at 256, 500 ms at 1,024; set
-``FLODL_BATCH_REPORTS_PER_S=0`` in the environment for the unstretched peer), so frames no longer count batches:
+``batch_reports_per_s`` ms for many ranks: 128 ms at 256, 500 ms at 1,024;
+``--peer-reports-per-s 0`` runs the unstretched peer beside it), so frames no longer count batches:
 ``cpu_us_per_batch`` is the coordinator's CPU per batch the ranks trained and
 ``batches_vs_raw_frames_per_cpu`` its batches per CPU-second over the echo's frames per
 CPU-second (``goals``: ``batch_rate_vs_raw_at_N`` beside the per-frame ``rate_vs_raw_at_N``).

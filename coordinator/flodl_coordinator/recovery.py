@@ -60,7 +60,7 @@ from flodl.core import (
 )
 from flodl.core import FINISHED
 
-from .settings import Settings, SettingsError, journaled_settings
+from .settings import NO_BEFORE, Settings, SettingsError, journaled_settings
 
 __all__ = ["Recovered", "recover", "HeldSends", "continuing", "bind_address", "agent_record", "SERVICE_KEYS"]
 
@@ -149,7 +149,10 @@ def _compare(path: str, start: dict, settings: Settings) -> None:
             continue
         old, new = getattr(ran, f.name), getattr(settings, f.name)
         if old != new:
-            why = " (its journal predates the setting: it ran as that)" if f.name not in theirs else ""
+            why = ""
+            if f.name not in theirs:  # (required keys are never absent: journaled_settings)
+                why = (" (its journal predates the setting: it ran as that)" if f.metadata["setting"].before is not NO_BEFORE
+                       else " (absent from its journal: read as the default)")  # fmt: skip
             raise SettingsError(
                 f"journal {path} holds another run: {f.name} is {old!r} there{why} and {new!r} here "
                 f"(restart with the same settings, or move the journal away to start a new run)"

@@ -31,7 +31,7 @@ from flodl.limits import DEFAULT_MAX_MESSAGE_BYTES, max_message_bytes_problem
 from .outer import OUTER_KINDS, validate_outer
 
 __all__ = ["Settings", "SettingsError", "load_settings", "ENV_PREFIX", "SCHEMA", "Key", "PER_PROCESS_KEYS",
-           "journaled_settings", "add_flags", "flag_argv", "markdown_table"]  # fmt: skip
+           "NO_BEFORE", "journaled_settings", "add_flags", "flag_argv", "markdown_table"]  # fmt: skip
 
 ENV_PREFIX = "FLODL_"
 
@@ -288,17 +288,17 @@ def journaled_settings(record: Mapping[str, Any], where: str) -> Settings:
     lacks was written before the setting existed: that run ran as the setting's
     ``before`` where it declares one (``flodl.core._config.Setting``), else as its
     default. A key this version does not know (a newer flodl's journal) is refused, named:
-    dropped, the run would be rebuilt under a rule it did not run."""
+    dropped, the run would be rebuilt under a rule it did not run; so is a record without
+    a required key (no run's journal lacks ``world_size``)."""
     unknown = sorted(set(record) - set(SCHEMA))
     if unknown:
         raise SettingsError(f"{where}: its settings name keys this flodl does not know: {', '.join(unknown)} "
                             f"(written by a newer flodl: read it with that version)")  # fmt: skip
-    values = {k.name: (record[k.name] if k.name in record else k.meta.before) for k in SCHEMA.values()
-              if k.name in record or k.meta.before is not NO_BEFORE}  # fmt: skip
-    try:
-        return Settings(**values)
-    except TypeError as e:  # a required key missing
-        raise SettingsError(f"{where}: its settings are incomplete ({e})") from None
+    missing = [k.name for k in SCHEMA.values() if k.required and k.name not in record]
+    if missing:
+        raise SettingsError(f"{where}: its settings lack {', '.join(missing)}: not a run's journal")
+    return Settings(**{k.name: (record[k.name] if k.name in record else k.meta.before) for k in SCHEMA.values()
+                       if k.name in record or k.meta.before is not NO_BEFORE})  # fmt: skip
 
 
 def _coerce(key: str, value: Any, source: str) -> Any:

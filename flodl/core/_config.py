@@ -19,6 +19,7 @@ service's value, so the simulator and the unit tests run the service's first win
 
 from __future__ import annotations
 
+import enum
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Optional
 
@@ -44,7 +45,11 @@ def parse_policy(policy: str) -> Optional[int]:
 
 # ``Setting.before`` unset: the setting is as old as the journal, or its default is what
 # came before it.
-NO_BEFORE: Any = type("NoBefore", (), {"__repr__": lambda self: "NO_BEFORE"})()
+class _NoBefore(enum.Enum):  # (an enum member: the same object after a copy or a pickle)
+    NO_BEFORE = "NO_BEFORE"
+
+
+NO_BEFORE: Any = _NoBefore.NO_BEFORE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

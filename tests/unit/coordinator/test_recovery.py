@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import pathlib
+import pickle
 from dataclasses import asdict, replace
 
 import pytest
@@ -15,7 +17,7 @@ from flodl_coordinator.checkpointing import Checkpointing
 from flodl_coordinator.cli import main
 from flodl_coordinator.recovery import HeldSends, agent_record, bind_address, continuing, recover
 from flodl_coordinator.service import CoordinatorService
-from flodl_coordinator.settings import Settings, SettingsError, journaled_settings
+from flodl_coordinator.settings import NO_BEFORE, SCHEMA, Settings, SettingsError, journaled_settings
 
 def _settings(tmp_path, **over) -> Settings:
     base = dict(world_size=2, batch_size=8, epochs=3, policy="cadence", journal=str(tmp_path / "run.journal"))
@@ -85,8 +87,9 @@ def test_a_journal_of_another_run_is_refused_naming_the_key(Cluster, tmp_path, o
     c = _half_run(Cluster, s)
     _write(s, c.journal)
     other = replace(s, **over)
-    with pytest.raises(SettingsError, match=f"holds another run: {key} is"):
+    with pytest.raises(SettingsError, match=f"holds another run: {key} is") as refused:
         recover(other, Checkpointing(other))
+    assert "predates" not in str(refused.value) and "absent" not in str(refused.value)  # (the key is in the journal)
     # The service's own keys may change.
     same = replace(s, bind="tcp://127.0.0.1:6000", summary="x.json", http="127.0.0.1:0", tick_interval_s=0.1)
     assert recover(same, Checkpointing(same)) is not None
@@ -177,6 +180,11 @@ def test_a_journals_settings_are_read_as_the_run_ran(tmp_path, capsys):
     assert replace(ran, batch_reports_per_s=s.batch_reports_per_s) == s
     with pytest.raises(SettingsError, match="journal J: its settings name keys this flodl does not know: zeta"):
         journaled_settings({**asdict(s), "zeta": 1}, "journal J")
+    with pytest.raises(SettingsError, match="journal J: its settings lack world_size: not a run's journal"):
+        journaled_settings({k: v for k, v in asdict(s).items() if k != "world_size"}, "journal J")
+    # (the "no before" mark is the same object after a copy or a pickle: never read as a value)
+    meta = next(k.meta for k in SCHEMA.values() if k.name == "seed")
+    assert copy.deepcopy(meta).before is pickle.loads(pickle.dumps(meta)).before is NO_BEFORE
     pathlib.Path(s.journal).write_text(json.dumps({"type": "_start", "settings": {**asdict(s), "zeta": 1}}) + "\n")
     assert main(["replay", s.journal]) == 2
     assert "does not know: zeta" in capsys.readouterr().err
