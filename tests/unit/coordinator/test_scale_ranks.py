@@ -67,3 +67,30 @@ def test_the_raw_broadcast_floor_counts_every_arrival_of_every_round():
     got = control_scale.run_raw_broadcast(10, 2, 3)
     assert got["ok"] and got["arrivals"] == got["expected"] == 30, got
     assert 0 < got["latency_min_us"] <= got["first_command_p50_us"] <= got["latency_p50_us"] <= got["latency_p99_us"], got
+
+
+def test_a_peer_takes_turns_with_ours_within_each_repeat(monkeypatch, capsys):
+    """``--peer-reports-per-s``: the peer's runs alternate with ours run by run (a machine
+    that slows mid-sitting slows both alike), each reaches the coordinator as its
+    ``batch_reports_per_s``, and each side's rows are the medians of its own runs."""
+    import json
+
+    calls = []
+
+    def fake_run(n, ms, *, hosts, epochs, batches_per_rank, gens, policy, timeout_s, report_ms=None,
+                 reports_per_s=None, log_level="WARNING"):  # fmt: skip
+        calls.append(("saturated" if ms == [0.0] else "paced", reports_per_s))
+        idle = 0.1 if reports_per_s is None else 0.2
+        return {"ok": True, "idle_share": idle + 0.01 * len(calls), "cpu_us_per_frame": 10.0, "cpu_us_per_batch": 5.0,
+                "latency_p99_us": 1.0, "cpu_pct": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(control_scale, "run_flodl", fake_run)
+    monkeypatch.setattr(sys, "argv", ["control_scale", "--ranks", "256", "--repeats", "2", "--skip", "raw,relayed",
+                                      "--peer-reports-per-s", "0"])  # fmt: skip
+    control_scale.main()
+    assert calls == [("saturated", None), ("paced", None), ("saturated", 0.0), ("paced", 0.0)] * 2
+    row = json.loads(capsys.readouterr().out)["by_n"]["256"]
+    assert [k for k in row if "@" in k or k in ("saturated", "paced")] == ["saturated", "paced", "saturated@0/s", "paced@0/s"]
+    assert row["paced"]["runs"] == row["paced@0/s"]["runs"] == 2
+    assert row["paced"]["idle_share"] == pytest.approx((0.12 + 0.16) / 2)  # ours: runs 2 and 6
+    assert row["paced@0/s"]["idle_share"] == pytest.approx((0.24 + 0.28) / 2)  # the peer's: runs 4 and 8
