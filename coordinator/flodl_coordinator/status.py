@@ -148,7 +148,8 @@ def status_document(core: dict, book: RunBook, *, session: str, events: int, dro
         "run": {
             "session": session, "phase": run["phase"], "ok": run["ok"], "reason": run["reason"],
             "stop_reason": run["stop_reason"], "policy": core["policy"], "plane": core["plane"],
-            "world_size": core["world_size"], "formed_at": run["formed_at"],
+            "world_size": core["world_size"], "report_interval_ms": core["report_interval_ms"],
+            "formed_at": run["formed_at"],
             "coordinator_restarts": book.coordinator_restarts, "events": events,
         },
         "progress": {

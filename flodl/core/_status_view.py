@@ -60,6 +60,8 @@ def status_view(st: CoordinatorState) -> dict[str, Any]:
     return {
         "now": _num(st.now),
         "world_size": cfg.world_size,
+        # How often each rank reports its batches: batch_report_ms, stretched for many ranks.
+        "report_interval_ms": cfg.report_interval_ms,
         "policy": cfg.policy,
         "plane": cfg.plane,
         "run": {

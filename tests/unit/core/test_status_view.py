@@ -71,3 +71,17 @@ def test_reasons_read_the_gate_and_a_reasons_mapping_when_the_state_has_one():
     st = SimpleNamespace(rounds=SimpleNamespace(gate_reason="waiting: rank 2 behind"),
                          reasons={"epoch": "epoch 0 not aggregated: rank 1 owes ChunkDone", "idle": ""})
     assert _reasons(st) == {"round": "waiting: rank 2 behind", "epoch": "epoch 0 not aggregated: rank 1 owes ChunkDone"}
+
+
+def test_the_view_names_the_report_interval_many_ranks_stretch(Cluster):
+    """``report_interval_ms``: what the ranks were told (``RunSpec.batch_report_ms``), so an
+    operator reading a 1,024-rank run's coarse progress sees why: 25 ms for a few ranks,
+    stretched to 1000 * N / ``batch_reports_per_s`` for many."""
+    from dataclasses import replace
+
+    base = Cluster(world_size=4, total=48, epochs=1).state.config
+    assert base.batch_report_ms == 0.0 and status_view(Cluster(total=48, config=base).state)["report_interval_ms"] == 0.0
+    told = replace(base, batch_report_ms=25.0)  # 4 ranks well inside the 2,000 frames/s: as set
+    assert status_view(Cluster(total=48, config=told).state)["report_interval_ms"] == 25.0
+    few_frames = replace(told, batch_reports_per_s=100.0)  # 4 ranks at 100 frames/s: 40 ms
+    assert status_view(Cluster(total=48, config=few_frames).state)["report_interval_ms"] == 40.0
