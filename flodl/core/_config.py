@@ -184,8 +184,8 @@ class CoreConfig:
         "1,024 (the run's `report_interval_ms`, in the `world_formed` line). A trade: at 1,024 paced "
         "ranks (100-400 ms batches) the ranks sent about 40 % fewer report frames, the coordinator spent "
         "7-20 % less CPU per batch and the ranks idled 0.6-2.3 points less (3 sittings); at 256 (10-40 ms "
-        "batches) the coordinator spent 13-28 % less CPU per batch but the ranks idled 0.4-1.9 points "
-        "more in 3 sittings of 4 (`bench/control_scale.py --peer-reports-per-s 0`). 0 = "
+        "batches) the coordinator spent 4-28 % less CPU per batch but the ranks idled 0.4-1.9 points "
+        "more in 4 sittings of 5 (`bench/control_scale.py --peer-reports-per-s 0`). 0 = "
         "`batch_report_ms` as set; `batch_report_ms` 0 is always a frame per batch",
     )  # fmt: skip
     reduce_stall_s: float = setting(
