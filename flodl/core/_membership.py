@@ -203,6 +203,8 @@ def run_spec(st: CoordinatorState, dataset_len: int) -> pb.RunSpec:
         heartbeat_interval_s=cfg.heartbeat_interval_s,
         liveness_timeout_s=cfg.liveness_timeout_s,
         batch_report_ms=cfg.report_interval_ms,
+        report_batches=cfg.report_batches_cap,  # (0 unless stretched)
+        report_floor_ms=cfg.batch_report_ms,
         start_epoch=0,
         global_step=st.rounds.global_step,  # the run's progress so far: LR schedules start there
         samples_committed=_coverage.committed_samples(st.coverage),

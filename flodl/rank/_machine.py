@@ -323,6 +323,9 @@ class RankMachine:
         if (
             window_run
             or self.unsent_ms >= self.spec.batch_report_ms
+            # A stretched interval spanning many batches: report_batches of them and the
+            # interval as set (RunSpec.report_floor_ms) are enough.
+            or (0 < self.spec.report_batches <= len(self.unsent) and self.unsent_ms >= self.spec.report_floor_ms)
             or len(self.unsent) >= MAX_BATCHES_PER_REPORT
             or cur is None
             or cur.exhausted()  # the plan ran out: the coordinator plans the next one by it

@@ -159,7 +159,7 @@ class RankHello(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_sig: _Optional[bytes] = ..., dataset_len: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., bf16_wire: _Optional[bool] = ..., task: _Optional[str] = ..., agent_token: _Optional[bytes] = ..., restart_count: _Optional[int] = ..., unpinned_slot: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from", "join_running", "global_step", "samples_committed", "batch_report_ms")
+    __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from", "join_running", "global_step", "samples_committed", "batch_report_ms", "report_batches", "report_floor_ms")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,8 @@ class RunSpec(_message.Message):
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     BATCH_REPORT_MS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FLOOR_MS_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     total_samples: int
     batch_size: int
@@ -196,7 +198,9 @@ class RunSpec(_message.Message):
     global_step: int
     samples_committed: int
     batch_report_ms: float
-    def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ..., join_running: _Optional[bool] = ..., global_step: _Optional[int] = ..., samples_committed: _Optional[int] = ..., batch_report_ms: _Optional[float] = ...) -> None: ...
+    report_batches: int
+    report_floor_ms: float
+    def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ..., join_running: _Optional[bool] = ..., global_step: _Optional[int] = ..., samples_committed: _Optional[int] = ..., batch_report_ms: _Optional[float] = ..., report_batches: _Optional[int] = ..., report_floor_ms: _Optional[float] = ...) -> None: ...
 
 class HelloAck(_message.Message):
     __slots__ = ("accepted", "reason", "run", "deferred", "rank")

@@ -181,10 +181,18 @@ def test_the_ranks_are_told_the_stretched_interval_and_report_less_often():
         return sum(isinstance(ev, (BatchDone, BatchesDone)) for ev in c.journal)
 
     plain = _run("cadence", 25.0)
-    stretched = _run("cadence", 25.0, batch_reports_per_s=30.0)  # 3 ranks: once per 100 ms
+    # 3 ranks: once per 100 ms (no batch cap: what the stretch alone does)
+    stretched = _run("cadence", 25.0, batch_reports_per_s=30.0, report_batches=0)
     assert stretched.config.report_interval_ms == 100.0
     assert {r.m.spec.batch_report_ms for r in stretched.ranks} == {100.0}
     assert {r.m.spec.batch_report_ms for r in plain.ranks} == {25.0}
     assert frames(stretched) < frames(plain)
+    # The batch cap: told only where the interval is stretched, with the interval as set as
+    # its floor; these ranks' 2-9 ms batches reach the floor before 4 batches, so capped
+    # they report as often as unstretched ones, never more.
+    capped = _run("cadence", 25.0, batch_reports_per_s=30.0, report_batches=4)
+    assert {(r.m.spec.report_batches, r.m.spec.report_floor_ms) for r in capped.ranks} == {(4, 25.0)}
+    assert {r.m.spec.report_batches for r in plain.ranks} == {0}  # (unstretched: no cap, as before)
+    assert frames(stretched) < frames(capped) <= frames(plain)
     formed = [cmd for cmd in stretched.commands if getattr(cmd, "kind", "") == "world_formed"]
     assert formed and formed[0].data["report_interval_ms"] == 100.0  # the operator's world_formed line says it

@@ -172,3 +172,23 @@ def test_a_due_heartbeat_is_the_report_of_the_batches_held_else_a_heartbeat():
     assert train(m) == []  # the next report starts from nothing held: no batch twice
     (c,) = m.handle(HeartbeatDue())
     assert reported([c]) == [(3, 2)]
+
+
+def test_a_stretched_interval_still_reports_every_report_batches_past_its_floor():
+    """``RunSpec.report_batches``: with the interval stretched to 128 ms, a rank holding 4
+    batches and at least ``report_floor_ms`` (25) of training reports them; short batches
+    (4 of 5 ms: 20 ms) wait for the floor; 0 is no cap."""
+    def capped(cap: int) -> RankMachine:
+        m = RankMachine(0)
+        m.handle(IncarnationSeen(incarnation=1, hello_ack=True))
+        m.handle(Admitted(spec=pb.RunSpec(total_samples=1000, batch_size=1, gamma=1.0, policy=pb.POLICY_CADENCE,
+                                          batch_report_ms=128.0, report_batches=cap, report_floor_ms=25.0)))  # fmt: skip
+        m.handle(plan(0, 0, 100))
+        return m
+
+    m = capped(4)
+    assert [reported(train(m, ms=9.0)) for _ in range(4)] == [[], [], [], [(1, 0), (2, 1), (3, 2), (4, 3)]]  # 40 ms
+    m = capped(4)  # 5 ms batches (4 + 1 ms data): 4 of them are 20 ms, the floor is met at the 5th
+    assert [bool(reported(train(m))) for _ in range(5)] == [False] * 4 + [True]
+    m = capped(0)  # no cap: the stretched interval alone (128 ms: 13 batches of 10 ms)
+    assert [bool(reported(train(m, ms=9.0))) for _ in range(13)] == [False] * 12 + [True]
