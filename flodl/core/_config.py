@@ -196,7 +196,7 @@ class CoreConfig:
         "this many batches and at least `batch_report_ms` of training: a stretch spanning many batches "
         "leaves the coordinator planning on staler progress. Measured (`bench/control_scale.py`, 2 "
         "sittings each, 4 against 0): 256 paced ranks at 10-40 ms batches idled 1.0-1.2 points less for "
-        "21 % more coordinator CPU per batch; 1,024 at 100-400 ms idled the same but their decision "
+        "16-22 % more coordinator CPU per batch; 1,024 at 100-400 ms idled the same but their decision "
         "latency rose (p50 +13-20 ms); 8 at 256 changed nothing measurable. For many fast ranks; "
         "unstretched runs never cap. 0 = no cap",
     )  # fmt: skip
