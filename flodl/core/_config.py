@@ -189,7 +189,7 @@ class CoreConfig:
         "`batch_report_ms` as set; `batch_report_ms` 0 is always a frame per batch",
     )  # fmt: skip
     report_batches: int = setting(
-        0, before=0,  # (no cap until this setting)
+        0,  # (off by default: its default is also what came before it, so no `before`)
         help="with a stretched report interval, a rank also reports once it holds this many batches and "
         "batch_report_ms of training (0 = no cap)",
         doc="with the report interval stretched (`batch_reports_per_s`), a rank also reports once it holds "
