@@ -18,8 +18,9 @@ partitions differ by one batch. The verdict comes with a reason, like torchft's
 
 Trigger (§5.3 CPU path): ``cycle += 1``; ``OpenRound(cycle, ranks)`` tells the reducer
 whom to expect; the dispatcher's ``on_trigger`` (Cadence: every idle participant gets
-its next window as a ``StartEpoch`` *before* its ``RequestParams``, so it trains while
-the round is open); ``RequestParams{cycle}`` to each participant, then -- unless the
+its next window, so it trains while the round is open: inside its ``RequestParams`` where
+that window is its one command, else as a ``StartEpoch`` before it -- ``_carried_plans``);
+``RequestParams{cycle}`` to each participant, then -- unless the
 dispatcher is progressive -- ``Throttle`` to each (Sync's barrier: a rank stops training
 until ``Update``; a progressive policy paces ranks by the chunks it hands out instead).
 
@@ -62,6 +63,7 @@ from typing import Any, Callable, Optional
 from flodl.wire import LEN, VARINT, pb, tag, varint
 
 from . import _coverage
+from ._carried_plans import NO_PLAN, carry_lone_plans, request_params, request_params_wire
 from ._commands import Command, Notice, OpenRound, command_id_field
 from ._dispatch import SYNC, Dispatcher
 from ._errors import LocalViolation
@@ -129,9 +131,18 @@ def trigger(st: CoordinatorState, out: list[Command], dispatcher: Dispatcher) ->
     recs = st.ranks  # (``unfolded``, inline: a round opens for every rank)
     steps = tuple([max(0, recs[r].last_step - recs[r].folded_step) for r in rs.ranks])
     out.append(OpenRound(rs.cycle, rs.ranks, steps))
-    dispatcher.on_trigger(st, list(rs.ranks), out)
+    planned: list[Command] = []
+    dispatcher.on_trigger(st, list(rs.ranks), planned)
+    # A rank's lone next window rides in its RequestParams (protocol 1.2: ``_carried_plans``).
+    kept, carried = carry_lone_plans(planned, rs.ranks)
+    out.extend(kept)
     # Built when sent: a round asks every rank (``CoordinatorState.send_built``).
-    st.send_built_each(out, rs.ranks, "request_params", _request_params, (rs.cycle,))
+    if not carried:
+        st.send_built_each(out, rs.ranks, "request_params", _request_params, (rs.cycle,))
+    else:
+        cycle, get = rs.cycle, carried.get
+        args = [(cycle, *get(r, NO_PLAN)) for r in rs.ranks]
+        st.send_built_zip(out, list(rs.ranks), "request_params", request_params, args, wire=request_params_wire)
     if not dispatcher.progressive:
         st.send_built_each(out, rs.ranks, "throttle", _throttle)
 

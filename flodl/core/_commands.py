@@ -131,6 +131,13 @@ class Send(Command):
         return self.control.SerializeToString()
 
     @property
+    def recipe(self) -> "tuple[str, tuple] | None":
+        """``(kind, args)`` of a recipe (``Send.built``), read without building its Control;
+        None for a ready one (read ``control``)."""
+        body = self._body
+        return (body[1], body[3]) if type(body) is tuple else None
+
+    @property
     def kind(self) -> str:
         body = self._body
         if type(body) is tuple:

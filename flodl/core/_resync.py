@@ -95,7 +95,7 @@ __all__ = [
 # Batch tuple: (step_count, epoch, offset, samples, batch_ms, data_ms, loss, lr)
 # Chunk tuple: (epoch, chunk_seq, batches, samples, avg_loss, epoch_ms,
 #               share_complete_ms, compute_only_ms, data_starve_ms)
-_PLAN_KINDS = ("start_epoch", "update", "extend_partition")
+_PLAN_KINDS = ("start_epoch", "update", "extend_partition", "request_params")  # (the last: a carried window)
 _RESEND_KINDS = ("execute_eval", "shutdown", "shutdown_with_save")
 
 
@@ -366,6 +366,10 @@ def note_sent(st: CoordinatorState, out: list[Command]) -> None:
             p = ctl.update.next_plan
         elif kind == "extend_partition":
             p = ctl.extend_partition
+        elif kind == "request_params" and ctl.request_params.HasField("next_plan"):  # protocol 1.2
+            p = ctl.request_params.next_plan
+        elif kind == "request_params" and ctl.request_params.HasField("extend"):
+            p = ctl.request_params.extend
         elif kind in _RESEND_KINDS:
             p = None
         else:

@@ -385,7 +385,14 @@ class RankMachine:
 
     def _request_params(self, c: pb.Control, out: list[Command]) -> None:
         assert self.spec is not None
-        cycle, n = c.request_params.cycle, self.steps_since_avg
+        rp = c.request_params
+        # Protocol 1.2: the next window, where it rides in the trigger, is taken first, as
+        # the StartEpoch or ExtendPartition it stands for would have been (sent before it).
+        if rp.HasField("next_plan"):
+            self._queue(rp.next_plan, "RequestParams.next_plan", out)
+        elif rp.HasField("extend"):
+            self._extend_by(rp.extend, "RequestParams.extend", out)
+        cycle, n = rp.cycle, self.steps_since_avg
         snap = Snapshot(n=n, step_count=self.local_step, weight=gamma_mass(n, self.spec.gamma))
         self.snapshots[cycle] = snap
         out.append(TakeSnapshot(cycle=cycle, n=snap.n, step_count=snap.step_count, weight=snap.weight))
@@ -425,7 +432,9 @@ class RankMachine:
         self.plans.append(Chunk(epoch=int(epoch), seq=self.chunk_seq, segments=deque([[int(offset), int(size)]])))
 
     def _extend(self, c: pb.Control, out: list[Command]) -> None:
-        m = c.extend_partition
+        self._extend_by(c.extend_partition, "ExtendPartition", out)
+
+    def _extend_by(self, m: pb.Control.ExtendPartition, source: str, out: list[Command]) -> None:
         # The plan it extends: the last one queued (Cadence sends a window's further
         # ranges right behind its plan), else the one in training (Sync hands a dead
         # rank's remainder to the survivors' partitions); of its epoch.
@@ -434,11 +443,11 @@ class RankMachine:
         if target is not None and target.epoch == m.epoch:
             assert self.spec is not None
             if m.partition_offset + m.partition_size > self.spec.total_samples:
-                out.append(Drop(reason="bad_plan", detail="ExtendPartition beyond the epoch"))
+                out.append(Drop(reason="bad_plan", detail=f"{source} beyond the epoch"))
                 return
             target.segments.append([int(m.partition_offset), int(m.partition_size)])
         else:  # no plan of its epoch: the extension is a chunk of its own
-            self._add_chunk(m.epoch, m.partition_offset, m.partition_size, "ExtendPartition", out)
+            self._add_chunk(m.epoch, m.partition_offset, m.partition_size, source, out)
 
     def _trim(self, c: pb.Control, out: list[Command]) -> None:
         m = c.trim_partition

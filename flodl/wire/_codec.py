@@ -36,10 +36,13 @@ __all__ = [
 
 PROTOCOL_MAJOR = 1
 # 1.1: the round's global step rides in Control.Update (1.0: a SetGlobalStep after it).
-PROTOCOL_MINOR = 1
-# The oldest minor a coordinator admits a rank of: a 1.0 rank would not read the global
-# step in the Update, and its LR schedule would stop following the run's progress.
-MIN_RANK_MINOR = 1
+# 1.2: a round's RequestParams carries the rank's next window (next_plan / extend) where
+# that was its one command of the step (1.1: a StartEpoch or ExtendPartition before it).
+PROTOCOL_MINOR = 2
+# The oldest minor a coordinator admits a rank of: a 1.1 rank would not read the window
+# in a RequestParams and would never train it (the run could not finish); a 1.0 rank
+# would not read the global step in the Update either.
+MIN_RANK_MINOR = 2
 DELIMITER = b""
 # A model is at most a few thousand tensors; a frame claiming more is hostile or broken.
 MAX_BLOBS = 65536

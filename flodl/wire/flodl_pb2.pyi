@@ -297,10 +297,14 @@ class EpochMetrics(_message.Message):
 class Control(_message.Message):
     __slots__ = ("command_id", "request_params", "update", "sync_now", "start_epoch", "extend_partition", "declare_dead", "rendezvous", "throttle", "set_global_step", "checkpoint", "execute_eval", "set_epoch_callback_role", "shutdown", "shutdown_with_save", "epoch_aggregated", "eval_broadcast", "save_consensus_model", "coord_heartbeat", "stage_advisory", "arm_consensus_eval", "trim_partition")
     class RequestParams(_message.Message):
-        __slots__ = ("cycle",)
+        __slots__ = ("cycle", "next_plan", "extend")
         CYCLE_FIELD_NUMBER: _ClassVar[int]
+        NEXT_PLAN_FIELD_NUMBER: _ClassVar[int]
+        EXTEND_FIELD_NUMBER: _ClassVar[int]
         cycle: int
-        def __init__(self, cycle: _Optional[int] = ...) -> None: ...
+        next_plan: EpochPlan
+        extend: Control.ExtendPartition
+        def __init__(self, cycle: _Optional[int] = ..., next_plan: _Optional[_Union[EpochPlan, _Mapping]] = ..., extend: _Optional[_Union[Control.ExtendPartition, _Mapping]] = ...) -> None: ...
     class Update(_message.Message):
         __slots__ = ("version", "next_plan", "cycle", "report_at_step", "global_step", "samples_committed")
         VERSION_FIELD_NUMBER: _ClassVar[int]

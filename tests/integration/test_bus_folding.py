@@ -110,6 +110,10 @@ class Rank:
                 self.plan, self.used = (p.epoch, p.partition_offset, p.partition_size), 0
                 self.step()
             elif which == "request_params" and self.answer_rounds:
+                if c.request_params.HasField("next_plan"):  # protocol 1.2: the window rides in the trigger
+                    p = c.request_params.next_plan
+                    self.plan, self.used = (p.epoch, p.partition_offset, p.partition_size), 0
+                    self.step()
                 w = 1.0 + self.rank
                 header, blobs = pack_round([a * np.float32(w) for a in self.params], cycle=c.request_params.cycle, weight=w)
                 self.send("round", header, blobs)

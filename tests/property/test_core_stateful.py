@@ -128,16 +128,21 @@ class Ledger:
                 del self.owner[key]
         elif isinstance(c, Send) and c.kind == "epoch_aggregated":
             self.aggregated = max(self.aggregated, c.control.epoch_aggregated.metrics.epoch)
-        elif isinstance(c, Send) and c.kind == "start_epoch":
-            p = c.control.start_epoch.plan
+        elif isinstance(c, Send) and (c.kind == "start_epoch" or (
+                c.kind == "request_params" and c.control.request_params.HasField("next_plan"))):
+            # (a round's trigger carries a rank's lone plan: protocol 1.2)
+            ctl = c.control
+            p = ctl.start_epoch.plan if c.kind == "start_epoch" else ctl.request_params.next_plan
             if self.streams:
                 assert p.epoch > self.aggregated, "a plan of an aggregated epoch"
             else:
                 assert p.epoch >= self.max_epoch, "the epoch went back"
             self.max_epoch = max(self.max_epoch, p.epoch)
             self._assign(c.rank, p.epoch, p.partition_offset, p.partition_size)
-        elif isinstance(c, Send) and c.kind == "extend_partition":
-            x = c.control.extend_partition
+        elif isinstance(c, Send) and (c.kind == "extend_partition" or (
+                c.kind == "request_params" and c.control.request_params.HasField("extend"))):
+            ctl = c.control
+            x = ctl.extend_partition if c.kind == "extend_partition" else ctl.request_params.extend
             self._assign(c.rank, x.epoch, x.partition_offset, x.partition_size)
         elif isinstance(c, Send) and c.kind == "update":
             u = c.control.update

@@ -560,6 +560,24 @@ def role_told(ctl: pb.Control) -> Optional[int]:
     return None
 
 
+def window_plan(ctl: pb.Control) -> Optional[tuple[str, tuple[int, int, int]]]:
+    """The plan a control hands its rank, as ``(how, (epoch, offset, size))``: a
+    ``start_epoch`` / ``extend_partition`` frame, or one riding in a round's trigger
+    (``request_params.next_plan`` / ``.extend``, protocol 1.2); None if it hands none."""
+    kind = ctl.WhichOneof("cmd")
+    if kind == "start_epoch":
+        p = ctl.start_epoch.plan
+    elif kind == "extend_partition":
+        p = ctl.extend_partition
+    elif kind == "request_params" and ctl.request_params.HasField("next_plan"):
+        kind, p = "next_plan", ctl.request_params.next_plan
+    elif kind == "request_params" and ctl.request_params.HasField("extend"):
+        kind, p = "extend", ctl.request_params.extend
+    else:
+        return None
+    return kind, (p.epoch, p.partition_offset, p.partition_size)
+
+
 def controls(cmds: list, kind: Optional[str] = None) -> list[tuple[int, pb.Control]]:
     """``(rank, control)`` of the ``Send``s in ``cmds`` (of one kind, if given)."""
     return [(c.rank, c.control) for c in cmds if isinstance(c, Send) and (kind is None or c.kind == kind)]

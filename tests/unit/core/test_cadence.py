@@ -35,7 +35,9 @@ from flodl.core.cadence._chunk_pool import ChunkPool
 from flodl.core.cadence._views import rearm
 from flodl.core._coverage import open_epoch
 from flodl.core import ACTIVE, DEAD, IDLE, PENDING, TRAINING
-from .cluster import Cluster, controls
+from flodl.wire import pb
+
+from .cluster import Cluster, controls, window_plan
 
 EXACT = {"expected": 100, "trained": 100, "duplicates": 0, "missing": 0}
 
@@ -237,10 +239,11 @@ def test_first_reduce_hands_out_the_next_windows_at_the_trigger_then_recalibrate
     for _ in range(4):
         c.train_one(0)
         c.train_one(1)
-    assert [(s.rank, s.kind) for s in c.sends()][-4:] == [
-        (0, "start_epoch"), (1, "start_epoch"), (0, "request_params"), (1, "request_params"),
+    # Each window rides in its rank's RequestParams (its one command of the step: protocol 1.2).
+    assert [(s.rank, s.kind) for s in c.sends()][-2:] == [(0, "request_params"), (1, "request_params")]
+    assert [window_plan(s.control) for s in c.sends() if window_plan(s.control)] == [
+        ("start_epoch", (0, 0, 4)), ("start_epoch", (0, 50, 4)), ("next_plan", (0, 4, 4)), ("next_plan", (0, 54, 4)),
     ]  # fmt: skip
-    assert [_plan(s.control) for s in c.sends("start_epoch")] == [(0, 0, 4), (0, 50, 4), (0, 4, 4), (0, 54, 4)]
     assert c.sends("throttle") == []  # progressive: no hard barrier
     assert c.state.rounds.phase is PENDING
     assert c.state.cadence.in_flight == {0: (0, 4, 4), 1: (0, 54, 4)}
@@ -319,15 +322,24 @@ def test_steps_after_the_snapshot_are_the_next_window_and_the_next_round_folds_t
 
 
 def test_a_batch_between_the_trigger_and_the_snapshot_is_paced_next_and_folded_now():
-    # The StartEpoch wakes an idle rank before it reads its RequestParams: it may train a
-    # batch first. That batch is folded by this round (step <= the ack) but counts in the
-    # next window, so the window handed out at the trigger still ends it, exactly.
+    # A plan sent before the RequestParams wakes an idle rank before it reads them: it may
+    # train a batch first. That batch is folded by this round (step <= the ack) but counts
+    # in the next window, so the window handed out at the trigger still ends it, exactly.
+    # (A lone window rides in the RequestParams since protocol 1.2; a plan that is not
+    # alone still goes before it, as the epoch role's does: the frames are split here.)
     c = _cluster(world_size=2, total=100, batch_size=1, epochs=1, anchor=4, guard="none", speeds=[10, 10],
                  defer_acks=True)  # fmt: skip
     c.join_all()
     _until_trigger(c, [0, 1])
     st = c.state
-    assert c.ranks[0].inbox[0].WhichOneof("cmd") == "start_epoch"
+    rp = c.ranks[0].inbox[0]
+    how, (epoch, off, size) = window_plan(rp)
+    assert how == "next_plan"
+    plan = pb.Control(command_id=rp.command_id)
+    plan.start_epoch.plan.epoch, plan.start_epoch.plan.partition_offset, plan.start_epoch.plan.partition_size = (
+        epoch, off, size)
+    rp.request_params.ClearField("next_plan")
+    c.ranks[0].inbox.appendleft(plan)
     c.deliver_one(0)  # the plan only
     c.train_one(0)
     _drain(c, 0, 1)  # now the RequestParams: snapshot at step 5
@@ -357,7 +369,8 @@ def test_death_with_a_chunk_from_the_trigger_in_flight_exact_coverage(acked):
                     pass
                 c.send_ack(r)
     assert st.rounds.phase is PENDING and st.rounds.cycle == 3 and st.cadence.elche.batch_counts == [7, 4, 2]
-    assert [c.ranks[r].inbox[0].WhichOneof("cmd") for r in range(3)] == ["start_epoch"] * 3
+    # Each got its window at the trigger: in its RequestParams (protocol 1.2), or just before them.
+    assert all(window_plan(c.ranks[r].inbox[0]) for r in range(3))
     while c.deliver_one(2):
         pass
     snap = c.ranks[2].ack_due[1]
@@ -667,9 +680,8 @@ def test_trigger_opens_the_round_without_throttle():
     cmds = c.feed(BatchDone(now=0.0, rank=1, batch_ms=20, data_ms=1, step_count=4, loss=1.0, samples=1,
                             epoch=0, offset=53))  # fmt: skip
     assert cmds[0] == OpenRound(1, (0, 1))
-    assert [(x.rank, x.kind) for x in cmds[1:]] == [
-        (0, "start_epoch"), (1, "start_epoch"), (0, "request_params"), (1, "request_params"),
-    ]  # fmt: skip
+    assert [(x.rank, x.kind) for x in cmds[1:]] == [(0, "request_params"), (1, "request_params")]
+    assert [window_plan(x.control)[0] for x in cmds[1:]] == ["next_plan", "next_plan"]  # each its window
     assert c.state.cadence.window_mark == {0: 4, 1: 4} and window_steps(c.state, 0) == 0
 
 
@@ -855,9 +867,9 @@ def test_a_rank_still_running_ahead_at_the_trigger_gets_the_rest_of_its_window_q
     held = st.cadence.pools[0].in_flight(0)
     assert held == 2
     _rank_1_fires_the_round(c)
-    kinds = [(ctl.WhichOneof("cmd"), ctl) for ctl in c.ranks[0].inbox]
-    assert [k for k, _ in kinds] == ["extend_partition", "request_params"]
-    assert kinds[0][1].extend_partition.partition_size == 4 - held  # its window of 4, less the batches it holds
+    (rp,) = c.ranks[0].inbox  # the extension rides in its RequestParams (protocol 1.2)
+    how, (_e, _off, size) = window_plan(rp)
+    assert how == "extend" and size == 4 - held  # its window of 4, less the batches it holds
     res = c.run()
     assert not any(r.warnings for r in c.ranks)
     assert res.ok and [{k: e[k] for k in EXACT} for e in res.summary["coverage"]] == [EXACT]

@@ -38,7 +38,7 @@ from flodl.core import (
 from flodl.core import ACTIVE, DEAD, FORMING, JOINING, VACANT
 from flodl.wire import pb
 
-from .cluster import Cluster, controls
+from .cluster import Cluster, controls, window_plan
 
 
 def _notices(cmds, kind):
@@ -187,8 +187,8 @@ def test_71_progressive_death_reclaims_the_chunk_in_flight_and_the_survivor_take
     cmds = c.kill(1)
     assert pool.in_flight(1) == 0
     assert OpenRound(1, (0,)) in cmds
-    (start,) = [x for _, x in controls(cmds, "start_epoch")]
-    assert (start.start_epoch.plan.partition_offset, start.start_epoch.plan.partition_size) == (off1, n1)
+    (start,) = [window_plan(x)[1] for _, x in controls(cmds) if window_plan(x)]
+    assert start[1:] == (off1, n1)
     assert st.cadence.in_flight[0] == (0, off1, n1)
     res = c.run()
     assert res.ok
