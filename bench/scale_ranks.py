@@ -123,7 +123,8 @@ class FakeRank:
 
     def send(self, body_field: str, body, blobs=(), *, beat: bool = False) -> None:
         now = time.monotonic()
-        if body_field == "timing" and self.m.admitted and now >= self.next_beat:
+        report = body_field == "timing" or (body_field == "metrics" and len(body.batches) > 0)  # (protocol 1.3)
+        if report and self.m.admitted and now >= self.next_beat:
             # As flodl_worker.rank does: once a heartbeat is due, a timing frame is it,
             # with the time account on it (the real rank's totals; here its train time).
             body.time_account.wall_s, body.time_account.training_s = now - self.born, self.train_s

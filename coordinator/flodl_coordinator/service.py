@@ -50,6 +50,7 @@ from flodl.core import (
     UNPLACED,
     hello_event,
     hello_oversized,
+    chunk_events,
     metrics_event,
     timing_event,
     ContributionRefused,
@@ -604,8 +605,8 @@ class CoordinatorService:
                 raise RouteMismatch("hello's sender is not the rank it names")
             if env.protocol_minor < MIN_RANK_MINOR:  # (the major was checked by decode)
                 why = (f"rank speaks protocol {env.protocol_major}.{env.protocol_minor}; this coordinator "
-                       f"({PROTOCOL_MAJOR}.{PROTOCOL_MINOR}) needs {PROTOCOL_MAJOR}.{MIN_RANK_MINOR} or later (the "
-                       "global step rides in the round's Update): install the same flodl release on every host")  # fmt: skip
+                       f"({PROTOCOL_MAJOR}.{PROTOCOL_MINOR}) needs {PROTOCOL_MAJOR}.{MIN_RANK_MINOR} or later (a round's "
+                       "RequestParams carries the rank's next window): install the same flodl release on every host")  # fmt: skip
                 self._send_frames(self.endpoint.frames("hello_ack", pb.HelloAck(accepted=False, reason=why), route=route))
                 raise VersionMismatch(why)
             why = hello_oversized(env.hello)
@@ -635,8 +636,16 @@ class CoordinatorService:
                 self.status.book.relay_stats(env.sender.host, env.sender.incarnation, env.round.relay_stats)
             return self._on_round(None, env.round, d.blobs, relay=route)
         if kind == "metrics":
-            self._owned_rank(route, env, kind)
-            return self._feed(metrics_event(now, env.metrics))
+            rank = self._owned_rank(route, env, kind)
+            m = env.metrics
+            if m.HasField("time_account"):  # (a Metrics that carries batches may be the heartbeat)
+                self.status.book.time_account(rank, env.sender.incarnation, m.time_account)
+            if not m.batches:
+                return self._feed(metrics_event(now, m))
+            self.marks.batch(time.monotonic())  # (its chunk's last batches ride in it: protocol 1.3)
+            for ev in chunk_events(now, m):
+                self._feed(ev)
+            return
         if kind == "round":
             return self._on_round(self._owned_rank(route, env, kind), env.round, d.blobs)
         raise MalformedFrame(f"a coordinator does not accept {kind!r} frames")

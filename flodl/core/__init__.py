@@ -23,6 +23,7 @@ __all__ = [
     "hello_event",
     "hello_oversized",
     "metrics_event",
+    "chunk_events",
     "timing_event",
     # entry points
     "initial_state",

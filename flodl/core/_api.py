@@ -74,4 +74,4 @@ from ._phases import (
 from ._step import initial_state, replay, step
 from ._drift import view_drift
 from ._status_view import status_view
-from ._translate import hello_event, hello_oversized, metrics_event, timing_event
+from ._translate import chunk_events, hello_event, hello_oversized, metrics_event, timing_event

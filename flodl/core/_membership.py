@@ -205,6 +205,7 @@ def run_spec(st: CoordinatorState, dataset_len: int) -> pb.RunSpec:
         batch_report_ms=cfg.report_interval_ms,
         report_batches=cfg.report_batches_cap,  # (0 unless stretched)
         report_floor_ms=cfg.batch_report_ms,
+        batches_in_metrics=True,  # protocol 1.3: the shell reads a chunk's carried batches (``chunk_events``)
         start_epoch=0,
         global_step=st.rounds.global_step,  # the run's progress so far: LR schedules start there
         samples_committed=_coverage.committed_samples(st.coverage),

@@ -27,7 +27,7 @@ from ._events import (
 )
 from flodl.wire import pb
 
-__all__ = ["hello_event", "hello_oversized", "timing_event", "metrics_event", "MAX_SIG_BYTES", "MAX_HOST_CHARS",
+__all__ = ["hello_event", "hello_oversized", "timing_event", "metrics_event", "chunk_events", "MAX_SIG_BYTES", "MAX_HOST_CHARS",
            "MAX_TASK_CHARS"]
 
 # What a hello may carry into the journal. A model signature is a sha256 (32 bytes);
@@ -165,6 +165,20 @@ def timing_event(now: float, t: pb.Timing):
         )
     step = t.heartbeat.step_count if kind == "heartbeat" else 0
     return HeartbeatSeen(now=now, rank=r, step_count=step)
+
+
+def chunk_events(now: float, m: pb.Metrics) -> list:
+    """A chunk's Metrics frame as core events: the batches it carries (protocol 1.3:
+    ``Metrics.batches``), as the ``timing`` frame that used to come just before it would
+    have been, then its ``ChunkDone``. The core steps the same events either way."""
+    done = metrics_event(now, m)
+    carried = m.batches
+    if not carried:
+        return [done]
+    r = m.rank
+    if len(carried) == 1:
+        return [_batch(now, r, carried[0]), done]
+    return [BatchesDone(now=now, rank=r, batches=tuple([_batch(now, r, b) for b in carried])), done]
 
 
 def metrics_event(now: float, m: pb.Metrics) -> ChunkDone:

@@ -247,7 +247,16 @@ class RankMachine:
         cur = self.current
         if cur.exhausted():
             self.current = None
-            return SendMetrics(metrics=self._metrics(cur, now))
+            m = self._metrics(cur, now)
+            if self.unsent and self.spec is not None and self.spec.batches_in_metrics:
+                # The batches not reported yet go in this frame, first (protocol 1.3): the
+                # coordinator takes them as the report that used to come just before it.
+                sent = pb.Metrics()
+                sent.CopyFrom(m)  # (``finished`` keeps the chunk's own, for a resync report)
+                sent.batches.extend(self.unsent)
+                self.unsent, self.unsent_ms = [], 0.0
+                return SendMetrics(metrics=sent)
+            return SendMetrics(metrics=m)
         if self.throttled:
             return WAIT_THROTTLE
         assert self.spec is not None
@@ -320,6 +329,13 @@ class RankMachine:
         window_run = 0 < self.report_at <= self.local_step  # the next round waits for this step
         if window_run:
             self.report_at = 0
+        if (
+            cur is not None
+            and cur.exhausted()
+            and self.spec.batches_in_metrics
+            and len(self.unsent) < MAX_BATCHES_PER_REPORT
+        ):
+            return  # they ride in the chunk's Metrics, next_action's next answer (protocol 1.3)
         if (
             window_run
             or self.unsent_ms >= self.spec.batch_report_ms

@@ -27,7 +27,7 @@ from flodl.core import (
     SyncAcked,
     timing_event,
 )
-from flodl.core import metrics_event as translate_metrics
+from flodl.core import chunk_events
 from flodl.rank import (
     WAIT_PLAN,
     WAIT_THROTTLE,
@@ -75,8 +75,10 @@ def to_event(rank: int, kind: str, body: Any) -> tuple[type, dict]:
     return _fields(timing_event(0.0, pb.Timing(rank=rank, **{kind: body})))
 
 
-def metrics_event(m: pb.Metrics) -> tuple[type, dict]:
-    return _fields(translate_metrics(0.0, m))
+def metrics_events(m: pb.Metrics) -> list[tuple[type, dict]]:
+    """The core events of a chunk's Metrics frame: the batches it carries, then its
+    ``ChunkDone`` (the coordinator's own translation, ``flodl.core.chunk_events``)."""
+    return [_fields(ev) for ev in chunk_events(0.0, m)]
 
 
 class SimRank:
@@ -145,7 +147,9 @@ class SimRank:
                 cls, kw = to_event(self.rank, c.kind, c.body)
                 self._timing(cls, kw)
             elif t is SendMetrics:
-                cls, kw = metrics_event(c.metrics)
+                *batches, (cls, kw) = metrics_events(c.metrics)
+                for b_cls, b_kw in batches:  # (its chunk's last batches: a timing frame's part)
+                    self._timing(b_cls, b_kw)
                 w.to_core(cls, kw)
             elif t is TakeSnapshot:
                 w.reducer_contribute(self.rank, c.cycle, c.weight)

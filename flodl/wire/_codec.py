@@ -38,7 +38,9 @@ PROTOCOL_MAJOR = 1
 # 1.1: the round's global step rides in Control.Update (1.0: a SetGlobalStep after it).
 # 1.2: a round's RequestParams carries the rank's next window (next_plan / extend) where
 # that was its one command of the step (1.1: a StartEpoch or ExtendPartition before it).
-PROTOCOL_MINOR = 2
+# 1.3: a chunk's Metrics carries the batches its rank had not reported yet, where the
+# coordinator's RunSpec.batches_in_metrics says it reads them (1.2: a frame of their own).
+PROTOCOL_MINOR = 3
 # The oldest minor a coordinator admits a rank of: a 1.1 rank would not read the window
 # in a RequestParams and would never train it (the run could not finish); a 1.0 rank
 # would not read the global step in the Update either.

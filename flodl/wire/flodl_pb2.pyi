@@ -159,7 +159,7 @@ class RankHello(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model_sig: _Optional[bytes] = ..., dataset_len: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., bf16_wire: _Optional[bool] = ..., task: _Optional[str] = ..., agent_token: _Optional[bytes] = ..., restart_count: _Optional[int] = ..., unpinned_slot: _Optional[int] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from", "join_running", "global_step", "samples_committed", "batch_report_ms", "report_batches", "report_floor_ms")
+    __slots__ = ("world_size", "total_samples", "batch_size", "num_epochs", "seed", "policy", "plane", "gamma", "easgd_alpha", "bf16_wire", "heartbeat_interval_s", "liveness_timeout_s", "start_epoch", "resume_from", "join_running", "global_step", "samples_committed", "batch_report_ms", "report_batches", "report_floor_ms", "batches_in_metrics")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,7 @@ class RunSpec(_message.Message):
     BATCH_REPORT_MS_FIELD_NUMBER: _ClassVar[int]
     REPORT_BATCHES_FIELD_NUMBER: _ClassVar[int]
     REPORT_FLOOR_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_IN_METRICS_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     total_samples: int
     batch_size: int
@@ -200,7 +201,8 @@ class RunSpec(_message.Message):
     batch_report_ms: float
     report_batches: int
     report_floor_ms: float
-    def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ..., join_running: _Optional[bool] = ..., global_step: _Optional[int] = ..., samples_committed: _Optional[int] = ..., batch_report_ms: _Optional[float] = ..., report_batches: _Optional[int] = ..., report_floor_ms: _Optional[float] = ...) -> None: ...
+    batches_in_metrics: bool
+    def __init__(self, world_size: _Optional[int] = ..., total_samples: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_epochs: _Optional[int] = ..., seed: _Optional[int] = ..., policy: _Optional[_Union[Policy, str]] = ..., plane: _Optional[_Union[Plane, str]] = ..., gamma: _Optional[float] = ..., easgd_alpha: _Optional[float] = ..., bf16_wire: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., liveness_timeout_s: _Optional[float] = ..., start_epoch: _Optional[int] = ..., resume_from: _Optional[str] = ..., join_running: _Optional[bool] = ..., global_step: _Optional[int] = ..., samples_committed: _Optional[int] = ..., batch_report_ms: _Optional[float] = ..., report_batches: _Optional[int] = ..., report_floor_ms: _Optional[float] = ..., batches_in_metrics: _Optional[bool] = ...) -> None: ...
 
 class HelloAck(_message.Message):
     __slots__ = ("accepted", "reason", "run", "deferred", "rank")
@@ -736,7 +738,7 @@ class CollectiveFailed(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., cycle: _Optional[int] = ..., reason: _Optional[str] = ..., seeding: _Optional[bool] = ...) -> None: ...
 
 class Metrics(_message.Message):
-    __slots__ = ("rank", "epoch", "chunk_seq", "avg_loss", "batches_processed", "epoch_ms", "samples_processed", "share_complete_ms", "compute_only_ms", "data_starve_ms", "scalars")
+    __slots__ = ("rank", "epoch", "chunk_seq", "avg_loss", "batches_processed", "epoch_ms", "samples_processed", "share_complete_ms", "compute_only_ms", "data_starve_ms", "scalars", "batches", "time_account")
     class ScalarsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -755,6 +757,8 @@ class Metrics(_message.Message):
     COMPUTE_ONLY_MS_FIELD_NUMBER: _ClassVar[int]
     DATA_STARVE_MS_FIELD_NUMBER: _ClassVar[int]
     SCALARS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    TIME_ACCOUNT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     epoch: int
     chunk_seq: int
@@ -766,7 +770,9 @@ class Metrics(_message.Message):
     compute_only_ms: float
     data_starve_ms: float
     scalars: _containers.MessageMap[str, ScalarAccum]
-    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., chunk_seq: _Optional[int] = ..., avg_loss: _Optional[float] = ..., batches_processed: _Optional[int] = ..., epoch_ms: _Optional[float] = ..., samples_processed: _Optional[int] = ..., share_complete_ms: _Optional[float] = ..., compute_only_ms: _Optional[float] = ..., data_starve_ms: _Optional[float] = ..., scalars: _Optional[_Mapping[str, ScalarAccum]] = ...) -> None: ...
+    batches: _containers.RepeatedCompositeFieldContainer[Timing.Batch]
+    time_account: TimeAccount
+    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., chunk_seq: _Optional[int] = ..., avg_loss: _Optional[float] = ..., batches_processed: _Optional[int] = ..., epoch_ms: _Optional[float] = ..., samples_processed: _Optional[int] = ..., share_complete_ms: _Optional[float] = ..., compute_only_ms: _Optional[float] = ..., data_starve_ms: _Optional[float] = ..., scalars: _Optional[_Mapping[str, ScalarAccum]] = ..., batches: _Optional[_Iterable[_Union[Timing.Batch, _Mapping]]] = ..., time_account: _Optional[_Union[TimeAccount, _Mapping]] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("dtype", "shape", "elided", "blob_index", "nbytes")

@@ -166,9 +166,10 @@ class CoreMachine(RuleBasedStateMachine):
         max_batch_diff=st.sampled_from([None, 1, 3]),
         report_ms=st.sampled_from([0.0, 25.0]),  # a frame per batch, or ~3 batches a frame (11 ms each)
         sweep=st.booleans(),
+        carry=st.booleans(),  # a chunk's last batches ride in its Metrics (protocol 1.3), or go before it (1.2)
     )
     def setup(self, ws, total, bs, epochs, prejoin, race, policy, anchor, max_batch_diff, report_ms=0.0,
-              sweep=False):  # fmt: skip
+              sweep=False, carry=False):  # fmt: skip
         # sweep: every rearm refills the gate's heap in bulk and the gate sifts it in one
         # sweep, as at thousands of ranks (``_views.REFILL``); these worlds have 1-4.
         _views.REFILL = 0 if sweep else REFILL
@@ -176,7 +177,7 @@ class CoreMachine(RuleBasedStateMachine):
             world_size=ws, total=total, batch_size=bs, epochs=epochs,
             liveness_timeout_s=5.0, reduce_stall_s=1e9, defer_chunks=True, defer_acks=True,
             race_throttle=race, policy=policy, anchor=anchor, max_batch_diff=max_batch_diff,
-            batch_report_ms=report_ms,
+            batch_report_ms=report_ms, carry_batches=carry,
         )
         self.model = Ledger(ws, streams=policy != "sync")
         self.seen = 0

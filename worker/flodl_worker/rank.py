@@ -298,6 +298,11 @@ class _Rank(MachineShell):
     # -- sending ------------------------------------------------------------------------
 
     def _send(self, body_field: str, body, blobs=()) -> None:
+        if body_field == "metrics" and body.batches:  # a report too (protocol 1.3): maybe the heartbeat
+            now = time.monotonic()
+            if self.spec is not None and now >= self.next_heartbeat:
+                body.time_account.CopyFrom(self.account.to_pb(now))
+                self.next_heartbeat = now + self.heartbeat_s
         try:
             self.sock.send_multipart(self.ep.frames(body_field, body, blobs), copy=not blobs)
         except zmq.Again:

@@ -32,7 +32,8 @@ The shell, as ``pump_once`` drives it (or a test, step by step):
 Fault knobs are wrappers around the machine, never in it: ``deaf`` (control kinds dropped
 before the machine), ``defer_acks`` (the consensus waits for ``send_ack``),
 ``defer_chunks`` / ``hold_chunks`` (the chunk's metrics wait for ``send_chunk``; the rank
-trains nothing meanwhile), ``race_throttle`` (one batch lands between the snapshot and
+trains nothing meanwhile; its batches were reported before, as a rank of protocol 1.2
+does: ``carry_batches`` off, see below), ``race_throttle`` (one batch lands between the snapshot and
 the rest of the inbox), ``silence`` (hung: nothing in or out), ``kill``. The
 coordinator's incarnation starts at 1 and changes with every ``CoordinatorRestarted``
 fed; a control carries the incarnation that sent it: each machine notices a new one on
@@ -99,7 +100,7 @@ from flodl.rank import (
     Warn,
 )
 from flodl.wire import pb
-from flodl.core import metrics_event as translate_metrics
+from flodl.core import chunk_events
 from flodl.core import timing_event
 
 MODEL_SIG = b"\x5a" * 8
@@ -173,6 +174,7 @@ class Cluster:
         eval_metric: float = 0.875,
         eval_error: Optional[str] = None,
         defer_chunks: bool = False,
+        carry_batches: Optional[bool] = None,
         defer_acks: bool = False,
         race_throttle: bool = False,
         agent_reports_exit: bool = False,
@@ -194,6 +196,10 @@ class Cluster:
         self.eval_metric = eval_metric
         self.eval_error = eval_error
         self.defer_chunks = defer_chunks
+        # The ranks send a chunk's last batches in its Metrics (protocol 1.3) unless off:
+        # by default off with ``defer_chunks``, whose scenarios hold a chunk's metrics back
+        # after its batches arrived (what a 1.2 rank, still admitted, sends).
+        self.carry_batches = not defer_chunks if carry_batches is None else carry_batches
         self.defer_acks = defer_acks
         self.race_throttle = race_throttle
         self.hold_chunks = False  # pump_once leaves due ChunkDones unsent while True
@@ -260,7 +266,10 @@ class Cluster:
                     if c.ack.accepted:
                         r.admitted = True
                         if self._seen(r, hello_ack=True) and not r.m.admitted:
-                            self._do(r, r.m.handle(Admitted(spec=c.ack.run)))
+                            spec = pb.RunSpec()
+                            spec.CopyFrom(c.ack.run)
+                            spec.batches_in_metrics = spec.batches_in_metrics and self.carry_batches
+                            self._do(r, r.m.handle(Admitted(spec=spec)))
                     else:
                         r.refused = c.ack.reason
         elif isinstance(c, OpenRound):
@@ -452,7 +461,8 @@ class Cluster:
         if r.chunk_due is None or not r.active:
             return False
         m, r.chunk_due, r.metrics_due = r.metrics_due, None, None
-        self.feed(translate_metrics(self.now, m))
+        for ev in chunk_events(self.now, m):  # (the batches it carries first: protocol 1.3)
+            self.feed(ev)
         return True
 
     def send_saves(self, rank: int) -> bool:

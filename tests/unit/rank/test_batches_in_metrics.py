@@ -1,0 +1,59 @@
+"""Protocol 1.3, the rank's side: where the coordinator's RunSpec says it reads them
+(``batches_in_metrics``), a chunk's last unreported batches ride in the chunk's Metrics
+frame instead of a frame of their own just before it; otherwise (a 1.2 coordinator) the
+rank reports as before. The coordinator's side: tests/unit/core/test_chunk_events.py."""
+
+from __future__ import annotations
+
+from flodl.rank import BatchTrained, SendMetrics, SendTiming, TrainBatch
+from flodl.rank._machine import MAX_BATCHES_PER_REPORT
+
+from .test_machine import machine, plan
+
+
+def _step(m, t=0.0):
+    act = m.next_action(t)
+    assert isinstance(act, TrainBatch), act
+    return m.handle(BatchTrained(epoch=act.epoch, offset=act.offset, samples=act.count, batch_ms=2.0, loss=0.5))
+
+
+def test_a_chunks_last_batch_rides_in_its_metrics_and_nothing_else_carries_it():
+    m = machine(batches_in_metrics=True, batch_report_ms=0.0)  # a frame per batch, but the last
+    m.handle(plan(0, 0, 24))
+    first = [_step(m), _step(m)]
+    assert [[type(c) for c in out] for out in first] == [[SendTiming], [SendTiming]]
+    assert _step(m) == []  # the chunk's last batch: held for its Metrics
+    act = m.next_action(1.0)
+    assert isinstance(act, SendMetrics) and [b.offset for b in act.metrics.batches] == [16]
+    assert act.metrics.batches_processed == 3 and act.metrics.batches[0].step_count == 3
+    assert m.unsent == [] and not m.finished[-1].batches  # the resync report keeps the chunk's own
+
+
+def test_without_the_coordinators_word_the_last_batch_goes_in_a_frame_of_its_own():
+    m = machine(batch_report_ms=0.0)  # a 1.2 coordinator leaves batches_in_metrics false
+    m.handle(plan(0, 0, 16))
+    _step(m)
+    (sent,) = _step(m)
+    assert isinstance(sent, SendTiming) and sent.body.offset == 8
+    act = m.next_action(1.0)
+    assert isinstance(act, SendMetrics) and not act.metrics.batches
+
+
+def test_a_coalesced_report_and_the_cap_still_hold_with_batches_in_metrics():
+    # Stretched reports, the next plan queued (no early report to fetch one): the whole
+    # chunk's batches go in its Metrics, as the one report it replaces would have.
+    m = machine(batches_in_metrics=True, batch_report_ms=1e6, batch_size=1)
+    m.handle(plan(0, 0, 5))
+    assert _step(m) == []
+    m.handle(plan(0, 10, 5))
+    assert all(_step(m) == [] for _ in range(4))
+    act = m.next_action(1.0)
+    assert [b.offset for b in act.metrics.batches] == [0, 1, 2, 3, 4]
+    # Past the per-frame cap a report goes at once, as before: the Metrics carries none.
+    m = machine(batches_in_metrics=True, batch_report_ms=1e6, batch_size=1, total_samples=500)
+    m.handle(plan(0, 0, MAX_BATCHES_PER_REPORT))
+    outs = [_step(m)]
+    m.handle(plan(0, 100, 5))  # (queued: no early report)
+    outs += [_step(m) for _ in range(MAX_BATCHES_PER_REPORT - 1)]
+    assert [len(o) for o in outs].count(1) == 1 and outs[-1] and len(outs[-1][0].body.batch) == MAX_BATCHES_PER_REPORT
+    assert not m.next_action(1.0).metrics.batches
