@@ -164,6 +164,7 @@ class RankMachine:
         # Batch reports not sent yet (RunSpec.batch_report_ms), and the training ms they cover.
         self.unsent: list[pb.Timing.Batch] = []
         self.unsent_ms = 0.0
+        self.held_for_metrics = False  # unsent holds a chunk's last batches, for its Metrics (protocol 1.3)
         self.report_at = 0  # Update.report_at_step: the step that ends this rank's window
         # Plan wait: since when the trained rank has had nothing to train (None: it has),
         # and the wait not yet told -- the next batch's ``wait_ms``.
@@ -220,6 +221,10 @@ class RankMachine:
             raise TypeError(f"RankMachine cannot handle {type(ev).__name__}")
         out: list[Command] = []
         fn(self, ev, out)
+        if self.held_for_metrics and self.current is not None and not self.current.exhausted():
+            # An extension came before the Metrics could go and revived the chunk: its
+            # Metrics is a chunk away now, the held batches go at once (the round may wait on them).
+            out.extend(self._unsent_report())
         if self.unsent:
             # Whatever this rank says next, its batches are said first: the coordinator
             # weighs a snapshot, commits an ack and reads a trim by the batches it heard.
@@ -254,7 +259,7 @@ class RankMachine:
                 sent = pb.Metrics()
                 sent.CopyFrom(m)  # (``finished`` keeps the chunk's own, for a resync report)
                 sent.batches.extend(self.unsent)
-                self.unsent, self.unsent_ms = [], 0.0
+                self.unsent, self.unsent_ms, self.held_for_metrics = [], 0.0, False
                 return SendMetrics(metrics=sent)
             return SendMetrics(metrics=m)
         if self.throttled:
@@ -335,6 +340,7 @@ class RankMachine:
             and self.spec.batches_in_metrics
             and len(self.unsent) < MAX_BATCHES_PER_REPORT
         ):
+            self.held_for_metrics = True
             return  # they ride in the chunk's Metrics, next_action's next answer (protocol 1.3)
         if (
             window_run
@@ -361,6 +367,7 @@ class RankMachine:
     def _unsent_report(self) -> list[Command]:
         """The batches not reported yet, as one frame (one ``batch`` frame when alone)."""
         unsent, self.unsent, self.unsent_ms = self.unsent, [], 0.0
+        self.held_for_metrics = False
         if len(unsent) == 1:
             return [SendTiming(kind="batch", body=unsent[0])]
         return [SendTiming(kind="batches", body=pb.Timing.BatchRun(batch=unsent))]
@@ -597,7 +604,7 @@ class RankMachine:
         self.snapshots.clear()  # their rounds died with the old coordinator's reducer
         out.append(AbandonRounds(cycles=dropped))
         batches = [b for b in self.unfolded if b.step_count > self.folded_step]
-        self.unsent, self.unsent_ms = [], 0.0  # they are in the report
+        self.unsent, self.unsent_ms, self.held_for_metrics = [], 0.0, False  # they are in the report
         held = self.held_positions()
         report = pb.Timing.Resync(
             coordinator_incarnation=inc,

@@ -5,7 +5,8 @@ rank reports as before. The coordinator's side: tests/unit/core/test_chunk_event
 
 from __future__ import annotations
 
-from flodl.rank import BatchTrained, SendMetrics, SendTiming, TrainBatch
+from flodl.rank import BatchTrained, ControlReceived, SendMetrics, SendTiming, TrainBatch
+from flodl.wire import pb
 from flodl.rank._machine import MAX_BATCHES_PER_REPORT
 
 from .test_machine import machine, plan
@@ -57,3 +58,22 @@ def test_a_coalesced_report_and_the_cap_still_hold_with_batches_in_metrics():
     outs += [_step(m) for _ in range(MAX_BATCHES_PER_REPORT - 1)]
     assert [len(o) for o in outs].count(1) == 1 and outs[-1] and len(outs[-1][0].body.batch) == MAX_BATCHES_PER_REPORT
     assert not m.next_action(1.0).metrics.batches
+
+
+def test_an_extension_that_revives_the_chunk_before_its_metrics_sends_the_held_batches_at_once():
+    # The worker drains control between a batch and its next action: an ExtendPartition
+    # read there extends the exhausted chunk, whose Metrics is then a whole chunk away.
+    m = machine(batches_in_metrics=True, batch_report_ms=1e6, batch_size=1)
+    m.handle(plan(0, 0, 3))  # nothing queued behind it: the extension targets this chunk
+    assert _step(m) == []
+    (early,) = _step(m)  # one batch left, nothing queued: reported early, to fetch the next plan
+    assert [b.offset for b in early.body.batch] == [0, 1]
+    assert _step(m) == [] and m.held_for_metrics  # the chunk's last: held for its Metrics
+    out = m.handle(ControlReceived(control=pb.Control(command_id=9, extend_partition=pb.Control.ExtendPartition(
+        epoch=0, partition_offset=10, partition_size=2))))  # fmt: skip
+    (sent,) = out
+    assert isinstance(sent, SendTiming) and sent.body.offset == 2  # at once, not a chunk later
+    assert m.unsent == [] and not m.held_for_metrics
+    assert _step(m)  # (the early report again: one batch left)
+    assert _step(m) == []  # the revived chunk's end, held again
+    assert [b.offset for b in m.next_action(1.0).metrics.batches] == [11]
