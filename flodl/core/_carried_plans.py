@@ -87,7 +87,7 @@ _RP_TAG = tag(pb.Control.DESCRIPTOR.fields_by_name["request_params"].number, LEN
 
 def request_params_wire(command_id: int, cycle: int, kind: str, epoch: int, offset: int, size: int) -> bytes:
     """``request_params``'s Control as protobuf serialises it, written without building it
-    (a round sends one to every rank; tests/unit/core/test_send_wire.py). ExtendPartition's
+    (a round sends one to every rank; tests/unit/core/test_carried_plans.py). ExtendPartition's
     fields are EpochPlan's (same numbers, same types), so one writer serves both."""
     parts = [_CYCLE, varint(cycle)] if cycle else []
     if kind:
