@@ -51,7 +51,6 @@ from flodl.core import (
     hello_event,
     hello_oversized,
     chunk_events,
-    metrics_event,
     timing_event,
     ContributionRefused,
     CoordinatorRestarted,
@@ -640,9 +639,8 @@ class CoordinatorService:
             m = env.metrics
             if m.HasField("time_account"):  # (a Metrics that carries batches may be the heartbeat)
                 self.status.book.time_account(rank, env.sender.incarnation, m.time_account)
-            if not m.batches:
-                return self._feed(metrics_event(now, m))
-            self.marks.batch(time.monotonic())  # (its chunk's last batches ride in it: protocol 1.3)
+            if m.batches:  # its chunk's last batches ride in it (protocol 1.3)
+                self.marks.batch(time.monotonic())
             for ev in chunk_events(now, m):
                 self._feed(ev)
             return

@@ -112,7 +112,7 @@ def timing_event(now: float, t: pb.Timing):
     if kind == "batch":
         return _batch(now, r, t.batch)
     if kind == "batches":
-        return BatchesDone(now=now, rank=r, batches=tuple([_batch(now, r, b) for b in t.batches.batch]))
+        return _batch_run(now, r, t.batches.batch)
     if kind == "sync_ack":
         a = t.sync_ack
         return SyncAcked(
@@ -175,10 +175,12 @@ def chunk_events(now: float, m: pb.Metrics) -> list:
     carried = m.batches
     if not carried:
         return [done]
-    r = m.rank
-    if len(carried) == 1:
-        return [_batch(now, r, carried[0]), done]
-    return [BatchesDone(now=now, rank=r, batches=tuple([_batch(now, r, b) for b in carried])), done]
+    r = m.rank  # (as the rank framed it: one batch alone, several as a run)
+    return [_batch(now, r, carried[0]) if len(carried) == 1 else _batch_run(now, r, carried), done]
+
+
+def _batch_run(now: float, rank: int, batches) -> BatchesDone:
+    return BatchesDone(now=now, rank=rank, batches=tuple([_batch(now, rank, b) for b in batches]))
 
 
 def metrics_event(now: float, m: pb.Metrics) -> ChunkDone:

@@ -258,8 +258,7 @@ class RankMachine:
                 # coordinator takes them as the report that used to come just before it.
                 sent = pb.Metrics()
                 sent.CopyFrom(m)  # (``finished`` keeps the chunk's own, for a resync report)
-                sent.batches.extend(self.unsent)
-                self.unsent, self.unsent_ms, self.held_for_metrics = [], 0.0, False
+                sent.batches.extend(self._take_unsent())
                 return SendMetrics(metrics=sent)
             return SendMetrics(metrics=m)
         if self.throttled:
@@ -364,10 +363,14 @@ class RankMachine:
             return
         out.append(SendTiming(kind="heartbeat", body=pb.Timing.Heartbeat(step_count=self.local_step)))
 
+    def _take_unsent(self) -> list[pb.Timing.Batch]:
+        """The batches not reported yet, now reported (or in a resync report): none held."""
+        unsent, self.unsent, self.unsent_ms, self.held_for_metrics = self.unsent, [], 0.0, False
+        return unsent
+
     def _unsent_report(self) -> list[Command]:
         """The batches not reported yet, as one frame (one ``batch`` frame when alone)."""
-        unsent, self.unsent, self.unsent_ms = self.unsent, [], 0.0
-        self.held_for_metrics = False
+        unsent = self._take_unsent()
         if len(unsent) == 1:
             return [SendTiming(kind="batch", body=unsent[0])]
         return [SendTiming(kind="batches", body=pb.Timing.BatchRun(batch=unsent))]
@@ -604,7 +607,7 @@ class RankMachine:
         self.snapshots.clear()  # their rounds died with the old coordinator's reducer
         out.append(AbandonRounds(cycles=dropped))
         batches = [b for b in self.unfolded if b.step_count > self.folded_step]
-        self.unsent, self.unsent_ms, self.held_for_metrics = [], 0.0, False  # they are in the report
+        self._take_unsent()  # they are in the report
         held = self.held_positions()
         report = pb.Timing.Resync(
             coordinator_incarnation=inc,

@@ -299,10 +299,9 @@ class _Rank(MachineShell):
 
     def _send(self, body_field: str, body, blobs=()) -> None:
         if body_field == "metrics" and body.batches:  # a report too (protocol 1.3): maybe the heartbeat
-            now = time.monotonic()
-            if self.spec is not None and now >= self.next_heartbeat:
-                body.time_account.CopyFrom(self.account.to_pb(now))
-                self.next_heartbeat = now + self.heartbeat_s
+            account = self._beat_account()
+            if account is not None:
+                body.time_account.CopyFrom(account)
         try:
             self.sock.send_multipart(self.ep.frames(body_field, body, blobs), copy=not blobs)
         except zmq.Again:
@@ -316,12 +315,19 @@ class _Rank(MachineShell):
         rides on it and the next heartbeat is an interval away. A rank that reports its
         batches sends no heartbeat frames of its own (every frame is liveness to the
         coordinator): at 1,024 ranks those were a tenth of the frames it handled."""
-        now = time.monotonic()
-        if self.spec is not None and now >= self.next_heartbeat:
-            if "time_account" not in event:
-                event["time_account"] = self.account.to_pb(now)
-            self.next_heartbeat = now + self.heartbeat_s
+        account = self._beat_account()
+        if account is not None and "time_account" not in event:
+            event["time_account"] = account
         self._send("timing", pb.Timing(rank=self.cfg.rank, **event))
+
+    def _beat_account(self) -> "pb.TimeAccount | None":
+        """Once a heartbeat is due, the report going out is it: the time account to put on
+        it, and the next heartbeat an interval away; None while none is due."""
+        now = time.monotonic()
+        if self.spec is None or now < self.next_heartbeat:
+            return None
+        self.next_heartbeat = now + self.heartbeat_s
+        return self.account.to_pb(now)
 
     # -- receiving ----------------------------------------------------------------------
 
