@@ -221,14 +221,14 @@ class RankMachine:
             raise TypeError(f"RankMachine cannot handle {type(ev).__name__}")
         out: list[Command] = []
         fn(self, ev, out)
-        if self.held_for_metrics and self.current is not None and not self.current.exhausted():
-            # An extension came before the Metrics could go and revived the chunk: its
-            # Metrics is a chunk away now, the held batches go at once (the round may wait on them).
-            out.extend(self._unsent_report())
         if self.unsent:
             # Whatever this rank says next, its batches are said first: the coordinator
             # weighs a snapshot, commits an ack and reads a trim by the batches it heard.
             at = next((i for i, c in enumerate(out) if type(c) not in _SILENT), None)
+            if at is None and self.held_for_metrics and self.current is not None and not self.current.exhausted():
+                # An extension came before the Metrics could go and revived the chunk: its
+                # Metrics is a chunk away now, the held batches go at once (the round may wait on them).
+                at = len(out)
             if at is not None:
                 out[at:at] = self._unsent_report()
         return out

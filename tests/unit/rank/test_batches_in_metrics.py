@@ -77,3 +77,19 @@ def test_an_extension_that_revives_the_chunk_before_its_metrics_sends_the_held_b
     assert _step(m)  # (the early report again: one batch left)
     assert _step(m) == []  # the revived chunk's end, held again
     assert [b.offset for b in m.next_action(1.0).metrics.batches] == [11]
+
+
+def test_an_extension_carried_in_a_request_params_reports_the_held_batches_before_the_snapshot():
+    # Protocol 1.2 puts the extension inside the trigger: the snapshot the rank takes for
+    # it counts the held batch, so the coordinator must hear that batch first -- it weighs
+    # the snapshot by the steps it heard (a relay's folded weight was refused otherwise).
+    m = machine(batches_in_metrics=True, batch_report_ms=1e6, batch_size=1)
+    m.handle(plan(0, 0, 3))
+    _step(m)
+    _step(m)  # (the early report: one batch left, nothing queued)
+    assert _step(m) == [] and m.held_for_metrics
+    rp = pb.Control.RequestParams(cycle=1, extend=pb.Control.ExtendPartition(epoch=0, partition_offset=10, partition_size=2))
+    out = m.handle(ControlReceived(control=pb.Control(command_id=9, request_params=rp)))
+    assert [type(c).__name__ for c in out] == ["SendTiming", "TakeSnapshot"], out
+    assert out[0].body.offset == 2 and out[1].step_count == 3
+    assert m.unsent == [] and not m.held_for_metrics
