@@ -225,13 +225,13 @@ class CoreMachine(RuleBasedStateMachine):
                 self.c.deliver_one(r)
 
     @precondition(lambda self: self._formed())
-    @rule(data=st.data(), n=st.integers(1, 3))
-    def batch(self, data, n):
+    @rule(data=st.data(), n=st.integers(1, 3), drain=st.booleans())
+    def batch(self, data, n, drain):
         ranks = [r for r in range(len(self.c.ranks)) if self.c.can_train(r)]
         if ranks:
             r = data.draw(st.sampled_from(ranks))
             for _ in range(n):
-                self.c.train_one(r)
+                self.c.train_one(r, drain=drain)  # drain: control read before a chunk's Metrics
 
     @precondition(lambda self: self._formed())
     @rule(data=st.data())

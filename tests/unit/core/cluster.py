@@ -136,6 +136,7 @@ class RankShell:
     warnings: list = field(default_factory=list)
     seed_due: bool = False  # joining a running world: the coordinator asked the shell to send the seed
     seeded: bool = False  # ... and it arrived
+    said_step: int = 0  # the last step the rank reported (a batch frame, a Metrics' batches, a resync)
     m: Any = None
 
     def __post_init__(self) -> None:
@@ -157,6 +158,17 @@ class RankShell:
     def work(self) -> list:
         """[epoch, offset, size] handed to this rank and not trained yet."""
         return [[p.epoch, p.partition_offset, p.partition_size] for p in self.m.held_positions()]
+
+
+def _said_step(kind: str, body: Any) -> int:
+    """The last step a timing frame reports (0: it reports none)."""
+    if kind == "batch":
+        return body.step_count
+    if kind == "batches":
+        return body.batch[-1].step_count if body.batch else 0
+    if kind == "resync":
+        return body.local_step
+    return 0
 
 
 class Cluster:
@@ -330,12 +342,14 @@ class Cluster:
         for c in cmds:
             t = type(c)
             if t is SendTiming:
+                r.said_step = max(r.said_step, _said_step(c.kind, c.body))
                 ev = timing_event(self.now, pb.Timing(rank=r.rank, **{c.kind: c.body}))
                 if isinstance(ev, CheckpointDone) and not self.answer_checkpoints:
                     r.saves_due.append(ev)
                 else:
                     self.feed(ev)
             elif t is SendMetrics:
+                r.said_step = max([r.said_step] + [b.step_count for b in c.metrics.batches])
                 for name, value in self.scalars.items():  # what a metrics recorder would add
                     acc = c.metrics.scalars[name]
                     acc.sum, acc.count = value * c.metrics.batches_processed, c.metrics.batches_processed
@@ -343,6 +357,13 @@ class Cluster:
                 if not self.defer_chunks:
                     self.send_chunk(r.rank)
             elif t is TakeSnapshot:
+                # The rank says every step before its round frame: the reducer weighs the
+                # snapshot by the steps the coordinator heard (its weight's ceiling).
+                if c.step_count > r.said_step:
+                    raise AssertionError(
+                        f"rank {r.rank} snapshots step {c.step_count} for cycle {c.cycle} having reported only "
+                        f"{r.said_step}: its round frame would outrun its batches"
+                    )
                 r.ack_due = (c.cycle, c.step_count)
                 self.round_weights.setdefault(c.cycle, {})[r.rank] = c.weight
             elif t is ApplyConsensus:
@@ -434,8 +455,12 @@ class Cluster:
         r = self.ranks[rank]
         return r.active and r.m.admitted and not r.m.throttled and r.m.has_plan() and r.chunk_due is None
 
-    def train_one(self, rank: int) -> bool:
-        """Train the machine's next batch (and send the chunk's metrics when it runs out)."""
+    def train_one(self, rank: int, drain: bool = False) -> bool:
+        """Train the machine's next batch (and send the chunk's metrics when it runs out).
+
+        ``drain``: the rank reads its inbox between a chunk's last batch and the chunk's
+        Metrics, as the worker drains control between a batch and its next action (an
+        extension read there revives the chunk: no Metrics then)."""
         if not self.can_train(rank):
             return False
         r = self.ranks[rank]
@@ -451,6 +476,10 @@ class Cluster:
                                                 batch_ms=r.speed_ms, data_ms=1.0, loss=loss)))  # fmt: skip
             if r.m.current is None or not r.m.current.exhausted():
                 return True
+            while drain and self.deliver_one(rank):
+                pass
+            if r.m.current is None or not r.m.current.exhausted():
+                return True  # revived: its next batch is the next train_one's (next_action takes it)
             act = r.m.next_action(r.clock_ms / 1e3)
         if isinstance(act, SendMetrics):
             self._do(r, [act])
