@@ -64,6 +64,7 @@ from flodl.core import (
     RunFinished,
     SeedJoiner,
     Send,
+    RankRefused,
     SendFailed,
     StopRequested,
     Tick,
@@ -138,6 +139,13 @@ PUBLISH_COST_SHARE = 20
 NO_EVENT = "no core event"
 # How many frames one pass drains before it runs timers again (fairness bound).
 DRAIN_BATCH = 256
+
+
+def _too_old(env) -> str:
+    """Why a rank of ``env``'s protocol minor is refused, and the fix."""
+    return (f"rank speaks protocol {env.protocol_major}.{env.protocol_minor}; this coordinator "
+            f"({PROTOCOL_MAJOR}.{PROTOCOL_MINOR}) needs {PROTOCOL_MAJOR}.{MIN_RANK_MINOR} or later (a round's "
+            "RequestParams carries the rank's next window): install the same flodl release on every host")  # fmt: skip
 
 
 class CoordinatorService:
@@ -586,6 +594,8 @@ class CoordinatorService:
     def _dispatch(self, now: float, route: tuple, d) -> None:
         env = d.envelope
         kind = env.WhichOneof("body")  # (decode refused a frame without one)
+        if env.protocol_minor < MIN_RANK_MINOR and kind != "hello" and env.sender.kind == _KIND_RANK:
+            raise self._refuse_old_rank(now, route, env, kind)
         if kind == "timing":  # the hot path: every batch a rank trains (order of the checks below kept)
             t = env.timing
             rank = self._owned_rank(route, env, kind, t.rank)
@@ -603,9 +613,7 @@ class CoordinatorService:
             if env.sender.kind != pb.Sender.KIND_RANK or env.sender.rank != env.hello.rank:
                 raise RouteMismatch("hello's sender is not the rank it names")
             if env.protocol_minor < MIN_RANK_MINOR:  # (the major was checked by decode)
-                why = (f"rank speaks protocol {env.protocol_major}.{env.protocol_minor}; this coordinator "
-                       f"({PROTOCOL_MAJOR}.{PROTOCOL_MINOR}) needs {PROTOCOL_MAJOR}.{MIN_RANK_MINOR} or later (a round's "
-                       "RequestParams carries the rank's next window): install the same flodl release on every host")  # fmt: skip
+                why = _too_old(env)
                 self._send_frames(self.endpoint.frames("hello_ack", pb.HelloAck(accepted=False, reason=why), route=route))
                 raise VersionMismatch(why)
             why = hello_oversized(env.hello)
@@ -647,6 +655,25 @@ class CoordinatorService:
         if kind == "round":
             return self._on_round(self._owned_rank(route, env, kind), env.round, d.blobs)
         raise MalformedFrame(f"a coordinator does not accept {kind!r} frames")
+
+    def _refuse_old_rank(self, now: float, route: tuple, env, kind: str) -> VersionMismatch:
+        """A member's frame in a protocol minor this coordinator no longer admits: a
+        coordinator restarted from its journal as a newer release finds ranks of the old
+        one (its hello was checked by the process before). Such a rank would drop what it
+        cannot read (a window riding in a RequestParams) and its samples with it: the core
+        tells it to stop and hands its work to the others; the frame is dropped (counted
+        ``version_mismatch``) and the run ends not ok, naming it. Returns the error to raise."""
+        why = _too_old(env)
+        # Its route must own it (a forged frame cannot get a real rank refused); once the
+        # core has forgotten it, its next frames are refused there (route_mismatch).
+        rank = self._owned_rank(route, env, kind)
+        log.error("rank %d refused: %s", rank, why)
+        # Told here, on its route: once the core forgets it, a Send finds no route. Any
+        # command id will do (a Shutdown is obeyed whatever its number).
+        stop = pb.Control(shutdown=pb.Control.Shutdown(reason=why))
+        self._send_frames(self.endpoint.frames("control", stop, route=route))
+        self._feed(RankRefused(now=now, rank=rank, reason=why))
+        return VersionMismatch(why)
 
     def _owned_rank(self, route: tuple, env, kind: str, body_rank: int | None = None) -> int:
         """The rank a timing/metrics/round frame speaks for, if its route owns it (else

@@ -60,6 +60,7 @@ __all__ = [
     "MAX_EXIT_LINES",
     "MAX_EXIT_LINE_CHARS",
     "SendFailed",
+    "RankRefused",
     "StopRequested",
     "StoreReady",
     "JoinerSeeded",

@@ -32,6 +32,7 @@ from ._events import (
     RankExitReported,
     RankHello,
     SendFailed,
+    RankRefused,
     StopRequested,
     StoreReady,
     CollectiveFailed,

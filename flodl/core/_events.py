@@ -36,6 +36,7 @@ __all__ = [
     "IntentRaised",
     "RankExitReported",
     "SendFailed",
+    "RankRefused",
     "StopRequested",
     "StoreReady",
     "CollectiveFailed",
@@ -229,6 +230,16 @@ class SendFailed(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RankRefused(Event):
+    """The shell refuses a member's frames from now on (``reason`` says why and how to fix
+    it): a coordinator restarted as a newer release finds a rank too old to follow it. The
+    shell tells the rank to stop; the core loses it and hands its work to the others."""
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StopRequested(Event):
     """The operator asked the service to stop (SIGTERM)."""
 
@@ -367,6 +378,7 @@ EVENT_TYPES = {
         IntentRaised,
         RankExitReported,
         SendFailed,
+        RankRefused,
         StopRequested,
         StoreReady,
         CollectiveFailed,

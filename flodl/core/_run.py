@@ -323,7 +323,12 @@ def advance(st: CoordinatorState, out: list[Command], move: str) -> None:
     elif move == "shutdown":
         _begin_shutdown(st, out)
     elif move == "finish":
-        _finish(st, True, "completed")
+        refused = st.run.refused
+        if refused:  # trained without them: complete, but not the world that was asked for
+            first = min(refused)
+            _finish(st, False, f"rank(s) {sorted(refused)} refused mid-run: {refused[first]}")
+        else:
+            _finish(st, True, "completed")
     elif move == "finish_stopped":
         _finish(st, False, f"stopped: {st.run.stop_reason}")
     else:

@@ -305,6 +305,8 @@ class RunState:
     gone: dict[int, str] = field(default_factory=dict)
     unplaced_gone: dict[str, str] = field(default_factory=dict)
     evicted: set[int] = field(default_factory=set)
+    # Members the shell refused mid-run (``RankRefused``), and why: the run then ends not ok.
+    refused: dict[int, str] = field(default_factory=dict)
 
 
 def _plain(x: Any) -> Any:

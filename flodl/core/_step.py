@@ -114,6 +114,7 @@ from ._events import (
     RankExitReported,
     RankHello,
     SendFailed,
+    RankRefused,
     StopRequested,
     SyncAcked,
     Tick,
@@ -516,6 +517,14 @@ def _on_send_failed(st: CoordinatorState, ev: SendFailed, out: list[Command]) ->
     forget_rank(st, ev.rank, "lost", f"unroutable (send of {ev.what or 'a command'} failed)", out)
 
 
+def _on_rank_refused(st: CoordinatorState, ev: RankRefused, out: list[Command]) -> None:
+    """Lost: its work goes to the others as a dead rank's does, and the run, however it
+    ends, is not ok (``_run.advance``). (The shell tells the rank why on the route its
+    frame came from: a Send now would find no route, it is gone.)"""
+    st.run.refused[ev.rank] = ev.reason
+    forget_rank(st, ev.rank, "lost", f"refused: {ev.reason}", out)
+
+
 def _on_stop(st: CoordinatorState, ev: StopRequested, out: list[Command]) -> None:
     if _run.stoppable(st):
         _checkpointing.on_failure(st, out, "graceful_shutdown")
@@ -615,6 +624,7 @@ HANDLERS: dict[type, Handler] = {
     # whether it can still come, and an unpinned process may hold no slot (UNPLACED).
     RankExitReported: Handler(_on_exit_report, unplaced_ok=True),
     SendFailed: Handler(_on_send_failed, not_in_run="send failure for a rank that is not in the run"),
+    RankRefused: Handler(_on_rank_refused, not_in_run="RankRefused for a rank that is not in the run"),
     StopRequested: Handler(_on_stop),
     EpochFnElapsed: Handler(lambda st, ev, out: _roles.on_epoch_fn_elapsed(st, ev), touches_liveness=True),
     StoreReady: Handler(_collective.on_store_ready, touches_liveness=True),
