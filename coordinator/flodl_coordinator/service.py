@@ -55,6 +55,7 @@ from flodl.core import (
     ContributionRefused,
     CoordinatorRestarted,
     ForgetRank,
+    LastWord,
     Notice,
     StageCheckpoint,
     OpenRound,
@@ -668,11 +669,7 @@ class CoordinatorService:
         # core has forgotten it, its next frames are refused there (route_mismatch).
         rank = self._owned_rank(route, env, kind)
         log.error("rank %d refused: %s", rank, why)
-        # Told here, on its route: once the core forgets it, a Send finds no route. Any
-        # command id will do (a Shutdown is obeyed whatever its number).
-        stop = pb.Control(shutdown=pb.Control.Shutdown(reason=why))
-        self._send_frames(self.endpoint.frames("control", stop, route=route))
-        self._feed(RankRefused(now=now, rank=rank, reason=why))
+        self._feed(RankRefused(now=now, rank=rank, reason=why))  # (the core tells it: a LastWord)
         return VersionMismatch(why)
 
     def _owned_rank(self, route: tuple, env, kind: str, body_rank: int | None = None) -> int:
@@ -970,6 +967,8 @@ class CoordinatorService:
 
     def _execute_send(self, cmd: Send) -> None:
         route = self.state.route_of(cmd.rank)
+        if route is None and type(cmd) is LastWord and cmd.route:
+            route = cmd.route  # (the step that sent it forgot the rank: its route is gone)
         if route is None:
             self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
             return

@@ -75,6 +75,7 @@ __all__ = [
     # commands
     "Command",
     "Send",
+    "LastWord",
     "Reply",
     "OpenRound",
     "ForgetRank",

@@ -12,6 +12,7 @@ from ._commands import (
     Reply,
     RunFinished,
     Send,
+    LastWord,
     StageCheckpoint,
 )
 from ._config import CoreConfig

@@ -19,6 +19,7 @@ from flodl.wire import VARINT, pb, tag, varint
 __all__ = [
     "Command",
     "Send",
+    "LastWord",
     "Reply",
     "OpenRound",
     "ForgetRank",
@@ -163,6 +164,25 @@ class Send(Command):
 
     def __reduce__(self) -> tuple:
         return (Send, (self.rank, self.control))
+
+
+class LastWord(Send):
+    """A ``Send`` to a rank that the same step forgets (a Shutdown that says why it is
+    dropped). The shell resolves a Send's route after the step, when this rank has none
+    any more: ``route`` is the one it had. Otherwise a Send like any other."""
+
+    __slots__ = ("route",)
+    route: tuple[bytes, ...]
+
+    def __init__(self, rank: int, control: pb.Control, route: tuple[bytes, ...]) -> None:
+        super().__init__(rank, control)
+        _set(self, "route", tuple(route))
+
+    def __repr__(self) -> str:
+        return f"LastWord(rank={self.rank!r}, control={self.control!r}, route={self.route!r})"
+
+    def __reduce__(self) -> tuple:
+        return (LastWord, (self.rank, self.control, self.route))
 
 
 Encoder = Callable[..., bytes]  # (command_id, *args) -> a Control's bytes

@@ -61,7 +61,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from flodl.wire import pb
 
-from ._commands import Command, Encoder, Send
+from ._commands import Command, Encoder, LastWord, Send
 from ._config import CoreConfig
 from ._errors import LocalViolation
 from ._rank_index import INDEXED_FIELDS, RankIndex
@@ -580,6 +580,13 @@ class CoordinatorState:
         self.next_command_id += 1
         out.append(Send(rank, ctl))
         self.sent_since_beacon.add(rank)
+
+    def send_last_word(self, out: list[Command], rank: int, **cmd: Any) -> None:
+        """``send``, for a rank this step then forgets: a ``LastWord``, which carries its route."""
+        self._check_addressable(rank)
+        ctl = pb.Control(command_id=self.next_command_id, **cmd)
+        self.next_command_id += 1
+        out.append(LastWord(rank, ctl, self.ranks[rank].route))
 
     def control(self, out: list[Command], rank: int) -> pb.Control:
         """Append ``Send(rank, Control(command_id=next))`` and return the Control, for the

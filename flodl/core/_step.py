@@ -518,9 +518,9 @@ def _on_send_failed(st: CoordinatorState, ev: SendFailed, out: list[Command]) ->
 
 
 def _on_rank_refused(st: CoordinatorState, ev: RankRefused, out: list[Command]) -> None:
-    """Lost: its work goes to the others as a dead rank's does, and the run, however it
-    ends, is not ok (``_run.advance``). (The shell tells the rank why on the route its
-    frame came from: a Send now would find no route, it is gone.)"""
+    """Told why and to stop, then lost: its work goes to the others as a dead rank's does,
+    and the run, however it ends, is not ok (``_run.advance``)."""
+    st.send_last_word(out, ev.rank, shutdown=pb.Control.Shutdown(reason=ev.reason))
     st.run.refused[ev.rank] = ev.reason
     forget_rank(st, ev.rank, "lost", f"refused: {ev.reason}", out)
 
@@ -599,7 +599,7 @@ def _on_collective_failed(st: CoordinatorState, ev: CollectiveFailed, out: list[
     too often are refused, so that the members average again without them."""
     _collective.on_failed(st, ev, out)
     for rank, reason in _collective.joiners_to_drop(st):
-        st.send(out, rank, shutdown=pb.Control.Shutdown(reason=reason))
+        st.send_last_word(out, rank, shutdown=pb.Control.Shutdown(reason=reason))
         forget_rank(st, rank, "lost", reason, out)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl.core import ACTIVE, JOINING, VACANT, CollectiveFailed, Reply, replay
+from flodl.core import ACTIVE, JOINING, VACANT, CollectiveFailed, LastWord, Reply, replay
 from flodl.core._collective import SEED_ATTEMPTS
 
 from .cluster import controls
@@ -140,6 +140,9 @@ def test_failed_seed_broadcasts_reform_without_blame_then_drop_the_joiner_by_nam
     assert rec.phase is VACANT and f"seed broadcast of the collective group failed {SEED_ATTEMPTS} times" in rec.reason
     (down,) = [ctl for r, ctl in controls(cmds, "shutdown") if r == 2]
     assert "GLOO_SOCKET_IFNAME" in down.shutdown.reason
+    # Sent as a LastWord: the shell resolves routes after the step, when rank 2 has none.
+    (last,) = [x for x in cmds if isinstance(x, LastWord)]
+    assert last.rank == 2 and last.route == c.ranks[2].route and last.control is down
     fin = c.run()
     assert fin.ok, fin.reason
     exact_coverage(fin.summary)
