@@ -397,7 +397,7 @@ def _deferred(st: CoordinatorState, ev: RankHello, reason: str, out: list[Comman
     why = f"evicted before the world formed: {voters} rank(s) present another model/dataset ({conflict})"
     for r in holders:
         h = st.ranks[r]
-        st.send(out, r, shutdown=pb.Control.Shutdown(reason=why))
+        st.send_last_word(out, r, shutdown=pb.Control.Shutdown(reason=why))  # (its route is cleared next)
         transition(h, "lost")
         h.reason = why
         h.route, h.incarnation = (), 0
