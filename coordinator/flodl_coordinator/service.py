@@ -616,6 +616,10 @@ class CoordinatorService:
             if env.protocol_minor < MIN_RANK_MINOR:  # (the major was checked by decode)
                 why = _too_old(env)
                 self._send_frames(self.endpoint.frames("hello_ack", pb.HelloAck(accepted=False, reason=why), route=route))
+                rank = env.hello.rank
+                if tuple(self.state.route_of(rank) or ()) == route:  # a member's hello again (after a restart)
+                    log.error("rank %d refused: %s", rank, why)
+                    self._feed(RankRefused(now=now, rank=rank, reason=why))
                 raise VersionMismatch(why)
             why = hello_oversized(env.hello)
             if why:  # never journaled: refused with the reason, then dropped and counted
@@ -966,10 +970,10 @@ class CoordinatorService:
         run(self, cmd)
 
     def _execute_send(self, cmd: Send) -> None:
-        route = self.state.route_of(cmd.rank)
-        if route is None and type(cmd) is LastWord and cmd.route:
-            route = cmd.route  # (the step that sent it forgot the rank: its route is gone)
-        if route is None:
+        # A LastWord's rank was forgotten by the step that sent it: its slot may even be
+        # another process's by now (a cohort eviction admits the newcomer at once).
+        route = cmd.route if type(cmd) is LastWord else self.state.route_of(cmd.rank)
+        if not route:
             self._pending.append(SendFailed(now=self.clock(), rank=cmd.rank, what=cmd.kind))
             return
         if cmd.kind in _STAMPED:  # a checkpoint (its directory), the final eval (the model's path)

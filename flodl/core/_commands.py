@@ -178,6 +178,10 @@ class LastWord(Send):
         super().__init__(rank, control)
         _set(self, "route", tuple(route))
 
+    def __eq__(self, other: object) -> bool:
+        eq = super().__eq__(other)
+        return eq if eq is NotImplemented or not eq else self.route == other.route  # type: ignore[attr-defined]
+
     def __repr__(self) -> str:
         return f"LastWord(rank={self.rank!r}, control={self.control!r}, route={self.route!r})"
 

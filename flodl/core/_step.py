@@ -518,10 +518,12 @@ def _on_send_failed(st: CoordinatorState, ev: SendFailed, out: list[Command]) ->
 
 
 def _on_rank_refused(st: CoordinatorState, ev: RankRefused, out: list[Command]) -> None:
-    """Told why and to stop, then lost: its work goes to the others as a dead rank's does,
-    and the run, however it ends, is not ok (``_run.advance``)."""
+    """Told why and to stop, then lost: a member's work goes to the others as a dead
+    rank's does, and the run, however it ends, is not ok (``_run.advance``); a joiner's
+    slot reopens, as for a refused hello."""
     st.send_last_word(out, ev.rank, shutdown=pb.Control.Shutdown(reason=ev.reason))
-    st.run.refused[ev.rank] = ev.reason
+    if st.ranks[ev.rank].phase is ACTIVE:  # (a joiner refused trained nothing: its slot reopens)
+        st.run.refused[ev.rank] = ev.reason
     forget_rank(st, ev.rank, "lost", f"refused: {ev.reason}", out)
 
 

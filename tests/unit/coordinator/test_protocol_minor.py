@@ -8,6 +8,7 @@ coordinator restarted as a newer one) stops that rank, with the reason, and the 
 import json
 import time
 
+import pytest
 import zmq
 
 from flodl.core import VACANT
@@ -137,7 +138,8 @@ def _train_to_the_end(sock, me, rank, deadline_s=30.0):
     raise AssertionError(f"rank {rank} was not told to stop within {deadline_s} s: {[k for k in kinds if k != 'coord_heartbeat']}")
 
 
-def test_a_member_of_an_older_minor_is_told_why_and_stopped_and_the_run_is_not_ok(serve, tmp_path):
+@pytest.mark.parametrize("frame", ["heartbeat", "hello"])  # (a member says hello again after a restart)
+def test_a_member_of_an_older_minor_is_told_why_and_stopped_and_the_run_is_not_ok(serve, tmp_path, frame):
     # A coordinator restarted from its journal as a newer release keeps the members it
     # finds: their hellos were checked by the process before. Here rank 0 speaks an older
     # minor mid-run (a frame of the old release): it is told why and stopped, its samples
@@ -153,7 +155,10 @@ def test_a_member_of_an_older_minor_is_told_why_and_stopped_and_the_run_is_not_o
         pass  # the world formed: rank 0 is a member with work
     old = pb.Envelope(protocol_major=PROTOCOL_MAJOR, protocol_minor=MIN_RANK_MINOR - 1, session=SESSION, seq=10_000)
     old.sender.kind, old.sender.rank, old.sender.incarnation = pb.Sender.KIND_RANK, 0, 5
-    old.timing.CopyFrom(pb.Timing(rank=0, heartbeat=pb.Timing.Heartbeat(step_count=0)))
+    if frame == "hello":
+        old.hello.CopyFrom(_hello(0, 2, 8))
+    else:
+        old.timing.CopyFrom(pb.Timing(rank=0, heartbeat=pb.Timing.Heartbeat(step_count=0)))
     forger.send_multipart([b"", old.SerializeToString()])  # from a route that is not rank 0's: refuses nobody
     s0.send_multipart([b"", old.SerializeToString()])
     while True:
@@ -170,7 +175,9 @@ def test_a_member_of_an_older_minor_is_told_why_and_stopped_and_the_run_is_not_o
     summary = json.loads(out.read_text())
     assert summary["ok"] is False
     assert summary["reason"].startswith("rank(s) [0] refused mid-run: rank speaks protocol"), summary["reason"]
-    assert summary["dropped_frames"] == {"route_mismatch": 1, "version_mismatch": 1}  # the forgery, then rank 0's frame
+    # The forgery (a hello: refused as any old hello is), then rank 0's frame.
+    forged = {"version_mismatch": 2} if frame == "hello" else {"route_mismatch": 1, "version_mismatch": 1}
+    assert summary["dropped_frames"] == forged
     (cov,) = summary["coverage"]
     assert (cov["expected"], cov["missing"], cov["duplicates"]) == (8, 0, 0)  # rank 1 trained rank 0's half too
     by_rank = {r["rank"]: r for r in summary["ranks"]}
@@ -180,3 +187,31 @@ def test_a_member_of_an_older_minor_is_told_why_and_stopped_and_the_run_is_not_o
     alerts = {a["kind"]: a["message"] for a in status["alerts"]}
     assert alerts["run_failed"] == f"the run failed: {summary['reason']}", alerts
     assert alerts["rank_lost"].startswith("rank 0 lost: refused: rank speaks protocol"), alerts
+
+
+def test_an_evicted_squatter_hears_why_and_the_rank_that_took_its_slot_does_not(serve):
+    # One step evicts the squatter and admits the real rank 0 (its hello tipped the vote):
+    # the eviction's Shutdown is a LastWord and must go to the squatter's route, not to
+    # the route slot 0 has once the step is done (the real rank would exit).
+    svc, ep, ctx = serve(_settings(world_size=3))
+    squat, real0, r1 = (_dealer(ctx, ep) for _ in range(3))
+    me = {r: Endpoint(SESSION, pb.Sender.KIND_RANK, rank=r, incarnation=10 + r) for r in (0, 1)}
+    evil = Endpoint(SESSION, pb.Sender.KIND_RANK, rank=0, incarnation=99)
+    hello = _hello(0, 3)
+    hello.model_sig = b"\x01" * 32
+    squat.send_multipart(evil.frames("hello", hello))
+    assert _recv(squat).envelope.hello_ack.accepted
+    good = {r: _hello(r, 3) for r in (0, 1)}
+    for h in good.values():
+        h.model_sig = b"\x02" * 32
+    r1.send_multipart(me[1].frames("hello", good[1]))
+    assert _recv(r1).envelope.hello_ack.deferred  # 1 voter against 1 holder
+    real0.send_multipart(me[0].frames("hello", good[0]))
+    assert _recv(real0).envelope.hello_ack.accepted  # 2 voters: evicted, and admitted
+    d = _recv(squat)
+    assert d.kind == "control" and "evicted before the world formed" in d.envelope.control.shutdown.reason
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0:  # whatever reaches the real rank 0 now, it is no Shutdown
+        if real0.poll(50):
+            d = decode(split_routing(real0.recv_multipart())[1], session=SESSION)
+            assert not (d.kind == "control" and d.envelope.control.WhichOneof("cmd") == "shutdown"), d.envelope

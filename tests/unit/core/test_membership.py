@@ -7,6 +7,7 @@ import pytest
 from flodl.core import (
     CoreConfig,
     ForgetRank,
+    LastWord,
     HeartbeatSeen,
     LocalViolation,
     RankExiting,
@@ -523,3 +524,17 @@ def test_config_liveness_reason_uses_configured_timeout():
     c = Cluster(config=CoreConfig(policy="sync", world_size=1, liveness_timeout_s=2.5))
     c.join_all()
     assert ForgetRank(0, "heartbeat stale (>2.5s)") in c.feed(Tick(now=3.0))
+
+
+def test_an_evicted_squatter_is_told_why_on_its_own_route_though_its_slot_is_refilled_in_the_same_step():
+    # The real rank 0's hello tips the vote: the squatter is evicted and rank 0 admitted
+    # by one step. The shell resolves a Send's route after the step -- rank 0's is the real
+    # one's by then -- so the eviction's Shutdown is a LastWord, carrying the squatter's.
+    c = Cluster(policy="sync", world_size=3)
+    c.hello(0, model_sig=b"evil", route=(b"squatter",), incarnation=99)
+    assert _ack(c.hello(1)).deferred
+    cmds = c.hello(0)
+    (last,) = [x for x in cmds if isinstance(x, LastWord)]
+    assert last.rank == 0 and last.route == (b"squatter",)
+    assert "evicted before the world formed" in last.control.shutdown.reason
+    assert c.state.ranks[0].phase is JOINING and c.state.route_of(0) == c.ranks[0].route != last.route
