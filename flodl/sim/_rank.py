@@ -19,11 +19,14 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from flodl.core import (
+    BatchDone,
+    BatchesDone,
     CheckpointDone,
     EvalDone,
     RankExiting,
     RankExitReported,
     RankHello,
+    RankResynced,
     SyncAcked,
     timing_event,
 )
@@ -96,6 +99,7 @@ class SimRank:
         self.drops: dict[str, int] = {}
         # When a heartbeat is due: a timing frame sent by then is it (as flodl_worker.rank).
         self.next_beat = world.now + world.cfg.heartbeat_s
+        self.said_step = 0  # the last step this process reported (its round frames may not outrun it)
 
     # -- inbound (frames of the coordinator, in link order) -----------------------------
 
@@ -135,6 +139,12 @@ class SimRank:
     def _timing(self, cls, kw: dict) -> None:
         """A timing frame; once a heartbeat is due, this one is it (``heartbeat``)."""
         w = self.w
+        if cls is BatchDone:
+            self.said_step = max(self.said_step, kw["step_count"])
+        elif cls is BatchesDone and kw["batches"]:
+            self.said_step = max(self.said_step, kw["batches"][-1].step_count)
+        elif cls is RankResynced:
+            self.said_step = max(self.said_step, kw["local_step"])
         w.to_core(cls, kw)
         if self.m.admitted and w.now >= self.next_beat:
             self.next_beat = w.now + w.cfg.heartbeat_s
@@ -152,6 +162,9 @@ class SimRank:
                     self._timing(b_cls, b_kw)
                 w.to_core(cls, kw)
             elif t is TakeSnapshot:
+                if c.step_count > self.said_step:  # the reducer bounds its weight by the steps heard
+                    w.violations.append(f"rank {self.rank} (process {self.generation}) snapshots step {c.step_count} "
+                                        f"for cycle {c.cycle} having reported {self.said_step}")  # fmt: skip
                 w.reducer_contribute(self.rank, c.cycle, c.weight)
             elif t is ApplyConsensus:
                 self._timing(SyncAcked, dict(rank=self.rank, cycle=c.cycle, step_count=c.ack_step, divergence=0.0))

@@ -32,7 +32,8 @@ agent reports the exit after ``report_delay_s``); ``hang_at={rank: step}`` silen
 late (``inf``: never) -- after the world formed, it joins the running world -- and
 ``respawn_after_s`` starts a rank killed by ``fail_at`` again (a new process). A joiner
 is seeded with the simulated reducer's latest consensus; ``Result.violations`` lists any
-joiner that trained before its seed arrived. A run is reproducible from its seed;
+joiner that trained before its seed arrived, and any snapshot taken for a step the rank
+had not reported yet (a round frame that outran its batches: the reducer refuses it). A run is reproducible from its seed;
 ``Result.events`` is the exact event list, paste-able into a regression test.
 """
 
@@ -105,7 +106,7 @@ class Result:
     solo_samples_per_s: float = 0.0  # what the ranks could do alone, summed
     restarts: int = 0  # coordinator restarts that happened
     lost_frames: int = 0  # frames lost in flight to or from a dying coordinator
-    violations: list = field(default_factory=list)  # a joiner that trained before it held the seed
+    violations: list = field(default_factory=list)  # what the simulator saw go wrong (see the module doc)
     respawns: int = 0  # rank processes started again (respawn_after_s)
 
     @property
