@@ -575,18 +575,19 @@ class CoordinatorState:
 
     def send(self, out: list[Command], rank: int, **cmd: Any) -> None:
         """Append ``Send(rank, Control(command_id=next, **cmd))``."""
-        self._check_addressable(rank)
-        ctl = pb.Control(command_id=self.next_command_id, **cmd)
-        self.next_command_id += 1
-        out.append(Send(rank, ctl))
+        out.append(Send(rank, self._numbered(rank, cmd)))
         self.sent_since_beacon.add(rank)
 
     def send_last_word(self, out: list[Command], rank: int, **cmd: Any) -> None:
         """``send``, for a rank this step then forgets: a ``LastWord``, which carries its route."""
+        out.append(LastWord(rank, self._numbered(rank, cmd), self.ranks[rank].route))
+
+    def _numbered(self, rank: int, cmd: dict) -> pb.Control:
+        """``Control(command_id=next, **cmd)`` for an addressable ``rank``."""
         self._check_addressable(rank)
         ctl = pb.Control(command_id=self.next_command_id, **cmd)
         self.next_command_id += 1
-        out.append(LastWord(rank, ctl, self.ranks[rank].route))
+        return ctl
 
     def control(self, out: list[Command], rank: int) -> pb.Control:
         """Append ``Send(rank, Control(command_id=next))`` and return the Control, for the
