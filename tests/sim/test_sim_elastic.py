@@ -3,6 +3,8 @@ comes, ranks killed and restarted by their agent, coordinator restarts. Every ru
 finish ok with every epoch committed exactly once, and no joiner may train before its
 seed consensus arrived. A larger campaign: ``python bench/elastic.py --sim``."""
 
+import math
+
 import pytest
 
 from flodl.core import JoinerSeeded, replay
@@ -75,3 +77,21 @@ def test_sync_shares_a_slow_members_tail_with_the_joiner_and_a_faster_member_tha
     assert any(e.rank == 0 and e.offset in slow_part for e in batches)  # the fast member got some of it
     assert any(e.rank == 2 for e in batches)  # and so did the joiner
     assert r.summary["elastic"]["repartition"]["answered"] >= 1
+
+
+def test_an_elastic_world_of_many_empty_slots_averages_as_often_as_its_ranks_alone():
+    # 3 ranks (10, 20, 40 ms) in a world of 256 slots that never fill: the empty slots'
+    # counts once made the window cap bind (an epoch is 375 batches here) and cut the
+    # windows to [6, 3, 1] -- 73 rounds instead of 28, 2-3 points of efficiency at 1,024
+    # slots. Only the ranks that train count against the cap.
+    def run(slots):
+        ms = (10, 20, 40) + (10,) * (slots - 3)
+        over = dict(join_timeout_s=0.1, **({"min_ranks": 3} if slots > 3 else {}))
+        r = simulate(SimConfig(ms_per_batch=ms, total_samples=6000, batch_size=16, epochs=2, policy="cadence",
+                               hello_at={x: math.inf for x in range(3, slots)}, core_overrides=over))  # fmt: skip
+        assert r.finished.ok, r.finished.reason
+        return r
+
+    alone, elastic = run(3), run(256)
+    assert elastic.summary["averages"] == alone.summary["averages"]
+    assert elastic.summary["elche"]["counts"][:3] == alone.summary["elche"]["counts"] == [16, 8, 4]

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import compress
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Optional, Sequence
@@ -255,6 +256,10 @@ class ElChe:
         self.max_anchor = DEFAULT_MAX_ANCHOR
         self.max_total_batches: Optional[int] = None
         self.window_cap_binding = False
+        # The ranks that train (the dispatcher's, set with each window); None: all of them.
+        # Only theirs count against the window cap: an elastic world's empty slots and the
+        # dead keep a count, but take nothing from an epoch.
+        self.live: Optional[list[bool]] = None
         self.max_batch_diff = max_batch_diff
         self.phase = Phase.PROBE
         self.anchor_rank: Optional[int] = None
@@ -459,14 +464,18 @@ class ElChe:
         self.pending_callback_slack_ms = [0.0] * self.world_size
 
     def _apply_window_cap(self) -> None:
-        """Scale counts to fit ``max_total_batches``; the floor of 1 beats the cap."""
+        """Scale the live ranks' counts to fit ``max_total_batches``; the floor of 1 beats
+        the cap. (3 ranks in an elastic world of 256 slots: the 253 empty ones' counts made
+        the cap bind and cut the windows to [6, 3, 1] from [16, 8, 4], 2.6x the rounds.)"""
         self.window_cap_binding = False
         cap = self.max_total_batches
-        total = sum(self.batch_counts)
+        live = self.live if self.live is not None and not all(self.live) else None
+        counts_of = self.batch_counts if live is None else list(compress(self.batch_counts, live))
+        total = sum(counts_of)
         if cap is None or not total > cap > 0:
             return
         self.window_cap_binding = True
-        exact = np.array(self.batch_counts, dtype=np.float64) * (cap / total)
+        exact = np.array(counts_of, dtype=np.float64) * (cap / total)
         floor = np.floor(exact)
         counts = np.maximum(1.0, floor).astype(np.int64)
         left = cap - int(counts.sum())
@@ -476,9 +485,13 @@ class ElChe:
             # floor, so ``left`` < ws; all of it on one rank made that rank's window up to
             # ws batches longer than its pace: 358 instead of 29 at 1,024 ranks, and every
             # round then waited ~33 s for it. (lexsort: ascending by the last key first.)
-            order = np.lexsort((np.arange(self.world_size), counts, exact - floor))[::-1]
+            order = np.lexsort((np.arange(len(counts)), counts, exact - floor))[::-1]
             counts[order[:left]] += 1
-        self.batch_counts = counts.tolist()
+        if live is None:
+            self.batch_counts = counts.tolist()
+            return
+        scaled = iter(counts.tolist())
+        self.batch_counts = [next(scaled) if on else c for c, on in zip(self.batch_counts, live)]
 
     # --- growth, shrink and verdicts ----------------------------------------------
 

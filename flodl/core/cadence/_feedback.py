@@ -78,8 +78,9 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
     cad, rs = st.cadence, st.rounds
     el = cad.elche
     before = el.anchor
+    el.live = alive = [rec.phase is ACTIVE for rec in st.ranks]  # (the window cap counts these)
     report = cad.ledger.window_report(
-        alive=[rec.phase is ACTIVE for rec in st.ranks],
+        alive=alive,
         delivered_capable=delivered_capable(POLICY, st.config.plane),
         sync_ms=cad.last_sync_ms,
     )

@@ -187,6 +187,26 @@ def test_window_cap_spreads_its_rounding_remainder_over_many_ranks():
         assert math.floor(exact[r % 3]) <= c <= math.ceil(exact[r % 3]), (r, c)
 
 
+def test_window_cap_counts_only_the_live_ranks():
+    # 3 ranks in an elastic world of 256 slots, an epoch of 375 batches: the 253 empty
+    # slots' counts (the anchor each) made the cap bind and cut the live windows from
+    # [16, 8, 4] to [6, 3, 1] -- 2.6x the rounds. Only the live ranks count against it,
+    # and only theirs are scaled when it does bind.
+    ws = 256
+    el = ElChe(ws, 4, max_total_batches=375)
+    el.live = [r < 3 for r in range(ws)]
+    ms = [100.0, 200.0, 400.0] + [0.0] * (ws - 3)
+    el.report_timing(ms, [10, 10, 10] + [0] * (ws - 3), 0.0)
+    assert el.batch_counts[:3] == [16, 8, 4] and not el.window_cap_binding
+    el.set_max_total_batches(14)  # a cap the live ranks do exceed: theirs are scaled
+    el.report_timing(ms, [10, 10, 10] + [0] * (ws - 3), 0.0)
+    assert el.window_cap_binding and sum(el.batch_counts[:3]) == 14 and el.batch_counts[3:] == [4] * (ws - 3)
+    el.live = None  # every slot counts (a world with all its ranks): as before, the cap binds at 375
+    el.set_max_total_batches(375)
+    el.report_timing(ms, [10, 10, 10] + [0] * (ws - 3), 0.0)
+    assert el.window_cap_binding and sum(el.batch_counts) == 375
+
+
 def test_window_cap_floor_of_one_beats_the_cap():
     el = ElChe(3, 4, max_total_batches=2)
     el.report_timing([10.0, 10.0, 10.0], [1, 1, 1], 0.0)
