@@ -616,10 +616,8 @@ class CoordinatorService:
             if env.protocol_minor < MIN_RANK_MINOR:  # (the major was checked by decode)
                 why = _too_old(env)
                 self._send_frames(self.endpoint.frames("hello_ack", pb.HelloAck(accepted=False, reason=why), route=route))
-                rank = env.hello.rank
-                if tuple(self.state.route_of(rank) or ()) == route:  # a member's hello again (after a restart)
-                    log.error("rank %d refused: %s", rank, why)
-                    self._feed(RankRefused(now=now, rank=rank, reason=why))
+                if tuple(self.state.route_of(env.hello.rank) or ()) == route:  # a member's hello again (after a restart)
+                    self._refuse_member(now, env.hello.rank, why)
                 raise VersionMismatch(why)
             why = hello_oversized(env.hello)
             if why:  # never journaled: refused with the reason, then dropped and counted
@@ -671,10 +669,12 @@ class CoordinatorService:
         why = _too_old(env)
         # Its route must own it (a forged frame cannot get a real rank refused); once the
         # core has forgotten it, its next frames are refused there (route_mismatch).
-        rank = self._owned_rank(route, env, kind)
+        self._refuse_member(now, self._owned_rank(route, env, kind), why)
+        return VersionMismatch(why)
+
+    def _refuse_member(self, now: float, rank: int, why: str) -> None:
         log.error("rank %d refused: %s", rank, why)
         self._feed(RankRefused(now=now, rank=rank, reason=why))  # (the core tells it: a LastWord)
-        return VersionMismatch(why)
 
     def _owned_rank(self, route: tuple, env, kind: str, body_rank: int | None = None) -> int:
         """The rank a timing/metrics/round frame speaks for, if its route owns it (else

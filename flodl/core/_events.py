@@ -233,7 +233,7 @@ class SendFailed(Event):
 class RankRefused(Event):
     """The shell refuses a member's frames from now on (``reason`` says why and how to fix
     it): a coordinator restarted as a newer release finds a rank too old to follow it. The
-    shell tells the rank to stop; the core loses it and hands its work to the others."""
+    core tells the rank why (a ``LastWord``) and loses it, handing its work to the others."""
 
     rank: int
     reason: str

@@ -553,6 +553,10 @@ class CoordinatorState:
     def alive_count(self) -> int:
         return self.index.alive_count()
 
+    def alive_mask(self) -> list[bool]:
+        """Per slot: is the rank ACTIVE (a window's report and ElChe's cap read this)."""
+        return [rec.phase is ACTIVE for rec in self.ranks]
+
     def addressable_ranks(self) -> list[int]:
         return self.index.addressable()
 

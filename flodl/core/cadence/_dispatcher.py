@@ -352,7 +352,7 @@ def _pin(st: CoordinatorState, epoch: int) -> None:
         epoch=epoch,
         remaining_batches=_batches(pool.remaining(), st.config.batch_size),
         counts=cad.elche.batch_counts,
-        alive=[rec.phase is ACTIVE for rec in st.ranks],
+        alive=st.alive_mask(),
         barrier_paced=ends_at_a_barrier(st, epoch),
     )
     if plan is not None:

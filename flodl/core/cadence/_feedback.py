@@ -43,7 +43,6 @@ from typing import Any, Optional
 
 from .._commands import Command, Notice
 from ._guards import DivergenceReport, NudgeDown, Verdict
-from .._phases import ACTIVE
 from .._state import CadenceState, CoordinatorState
 from ._window import WindowReport, delivered_capable
 
@@ -78,7 +77,7 @@ def finish_window(st: CoordinatorState, epoch: Optional[int], out: list[Command]
     cad, rs = st.cadence, st.rounds
     el = cad.elche
     before = el.anchor
-    el.live = alive = [rec.phase is ACTIVE for rec in st.ranks]  # (the window cap counts these)
+    el.live = alive = st.alive_mask()  # (the window cap counts these)
     report = cad.ledger.window_report(
         alive=alive,
         delivered_capable=delivered_capable(POLICY, st.config.plane),

@@ -110,7 +110,7 @@ def stage(st: CoordinatorState, epoch: int, out: list[Command]) -> bool:
         return False
     before = list(el.batch_counts)
     el.apply_callback_slack(slack)
-    el.live = [rec.phase is ACTIVE for rec in st.ranks]  # (the window cap counts these)
+    el.live = st.alive_mask()  # (the window cap counts these)
     el.recompute_batch_counts(slow)
     out.append(
         Notice(
